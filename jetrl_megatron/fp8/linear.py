@@ -1,0 +1,121 @@
+"""The FP8 linear layer: FProp, DGrad and WGrad all in E4M3, BF16 in and out.
+
+`fp8_linear_forward` is the whole forward math and is shared verbatim by the trainer (inside the autograd Function)
+and by the vLLM `jetrl_fp8` plugin, so the rollout forward is literally a sub-graph of the training forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jetrl_megatron.fp8 import ops
+from jetrl_megatron.fp8.gemm import fp8_gemm_dgrad, fp8_gemm_fprop, fp8_gemm_wgrad
+from jetrl_megatron.fp8.quant import dequantize_1x128, dequantize_128x128, quantize_1x128, quantize_128x128
+from jetrl_megatron.recipe import Fp8Recipe
+
+
+def _flatten(x: torch.Tensor, weight_in: int, name: str = "x") -> torch.Tensor:
+    if x.shape[-1] != weight_in:
+        raise ValueError(f"fp8_linear: {name} has last dim {x.shape[-1]} but the weight expects {weight_in} inputs")
+    return x.reshape(-1, x.shape[-1])
+
+
+def _fprop(x2d: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
+           recipe: Fp8Recipe | None, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    xq, xs = ops.quant_act(x2d, recipe)
+    y = fp8_gemm_fprop(xq, xs, wq, ws, bias=bias, out_dtype=out_dtype, recipe=recipe)
+    return y, xq, xs
+
+
+def fp8_linear_forward(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None = None,
+                       recipe: Fp8Recipe | None = None) -> torch.Tensor:
+    """y = x W^T with x quantized 1x128 and W given as its FP8 128x128 copy (no autograd)."""
+    y, _, _ = _fprop(_flatten(x, wq.shape[1]), wq, ws, bias, recipe, x.dtype)
+    return y.reshape(*x.shape[:-1], wq.shape[0])
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, wq, ws, recipe):
+        x2d = _flatten(x, wq.shape[1])
+        y, xq, xs = _fprop(x2d, wq, ws, bias, recipe, x.dtype)
+        # Saved for backward: the FP8 activation and its scales (~0.52x the BF16 input), plus the cached FP8 weight.
+        ctx.save_for_backward(xq, xs, wq, ws)
+        ctx.recipe, ctx.x_shape, ctx.x_dtype = recipe, x.shape, x.dtype
+        ctx.weight_dtype, ctx.has_bias = weight.dtype, bias is not None
+        return y.reshape(*x.shape[:-1], wq.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, xs, wq, ws = ctx.saved_tensors
+        recipe = ctx.recipe
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        gq, gs, gtq, gts = ops.quant_dual(dy2d, recipe)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = fp8_gemm_dgrad(gq, gs, wq, ws, out_dtype=ctx.x_dtype, recipe=recipe).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            xtq, xts = ops.regroup_for_wgrad(xq, xs, recipe)
+            dw = fp8_gemm_wgrad(gtq, gts, xtq, xts, out_dtype=ctx.weight_dtype, recipe=recipe)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2d.float().sum(0).to(ctx.weight_dtype)
+        return dx, dw, db, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               recipe: Fp8Recipe | None = None, *,
+               weight_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Autograd FP8 linear. `weight` is the BF16 master (it receives dW); `weight_fp8` its per-step FP8 copy.
+
+    Without `weight_fp8` the weight is quantized on the fly (tests, one-off use); the trainer passes the cache's copy so
+    that DGrad and the rollout use the very same bytes.
+    """
+    if weight_fp8 is None:
+        weight_fp8 = ops.quant_weight(weight.detach(), recipe)
+    wq, ws = weight_fp8
+    if tuple(wq.shape) != tuple(weight.shape):
+        raise ValueError(f"fp8_linear: FP8 weight shape {tuple(wq.shape)} != master weight shape {tuple(weight.shape)}")
+    return _Fp8LinearFunction.apply(x, weight, bias, wq, ws, recipe)
+
+
+# ------------------------------------------------------------------------------------------------ fake-quant ablation
+def _fake_1x128(t: torch.Tensor, recipe: Fp8Recipe | None) -> torch.Tensor:
+    q, s = quantize_1x128(t, recipe)
+    return dequantize_1x128(q, s, t.dtype)
+
+
+def _fake_tokens(t2d: torch.Tensor, recipe: Fp8Recipe | None) -> torch.Tensor:
+    """Quantize-dequantize with 128 groups along tokens (WGrad operands), returned as the (features, Mp) transpose."""
+    q, s = quantize_1x128(ops._pad_rows(t2d, ops.padded_tokens(t2d.shape[0])).t(), recipe)
+    return dequantize_1x128(q, s, t2d.dtype)
+
+
+class _FakeQuantLinearFunction(torch.autograd.Function):
+    """BF16 GEMMs on quantize-dequantized operands, with the same grouping as the FP8 flow for all three GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe):
+        x2d = _flatten(x, weight.shape[1])
+        wq, ws = quantize_128x128(weight.detach(), recipe)
+        w_fq = dequantize_128x128(wq, ws, x.dtype)
+        x_fq = _fake_1x128(x2d, recipe)
+        y = torch.nn.functional.linear(x_fq, w_fq, bias)
+        ctx.save_for_backward(x_fq, w_fq)
+        ctx.recipe, ctx.x_shape, ctx.has_bias = recipe, x.shape, bias is not None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_fq, w_fq = ctx.saved_tensors
+        recipe = ctx.recipe
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        dx = (_fake_1x128(dy2d, recipe) @ w_fq).reshape(ctx.x_shape)
+        dw = _fake_tokens(dy2d, recipe) @ _fake_tokens(x_fq, recipe).t()
+        db = dy2d.float().sum(0).to(dy.dtype) if ctx.has_bias else None
+        return dx, dw.to(w_fq.dtype), db, None
+
+
+def fake_quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      recipe: Fp8Recipe | None = None) -> torch.Tensor:
+    """Ablation arm: the FP8 grouping and rounding, but BF16 GEMMs (no FP8 tensor-core math)."""
+    return _FakeQuantLinearFunction.apply(x, weight, bias, recipe)

@@ -1,0 +1,89 @@
+"""Per-step FP8 weight cache: master weights are quantized once per optimizer step, then reused by every forward,
+every DGrad and every refit of that step — the bytes vLLM serves are the bytes the trainer computed with.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from jetrl_megatron.fp8 import ops
+from jetrl_megatron.recipe import Fp8Recipe
+
+
+class StaleFp8WeightError(RuntimeError):
+    """The FP8 copy is older than its master weight (or missing): refresh after optimizer.step()."""
+
+
+class NonFiniteWeightError(ValueError):
+    """A master weight holds NaN/Inf; it is never written into the cache."""
+
+
+@dataclass
+class _Entry:
+    name: str
+    param: weakref.ref
+    q: torch.Tensor
+    s: torch.Tensor
+    version: int
+    generation: int
+
+
+class Fp8WeightCache:
+    """Maps master parameters to their FP8 (q, weight_scale_inv) copies for the current optimizer step.
+
+    Staleness is detected with the parameter's version counter (bumped by in-place updates such as `param.add_`).
+    Updates through `param.data` do not bump it, so optimizers that write `param.data` must call `refresh` (or
+    `invalidate`) after stepping — the Megatron optimizer hook does exactly that.
+    """
+
+    def __init__(self, recipe: Fp8Recipe | None = None) -> None:
+        self.recipe = recipe or Fp8Recipe()
+        self.generation = 0
+        self._entries: dict[int, _Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def refresh(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Quantize every given master weight. All-or-nothing: a non-finite weight aborts before any entry changes."""
+        items = list(named_params)
+        for name, p in items:
+            if not bool(torch.isfinite(p.detach()).all()):
+                raise NonFiniteWeightError(
+                    f"master weight {name!r} (shape {tuple(p.shape)}) contains NaN/Inf; the FP8 cache was not updated"
+                )
+        generation = self.generation + 1
+        fresh = {}
+        with torch.no_grad():
+            for name, p in items:
+                q, s = ops.quant_weight(p.detach(), self.recipe)
+                fresh[id(p)] = _Entry(name, weakref.ref(p), q, s, p._version, generation)
+        self._entries.update(fresh)
+        self.generation = generation
+
+    def invalidate(self) -> None:
+        """Mark every entry stale (e.g. after an out-of-band weight load through `param.data`)."""
+        for entry in self._entries.values():
+            entry.version = -1
+
+    def get(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        entry = self._entries.get(id(param))
+        if entry is None or entry.param() is not param:
+            raise StaleFp8WeightError(
+                f"no FP8 copy for parameter of shape {tuple(param.shape)}; call Fp8WeightCache.refresh() after "
+                "optimizer.step()"
+            )
+        if entry.version != param._version:
+            raise StaleFp8WeightError(
+                f"FP8 copy of {entry.name!r} is stale: the master weight changed after refresh #{entry.generation}; "
+                "call refresh() after optimizer.step()"
+            )
+        return entry.q, entry.s
+
+    def named_fp8(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """name -> (q, weight_scale_inv) of the live entries (what the resharder ships to vLLM)."""
+        return {e.name: (e.q, e.s) for e in self._entries.values() if e.param() is not None}
