@@ -1,0 +1,148 @@
+"""GRPO math and mismatch metrics on hand-computed cases (values worked out on paper in the comments)."""
+
+import math
+
+import pytest
+import torch
+
+from jetrl_megatron.rl.grpo import clipped_pg_loss, group_advantages, importance_weights, kl_penalty, sft_loss
+from jetrl_megatron.rl.metrics import mismatch_metrics, position_bins
+
+L = math.log
+
+
+def test_group_advantages_mean_std():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    a = group_advantages(r, 4, normalize=True)
+    s = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
+    exp = [0.5 / (s + 1e-6), -0.5 / (s + 1e-6), -0.5 / (s + 1e-6), 0.5 / (s + 1e-6), 0, 0, 0, 0]
+    torch.testing.assert_close(a, torch.tensor(exp), rtol=0, atol=1e-6)
+    torch.testing.assert_close(group_advantages(r, 4, normalize=False), torch.tensor([.5, -.5, -.5, .5, 0, 0, 0, 0]))
+
+
+def test_group_advantages_leave_one_out():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    # baseline_i = mean of the other three: [1/3, 2/3, 2/3, 1/3]
+    torch.testing.assert_close(group_advantages(r, 4, normalize=False, leave_one_out=True),
+                               torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+    s = math.sqrt(1 / 3)
+    torch.testing.assert_close(group_advantages(r, 4, normalize=True, leave_one_out=True),
+                               torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]) / (s + 1e-6), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="group_size"):
+        group_advantages(torch.ones(6), 4)
+
+
+def test_clipped_pg_loss_hand_case():
+    # seq0: ratio 1.5, A=+1 -> clipped to 1.2 -> L=-1.2 ; ratio 1.5, A=-1 -> min(-1.5,-1.2) -> L=1.5
+    # seq1: ratio 0.5, A=-1 -> min(-0.5,-0.8) -> L=0.8 (clipped) ; padding
+    old = torch.full((2, 2), L(0.5))
+    new = torch.tensor([[L(0.75), L(0.75)], [L(0.25), L(0.9)]], requires_grad=True)
+    adv = torch.tensor([[1.0, -1.0], [-1.0, 5.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    out = clipped_pg_loss(new, old, adv, mask)
+    assert out.loss.item() == pytest.approx((-1.2 + 1.5 + 0.8) / 3, abs=1e-6)
+    assert out.clip_frac.item() == pytest.approx(2 / 3)
+    assert out.ratio_mean.item() == pytest.approx((1.5 + 1.5 + 0.5) / 3, abs=1e-6)
+    out.loss.backward()
+    # dL/dlogp = -ratio * A / 3 where unclipped, 0 where clipped or masked
+    torch.testing.assert_close(new.grad, torch.tensor([[0.0, 1.5 / 3], [0.0, 0.0]]), rtol=0, atol=1e-6)
+    seq = clipped_pg_loss(new, old, adv, mask, token_level=False)
+    assert seq.loss.item() == pytest.approx(((-1.2 + 1.5) / 2 + 0.8) / 2, abs=1e-6)
+    glob = clipped_pg_loss(new, old, adv, mask, normalizer=10.0)
+    assert glob.loss.item() == pytest.approx((-1.2 + 1.5 + 0.8) / 10, abs=1e-6)
+
+
+def test_dual_clip_and_unclipped_positive():
+    old = torch.full((1, 2), L(0.1))
+    new = torch.tensor([[L(0.5), L(0.05)]])  # ratios 5 and 0.5
+    adv = torch.tensor([[-1.0, 1.0]])
+    m = torch.ones(1, 2)
+    plain = clipped_pg_loss(new, old, adv, m)  # [5, -0.5]
+    assert plain.loss.item() == pytest.approx((5 - 0.5) / 2, abs=1e-6)
+    dual = clipped_pg_loss(new, old, adv, m, clip_c=3.0)  # [3, -0.5]
+    assert dual.loss.item() == pytest.approx((3 - 0.5) / 2, abs=1e-6)
+
+
+def test_kl_estimators():
+    lp, ref = torch.tensor([L(0.5)]), torch.tensor([L(0.25)])
+    assert kl_penalty(lp, ref, "k1").item() == pytest.approx(L(2))
+    assert kl_penalty(lp, ref, "k2").item() == pytest.approx(0.5 * L(2) ** 2)
+    assert kl_penalty(lp, ref, "k3").item() == pytest.approx(0.5 + L(2) - 1)
+    assert kl_penalty(lp, lp, "k3").item() == 0.0
+    with pytest.raises(ValueError):
+        kl_penalty(lp, ref, "k4")
+    # KL term enters the loss: zero advantages, coefficient 0.1 -> loss = 0.1 * k3
+    out = clipped_pg_loss(lp.view(1, 1), lp.view(1, 1), torch.zeros(1), torch.ones(1, 1), logp_ref=ref.view(1, 1),
+                          kl_coef=0.1)
+    assert out.loss.item() == pytest.approx(0.1 * (0.5 + L(2) - 1), abs=1e-6)
+
+
+def test_importance_weights_tis_icepop_seqmask():
+    old = torch.tensor([[L(0.3), L(0.1), L(0.3)], [L(0.3), L(0.3), L(0.3)]])
+    gen = torch.tensor([[L(0.1), L(0.3), L(0.2)], [L(0.1), L(0.2), L(0.2)]])
+    # rho = [[3, 1/3, 1.5], [3, 1.5, (masked)]]
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    w, k = importance_weights(old, gen, mask, kind=None)
+    torch.testing.assert_close(w, torch.tensor([[3, 1 / 3, 1.5], [3, 1.5, 0]]), rtol=1e-5, atol=1e-6)
+    w, k = importance_weights(old, gen, mask, kind="tis", ratio_max=2.0)
+    torch.testing.assert_close(w, torch.tensor([[2, 1 / 3, 1.5], [2, 1.5, 0]]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(k, mask)
+    w, k = importance_weights(old, gen, mask, kind="icepop", ratio_max=2.0)  # keep 0.5 <= rho <= 2
+    torch.testing.assert_close(k, torch.tensor([[0.0, 0, 1], [0, 1, 0]]))
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0, 1.5], [0, 1.5, 0]]), rtol=1e-5, atol=1e-6)
+    # seq0 geometric mean (3 * 1/3 * 1.5)^(1/3) = 1.145 -> kept; seq1 sqrt(3 * 1.5) = 2.12 > 2 -> masked
+    w, k = importance_weights(old, gen, mask, kind="seq-mask-tis", ratio_max=2.0)
+    torch.testing.assert_close(k, torch.tensor([[1.0, 1, 1], [0, 0, 0]]))
+    torch.testing.assert_close(w, torch.tensor([[2, 1 / 3, 1.5], [0, 0, 0]]), rtol=1e-5, atol=1e-6)
+
+
+def test_is_weights_scale_loss():
+    lp = torch.tensor([[L(0.5)]], requires_grad=True)
+    out = clipped_pg_loss(lp, lp.detach(), torch.tensor([2.0]), torch.ones(1, 1), is_weights=torch.tensor([[0.5]]))
+    assert out.loss.item() == pytest.approx(-1.0)  # -(ratio 1 * A 2) * w 0.5
+
+
+def test_sft_loss():
+    lp = torch.tensor([[L(0.5), L(0.25)], [L(0.1), 0.0]])
+    assert sft_loss(lp, torch.tensor([[1, 1], [1, 0]])).item() == pytest.approx(-(L(.5) + L(.25) + L(.1)) / 3)
+
+
+def test_mismatch_metrics_hand_case():
+    # token A at position 0: train 0.3, rollout 0.2 -> delta = ln 1.5, rho 1.5 (inside [1/2, 2])
+    # token B at position 2: train 0.1, rollout 0.4 -> delta = ln 1/4, rho 0.25 (outside)
+    # a masked token with a wild value must not count
+    lt = torch.tensor([[L(0.3), L(1e-9), L(0.1)]])
+    lr = torch.tensor([[L(0.2), L(0.9), L(0.4)]])
+    mask = torch.tensor([[1, 0, 1]])
+    m = mismatch_metrics(lt, lr, mask, bins=[(0, 2), (2, 4)])
+    k3a, k3b = 1.5 - L(1.5) - 1, 0.25 + L(4) - 1
+    assert m["mismatch/k3_kl"] == pytest.approx((k3a + k3b) / 2)
+    assert m["mismatch/kl"] == pytest.approx((-L(1.5) + L(4)) / 2)
+    assert m["mismatch/token_mult_prob_error"] == pytest.approx((1.5 + 4) / 2)
+    assert m["mismatch/abs_dp_mean"] == pytest.approx((0.1 + 0.3) / 2)
+    assert m["mismatch/abs_dp_max"] == pytest.approx(0.3)
+    assert m["mismatch/is_oob_frac"] == pytest.approx(0.5)
+    assert m["mismatch/chi2_token"] == pytest.approx((2.25 + 1 / 16) / 2 - 1)
+    assert m["mismatch/max_abs_logp_diff"] == pytest.approx(L(4))
+    assert m["mismatch/k3_kl/pos_0_2"] == pytest.approx(k3a)
+    assert m["mismatch/k3_kl/pos_2_4"] == pytest.approx(k3b)
+    assert m["mismatch/is_oob_frac/pos_0_2"] == 0.0
+    exact = mismatch_metrics(lt, lt, mask)
+    assert exact["mismatch/k3_kl"] == 0 and exact["mismatch/token_mult_prob_error"] == 1.0
+
+
+def test_mismatch_metrics_random_vs_loop():
+    g = torch.Generator().manual_seed(0)
+    lt = -torch.rand(4, 9, generator=g) * 3
+    lr = lt + torch.randn(4, 9, generator=g) * 0.1
+    mask = (torch.rand(4, 9, generator=g) > 0.3).int()
+    m = mismatch_metrics(lt, lr, mask)
+    ds = [(float(lt[i, j]) - float(lr[i, j])) for i in range(4) for j in range(9) if mask[i, j]]
+    assert m["mismatch/k3_kl"] == pytest.approx(sum(math.exp(d) - d - 1 for d in ds) / len(ds), rel=1e-9)
+    assert m["mismatch/token_mult_prob_error"] == pytest.approx(sum(math.exp(abs(d)) for d in ds) / len(ds))
+    assert m["mismatch/k3_kl"] > 0
+
+
+def test_position_bins():
+    assert position_bins(16, 4) == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    assert position_bins(3, 4) == [(0, 1), (1, 2), (2, 3)]
