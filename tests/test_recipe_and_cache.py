@@ -1,0 +1,101 @@
+"""Fp8Recipe validation/round trip and the per-step FP8 weight cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jetrl_megatron.fp8.quant import quantize_128x128
+from jetrl_megatron.fp8.weights import Fp8WeightCache, NonFiniteWeightError, StaleFp8WeightError
+from jetrl_megatron.recipe import Fp8Recipe, RecipeError
+
+
+def test_round_trip_and_defaults():
+    r = Fp8Recipe()
+    assert (r.mode, r.scale_fmt, r.amax_eps, r.weight_block, r.group_size) == ("jetrl", "fp32", 1e-10, (128, 128), 128)
+    custom = Fp8Recipe.from_dict({"mode": "bf16_train_fp8_rollout", "scale_fmt": "pow2", "bf16_first_layers": 1,
+                                  "bf16_last_layers": 2, "bf16_module_keywords": ["down_proj"],
+                                  "gemm_backend": "cublas",
+                                  "weight_block": [128, 128]})
+    assert Fp8Recipe.from_dict(custom.to_dict()) == custom
+    assert custom.bf16_module_keywords == ("down_proj",)
+
+
+@pytest.mark.parametrize("bad, key", [
+    ({"modee": "jetrl"}, "modee"),
+    ({"mode": "fp4"}, "jet_rl.mode"),
+    ({"scale_fmt": "ue8m0x"}, "jet_rl.scale_fmt"),
+    ({"weight_block": [64, 64]}, "jet_rl.weight_block"),
+    ({"bf16_first_layers": -1}, "jet_rl.bf16_first_layers"),
+    ({"bf16_last_layers": True}, "jet_rl.bf16_last_layers"),
+    ({"gemm_backend": "cutlass"}, "jet_rl.gemm_backend"),
+    ({"amax_eps": 0.5}, "jet_rl.amax_eps"),
+    ({"fmt": "e5m2"}, "jet_rl.fmt"),
+])
+def test_bad_values_name_the_key(bad, key):
+    with pytest.raises(RecipeError, match=key):
+        Fp8Recipe.from_dict(bad)
+
+
+def test_exclusions_and_module_names():
+    r = Fp8Recipe(bf16_first_layers=1, bf16_last_layers=1, bf16_module_keywords=("gate_up",))
+    assert [r.layer_is_fp8(i, 4) for i in range(4)] == [False, True, True, False]
+    assert r.module_is_fp8("model.layers.1.self_attn.qkv_proj", None, 4)
+    assert r.module_is_fp8("decoder.layers.2.mlp.linear_fc2.weight", None, 4)
+    assert not r.module_is_fp8("model.layers.0.self_attn.q_proj.weight", None, 4)  # first layer BF16
+    assert not r.module_is_fp8("model.layers.1.mlp.gate_up_proj", None, 4)  # keyword
+    assert not r.module_is_fp8("lm_head", None, 4)
+    assert not r.module_is_fp8("model.layers.1.input_layernorm.weight", None, 4)
+    assert not r.module_is_fp8("model.embed_tokens.weight", None, 4)
+
+
+def test_hf_quantization_config():
+    cfg = Fp8Recipe(bf16_last_layers=1).hf_quantization_config(num_layers=3)
+    assert cfg["quant_method"] == "fp8" and cfg["fmt"] == "e4m3" and cfg["activation_scheme"] == "dynamic"
+    assert cfg["weight_block_size"] == [128, 128]
+    assert "lm_head" in cfg["ignored_layers"] and "model.layers.2.mlp.down_proj" in cfg["ignored_layers"]
+    assert not any(name.startswith("model.layers.1.") for name in cfg["ignored_layers"])
+
+
+def _params():
+    g = torch.Generator().manual_seed(0)
+    return {name: torch.nn.Parameter(torch.randn(256, 128, generator=g).to(torch.bfloat16)) for name in ("a", "b")}
+
+
+def test_cache_refresh_get_and_staleness():
+    params = _params()
+    cache = Fp8WeightCache()
+    cache.refresh(params.items())
+    assert cache.generation == 1 and len(cache) == 2
+    q, s = cache.get(params["a"])
+    q_ref, s_ref = quantize_128x128(params["a"].detach())
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    with torch.no_grad():
+        params["a"].add_(1.0)  # an optimizer-style in-place update
+    with pytest.raises(StaleFp8WeightError, match="'a' is stale"):
+        cache.get(params["a"])
+    cache.get(params["b"])  # untouched parameter still fresh
+    cache.refresh(params.items())
+    q2, _ = cache.get(params["a"])
+    assert not torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+    assert cache.generation == 2
+    cache.invalidate()
+    with pytest.raises(StaleFp8WeightError):
+        cache.get(params["b"])
+    with pytest.raises(StaleFp8WeightError, match="no FP8 copy"):
+        cache.get(torch.nn.Parameter(torch.zeros(128, 128)))
+
+
+def test_cache_refuses_non_finite_and_stays_untouched():
+    params = _params()
+    cache = Fp8WeightCache()
+    cache.refresh(params.items())
+    before = {k: (q.clone(), s.clone()) for k, (q, s) in cache.named_fp8().items()}
+    with torch.no_grad():
+        params["b"][3, 4] = float("nan")
+    with pytest.raises(NonFiniteWeightError, match="'b'"):
+        cache.refresh(params.items())
+    assert cache.generation == 1
+    for k, (q, s) in cache.named_fp8().items():
+        assert torch.equal(q.view(torch.uint8), before[k][0].view(torch.uint8)) and torch.equal(s, before[k][1])
+        assert bool(torch.isfinite(s).all())
