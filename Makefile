@@ -26,7 +26,7 @@ test-gpu: setup
 	$(VPY) -m pytest -q -m gpu tests
 
 lint: setup
-	$(VENV)/bin/ruff check jetrl_megatron tests bench
+	$(VENV)/bin/ruff check .
 
 run: setup
 	$(VENV)/bin/jetrl run --recipe $(RECIPE) $(OVERRIDES)
