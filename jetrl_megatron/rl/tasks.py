@@ -1,0 +1,233 @@
+"""Prompt sources: a synthetic task a tiny model learns on CPU, and math problems from a local JSONL file.
+
+Why a synthetic task: the embedded default must show reward rising within minutes on two CPU cores, with a model of
+vocabulary 128. Multi-digit addition (or sorting) written one character per token fits that: the reward is exact and
+cheap, a short supervised warm-start on the reference answers makes the first rewards non-zero, and GRPO then has
+signal to work with.
+
+Every source is a deterministic stream: ``PromptStream`` walks a seeded permutation of the prompt pool and its
+position (epoch, index) is saved in checkpoints, so a resumed run sees exactly the prompts it would have seen.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from jetrl_megatron.rl.rewards import addition_reward, math_reward, sort_reward
+
+
+class CharTokenizer:
+    """One token per ASCII character (ids 0..127 = code points); '\\n' is the end-of-sequence token."""
+
+    vocab_size = 128
+    eos_token_id = 10  # "\n"
+    pad_token_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        ids = [ord(c) for c in text]
+        bad = [c for c, i in zip(text, ids, strict=True) if i >= self.vocab_size or i == self.pad_token_id]
+        if bad:
+            raise ValueError(f"CharTokenizer: characters outside ASCII 1..127: {bad[:5]!r}")
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        out = []
+        for i in ids:
+            if i == self.eos_token_id:
+                break
+            out.append(chr(i) if 0 < i < self.vocab_size else "\ufffd")
+        return "".join(out)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One problem: its text, token ids, and the reference answer the reward compares against."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    answer: str
+
+
+class Task(Protocol):
+    name: str
+    tokenizer: Any
+
+    def __len__(self) -> int: ...
+    def prompt(self, index: int) -> Prompt: ...
+    def reward(self, prompt: Prompt, response: str) -> tuple[float, bool]: ...
+
+
+class AdditionTask:
+    """``"37+48="`` -> ``"85\\n"``: two operands of ``num_digits`` digits each, answer then end-of-sequence."""
+
+    name = "synthetic_addition"
+
+    def __init__(self, num_digits: int = 2, num_prompts: int = 4096, seed: int = 0):
+        self.tokenizer = CharTokenizer()
+        self.num_digits = num_digits
+        hi = 10**num_digits
+        rng = random.Random(seed)
+        total = hi * hi
+        picks = rng.sample(range(total), min(num_prompts, total))
+        self._pairs = [(p // hi, p % hi) for p in picks]
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def prompt(self, index: int) -> Prompt:
+        a, b = self._pairs[index]
+        text = f"{a}+{b}="
+        return Prompt(text, tuple(self.tokenizer.encode(text)), str(a + b))
+
+    def reward(self, prompt: Prompt, response: str) -> tuple[float, bool]:
+        return addition_reward(response, prompt.answer)
+
+    def sft_target(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt.answer) + [self.tokenizer.eos_token_id]
+
+    @property
+    def max_response_tokens(self) -> int:
+        return self.num_digits + 2  # sum digits (+1 carry) and EOS
+
+
+class SortTask:
+    """``"sort 3142="`` -> ``"1234\\n"``: sort ``num_items`` digits ascending."""
+
+    name = "synthetic_sort"
+
+    def __init__(self, num_items: int = 5, num_prompts: int = 4096, seed: int = 0):
+        self.tokenizer = CharTokenizer()
+        self.num_items = num_items
+        rng = random.Random(seed)
+        self._items = ["".join(rng.choice("0123456789") for _ in range(num_items)) for _ in range(num_prompts)]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def prompt(self, index: int) -> Prompt:
+        s = self._items[index]
+        text = f"sort {s}="
+        return Prompt(text, tuple(self.tokenizer.encode(text)), "".join(sorted(s)))
+
+    def reward(self, prompt: Prompt, response: str) -> tuple[float, bool]:
+        return sort_reward(response, prompt.answer)
+
+    def sft_target(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt.answer) + [self.tokenizer.eos_token_id]
+
+    @property
+    def max_response_tokens(self) -> int:
+        return self.num_items + 1
+
+
+DEFAULT_MATH_TEMPLATE = "{}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+
+
+def _gold_answer(row: dict[str, Any]) -> str:
+    ans = str(row.get("answer", row.get("solution", row.get("expected_answer", ""))))
+    if "####" in ans:  # GSM8K: the final answer follows "####"
+        ans = ans.rsplit("####", 1)[1]
+    return ans.strip()
+
+
+class MathTask:
+    """GSM8K / MATH-style problems from a local JSONL file (``problem`` or ``question``; ``answer`` or
+    ``solution``), read with ``datasets``; rewards from ``math-verify``."""
+
+    name = "math_jsonl"
+
+    def __init__(self, path: str | Path, tokenizer: Any, prompt_template: str | None = None,
+                 max_input_tokens: int | None = None):
+        import datasets
+
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"data.data_path {path} does not exist (a GSM8K/MATH-style JSONL file)")
+        ds = datasets.load_dataset("json", data_files=str(path), split="train")
+        self.tokenizer = tokenizer
+        self.template = prompt_template or DEFAULT_MATH_TEMPLATE
+        self._rows: list[tuple[str, str]] = []
+        for i, row in enumerate(ds):
+            problem = row.get("problem") or row.get("question")
+            if not problem:
+                raise ValueError(f"{path}: row {i} has neither 'problem' nor 'question'")
+            gold = _gold_answer(row)
+            if not gold:
+                raise ValueError(f"{path}: row {i} has no answer ('answer', 'solution' or 'expected_answer')")
+            self._rows.append((str(problem), gold))
+        self.max_input_tokens = max_input_tokens
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def prompt(self, index: int) -> Prompt:
+        problem, gold = self._rows[index]
+        text = self.template.format(problem)
+        ids = self.tokenizer.encode(text)
+        if self.max_input_tokens is not None and len(ids) > self.max_input_tokens:
+            ids = ids[-self.max_input_tokens:]
+        return Prompt(text, tuple(ids), gold)
+
+    def reward(self, prompt: Prompt, response: str) -> tuple[float, bool]:
+        return math_reward(response, prompt.answer)
+
+
+class PromptStream:
+    """Deterministic epoch-wise shuffled walk over a task's prompts; ``state()``/``load_state()`` for resume."""
+
+    def __init__(self, task: Task, seed: int, shuffle: bool = True):
+        self.task, self.seed, self.shuffle = task, seed, shuffle
+        self.epoch, self.index = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.task)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[Prompt]:
+        out = []
+        for _ in range(n):
+            if self.index >= len(self._order):
+                self.epoch += 1
+                self.index = 0
+                self._order = self._permutation(self.epoch)
+            out.append(self.task.prompt(self._order[self.index]))
+            self.index += 1
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state(self, state: dict[str, int]) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self._order = self._permutation(self.epoch)
+
+
+def build_task(cfg) -> Task:
+    """The task named by ``data.dataset_name`` (a RunConfig)."""
+    d = cfg.data
+    if d.dataset_name == "synthetic_addition":
+        return AdditionTask(d.synthetic.num_digits, d.synthetic.num_prompts, seed=cfg.grpo.seed)
+    if d.dataset_name == "synthetic_sort":
+        return SortTask(d.synthetic.num_items, d.synthetic.num_prompts, seed=cfg.grpo.seed)
+    if d.dataset_name == "math_jsonl":
+        if not d.data_path:
+            raise ValueError("data.data_path: required for data.dataset_name=math_jsonl")
+        template = Path(d.prompt_file).read_text() if d.prompt_file else None
+        return MathTask(d.data_path, load_tokenizer(cfg), template, d.max_input_seq_length)
+    raise ValueError(f"data.dataset_name: unknown {d.dataset_name!r}")
+
+
+def load_tokenizer(cfg):
+    """The HF tokenizer of ``policy.tokenizer.name`` (or ``policy.model_name``); the char tokenizer for presets."""
+    name = cfg.policy.tokenizer.name or cfg.policy.model_name
+    if name == cfg.policy.model_preset and not Path(name).exists():
+        return CharTokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
