@@ -1,0 +1,26 @@
+"""Measured backend choice for gemm_backend="auto" on CUDA: per GEMM form and M bucket (bench/kernels_bench.py).
+
+Filled from the H200 measurements in bench/results_kernels.md (torch 2.11+cu130, triton 3.6): the backend with the
+highest median TFLOP/s over the Qwen3-8B / Qwen3-32B-TP2 shapes in each bucket. Batch-invariant mode always picks
+the Triton backend (the only one with a fixed, M-independent reduction order).
+"""
+
+from __future__ import annotations
+
+# form -> [(upper bound of M inclusive, backend)], first match wins; the last entry has no bound.
+TABLE: dict[str, list[tuple[int | None, str]]] = {
+    "fprop": [(None, "cublas")],
+    "dgrad": [(None, "cublas")],
+    "wgrad": [(None, "cublas")],
+}
+
+
+def pick(form: str, m: int, *, batch_invariant: bool = False) -> str:
+    if form not in TABLE:
+        raise ValueError(f"auto_table.pick: unknown GEMM form {form!r}; expected one of {tuple(TABLE)}")
+    if batch_invariant:
+        return "triton"
+    for bound, backend in TABLE[form]:
+        if bound is None or m <= bound:
+            return backend
+    return TABLE[form][-1][1]
