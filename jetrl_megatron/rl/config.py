@@ -62,6 +62,7 @@ class GrpoCfg:
     max_val_samples: int = 64
     seed: int = 42
     sft_warmstart: SftWarmstartCfg = field(default_factory=SftWarmstartCfg)
+    final_arm_probe: bool = False  # (jetrl) at the end, measure every arm's mismatch on the trained policy
 
 
 @dataclass

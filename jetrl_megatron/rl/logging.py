@@ -1,0 +1,112 @@
+"""Run logging: one JSON line per step, TensorBoard scalars, tqdm progress, and a PNG summary plot at the end.
+
+``metrics.jsonl`` is the source of truth (appended and flushed every step, so a crashed run keeps its history and a
+resumed run continues the same file); TensorBoard and the plot are views of it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+def _finite_or_none(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN/Inf; a None is visible and fails the schema test
+    return v
+
+
+class RunLogger:
+    """Writes ``<log_dir>/metrics.jsonl`` (+ TensorBoard events under ``<log_dir>/tb``)."""
+
+    def __init__(self, log_dir: str | Path, *, tensorboard: bool = True, progress: bool = True, enabled: bool = True):
+        self.log_dir = Path(log_dir)
+        self.enabled = enabled
+        self.progress = progress and enabled
+        self.path = self.log_dir / "metrics.jsonl"
+        self._tb = None
+        if enabled:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.log_dir / "tb"))
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop lines of steps > ``step`` left by a run that died after its last checkpoint."""
+        if not (self.enabled and self.path.exists()):
+            return
+        keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(ln + "\n" for ln in keep))
+        os.replace(tmp, self.path)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def bar(self, iterable: Iterable, desc: str, total: int | None = None) -> Iterator:
+        """tqdm over ``iterable`` when progress bars are on, else the iterable itself."""
+        if not self.progress:
+            return iter(iterable)
+        from tqdm import tqdm
+
+        return iter(tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "metrics.jsonl"
+    return [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()]
+
+
+PLOT_KEYS = (
+    ("reward/mean", "reward"),
+    ("reward/accuracy", "accuracy"),
+    ("mismatch/k3_kl", "k3 KL (rollout || train)"),
+    ("mismatch/token_mult_prob_error", "token_mult_prob_error"),
+)
+
+
+def plot_run(rows: list[dict[str, Any]], out_png: str | Path, title: str = "") -> Path:
+    """Reward and mismatch vs step, one panel each, written atomically as a PNG (matplotlib Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [(k, lbl) for k, lbl in PLOT_KEYS if any(k in r for r in rows)]
+    fig, axes = plt.subplots(len(keys) or 1, 1, figsize=(7, 2.2 * max(1, len(keys))), sharex=True, squeeze=False)
+    for ax, (k, lbl) in zip(axes[:, 0], keys, strict=False):
+        pts = [(r["step"], r[k]) for r in rows if r.get(k) is not None]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3)
+        ax.set_ylabel(lbl, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("GRPO step")
+    if title:
+        axes[0, 0].set_title(title, fontsize=9)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    tmp = out_png.with_name(out_png.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, out_png)
+    return out_png
