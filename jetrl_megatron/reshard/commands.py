@@ -1,0 +1,156 @@
+"""Command entry points behind `jetrl reshard-check` and `jetrl export` (argparse; return an exit code)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from jetrl_megatron.megatron.models import ModelShape, get_model_shape
+from jetrl_megatron.recipe import Fp8Recipe
+from jetrl_megatron.reshard.export import write_hf_checkpoint
+from jetrl_megatron.reshard.mover import SCALE_SUFFIX, MegatronShards, iter_canonical
+from jetrl_megatron.reshard.plan import build_plan, format_plan
+from jetrl_megatron.reshard.preflight import ReshardError, check_reshard, format_violations
+
+_MEGATRON_FILE = re.compile(r"tp(\d+)_pp(\d+)(?:_vp(\d+))?\.pt$")
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", default="jetrl", help="recipe mode (bf16 | bf16_train_fp8_rollout | jetrl | fake_quant)")
+    p.add_argument("--bf16-first-layers", type=int, default=0)
+    p.add_argument("--bf16-last-layers", type=int, default=0)
+    p.add_argument("--scale-fmt", default="fp32", choices=("fp32", "pow2"))
+
+
+def _recipe(ns: argparse.Namespace) -> Fp8Recipe:
+    return Fp8Recipe(mode=ns.mode, bf16_first_layers=ns.bf16_first_layers, bf16_last_layers=ns.bf16_last_layers,
+                     scale_fmt=ns.scale_fmt)
+
+
+def reshard_check_main(argv: list[str]) -> int:
+    """Print the Megatron TP x PP -> vLLM TP' plan (exit 0) or every violation (exit 2)."""
+    p = argparse.ArgumentParser(prog="jetrl reshard-check",
+                                description="Check that FP8 weights reshard block-exactly and print the plan.")
+    p.add_argument("--model", required=True, help="preset name or path to an HF config.json / model directory")
+    p.add_argument("--train-tp", type=int, required=True)
+    p.add_argument("--train-pp", type=int, default=1)
+    p.add_argument("--train-vpp", type=int, default=None, help="virtual pipeline stages per PP rank")
+    p.add_argument("--rollout-tp", type=int, required=True)
+    p.add_argument("--json", action="store_true", help="print the plan's numbers as JSON")
+    _recipe_args(p)
+    ns = p.parse_args(argv)
+    try:
+        shape = get_model_shape(ns.model)
+        recipe = _recipe(ns)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    plan = build_plan(shape, ns.train_tp, ns.train_pp, ns.rollout_tp, ns.train_vpp, recipe)
+    if not plan.ok:
+        print(format_violations(shape, plan.violations, ns.train_tp, ns.train_pp, ns.rollout_tp))
+        return 1
+    if ns.json:
+        print(json.dumps({
+            "model": shape.name, "train_tp": ns.train_tp, "train_pp": ns.train_pp, "train_vpp": ns.train_vpp,
+            "rollout_tp": ns.rollout_tp, "fp8_layers": plan.fp8_layers,
+            "bytes_per_rollout_rank": [{"fp8": b.fp8, "scales": b.scales, "bf16": b.bf16, "total": b.total}
+                                       for b in plan.rank_bytes],
+            "segments_per_layer_per_rank": [{x.vllm_param: x.segments for x in lines} for lines in plan.rank_params],
+        }, indent=2))
+    else:
+        print(format_plan(plan))
+    return 0
+
+
+def load_megatron_dir(path: Path, shape: ModelShape) -> MegatronShards:
+    """Read `tp{T}_pp{P}[_vp{V}].pt` files (each a plain local state dict; FP8 scales under '<name>_scale_inv')."""
+    files = {}
+    for f in sorted(path.glob("tp*_pp*.pt")):
+        m = _MEGATRON_FILE.search(f.name)
+        if m:
+            files[(int(m.group(2)), int(m.group(3) or 0), int(m.group(1)))] = f
+    if not files:
+        raise FileNotFoundError(f"{path}: no tp<T>_pp<P>[_vp<V>].pt Megatron shard files")
+    tp = 1 + max(k[2] for k in files)
+    pp = 1 + max(k[0] for k in files)
+    vp = 1 + max(k[1] for k in files)
+    states = {}
+    for key, f in files.items():
+        sd = torch.load(f, map_location="cpu", weights_only=True)
+        states[key] = sd.get("model", sd) if isinstance(sd, dict) else sd
+    return MegatronShards(shape, tp, pp, vp if vp > 1 else None, states)
+
+
+def _iter_hf_quantized(path: Path, shape: ModelShape, recipe: Fp8Recipe) -> Iterator[tuple[str, torch.Tensor]]:
+    """A BF16 HF checkpoint, with the recipe's FP8 projections quantized 128x128 (the trainer's weight quantizer)."""
+    from safetensors import safe_open
+
+    from jetrl_megatron.fp8.quant import quantize_128x128
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    gemm = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+            "up_proj.weight", "down_proj.weight")
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                if name.endswith(SCALE_SUFFIX):
+                    raise ReshardError(f"{f}: {name}: --from-hf expects a BF16 checkpoint, this one is already FP8")
+                t = sf.get_tensor(name)
+                if name.endswith(gemm) and recipe.rollout_fp8 and recipe.module_is_fp8(name, None, shape.num_layers):
+                    q, s = quantize_128x128(t, recipe)
+                    yield name, q
+                    yield name + SCALE_SUFFIX, s
+                else:
+                    yield name, t.to(torch.bfloat16) if t.is_floating_point() else t
+
+
+def export_main(argv: list[str]) -> int:
+    """Write an HF block-FP8 checkpoint (safetensors + config.json with quantization_config) atomically."""
+    p = argparse.ArgumentParser(prog="jetrl export", description="Export an HF block-FP8 checkpoint for vLLM.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-megatron", type=Path,
+                     help="directory of tp<T>_pp<P>[_vp<V>].pt Megatron state dicts (FP8 weights + scales)")
+    src.add_argument("--from-hf", type=Path, help="BF16 HF checkpoint directory: quantize its projections 128x128")
+    p.add_argument("--model", default=None, help="preset or config.json (default: the source's config.json)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--rollout-tp", type=int, default=None, help="also refuse if vLLM at this TP cannot load it")
+    p.add_argument("--quant-method", default="fp8", help="quantization_config.quant_method (fp8 | jetrl_fp8)")
+    p.add_argument("--tokenizer-dir", type=Path, default=None, help="copy tokenizer files from here")
+    p.add_argument("--max-shard-gb", type=float, default=4.0)
+    _recipe_args(p)
+    ns = p.parse_args(argv)
+    try:
+        recipe = _recipe(ns)
+        source = ns.from_megatron or ns.from_hf
+        shape = get_model_shape(ns.model if ns.model else source)
+        if ns.from_megatron:
+            shards = load_megatron_dir(ns.from_megatron, shape)
+            violations = check_reshard(shape, shards.tp, shards.pp, ns.rollout_tp or 1, shards.vp)
+            if violations:
+                print(format_violations(shape, violations, shards.tp, shards.pp, ns.rollout_tp or 1))
+                return 1
+            tensors = iter_canonical(shards)
+        else:
+            violations = check_reshard(shape, 1, 1, ns.rollout_tp or 1)
+            if violations:
+                print(format_violations(shape, violations, 1, 1, ns.rollout_tp or 1))
+                return 1
+            tensors = _iter_hf_quantized(ns.from_hf, shape, recipe)
+        tok = ns.tokenizer_dir or (ns.from_hf if ns.from_hf else None)
+        out = write_hf_checkpoint(tensors, shape, recipe, ns.out, overwrite=ns.overwrite,
+                                  max_shard_bytes=int(ns.max_shard_gb * (1 << 30)), quant_method=ns.quant_method,
+                                  tokenizer_dir=tok)
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
