@@ -33,6 +33,10 @@ from jetrl_megatron.fp8.quant import BLOCK, FP8_DTYPE, FP8_MAX
 from jetrl_megatron.recipe import Fp8Recipe
 
 _DEFAULT_RECIPE = Fp8Recipe()
+# Launch shapes (rows per program, warps), picked on the H200 with bench/kernels_bench.py; results never depend on them.
+ACT_BLOCK_M = 32
+ACT_WARPS = 4
+TILE_WARPS = 8
 
 
 def _interpreting() -> bool:
@@ -205,23 +209,25 @@ def padded_tokens(m: int) -> int:
     return -(-m // BLOCK) * BLOCK
 
 
-def quant_act(x2d: torch.Tensor, recipe: Fp8Recipe | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """1x128 group quant of a 2-D activation/gradient: q (M,K) row-major, s (M,K/128) column-major."""
+def quant_act(x2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, block_m: int = ACT_BLOCK_M,
+              num_warps: int = ACT_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 group quant of a 2-D activation/gradient: q (M,K) row-major, s (M,K/128) column-major.
+
+    block_m/num_warps are tuning knobs (rows per program, warps); they do not change the result."""
     _check_cuda_or_interp(x2d, "quant_act")
     m, k = _check_2d_groups(x2d, "quant_act")
     recipe = _recipe(recipe)
     q = _codes_buffer((m, k), x2d.device)
     s = _col_major(m, k // BLOCK, x2d.device)
     if m:
-        block_m = 32
         grid = (triton.cdiv(m, block_m), k // BLOCK)
         _quant_rows_kernel[grid](x2d, q, s, m, x2d.stride(0), x2d.stride(1), q.stride(0), s.stride(0), s.stride(1),
                                  recipe.amax_eps, POW2=recipe.scale_fmt == "pow2", CAST=not _interpreting(),
-                                 BLOCK_M=block_m, GROUP=BLOCK, num_warps=4)
+                                 BLOCK_M=block_m, GROUP=BLOCK, num_warps=num_warps)
     return _finish_codes(q), s
 
 
-def quant_dual(g2d: torch.Tensor, recipe: Fp8Recipe | None = None
+def quant_dual(g2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, num_warps: int = TILE_WARPS
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One pass over g (M,N): the 1x128 row-wise copy (q, s) and the token-grouped transposed copy
     qt (N,Mp) row-major with st (N,Mp/128) column-major (zero-padded tokens)."""
@@ -238,12 +244,12 @@ def quant_dual(g2d: torch.Tensor, recipe: Fp8Recipe | None = None
         _quant_dual_kernel[grid](g2d, q, s, qt, st, m, n, g2d.stride(0), g2d.stride(1), q.stride(0), s.stride(0),
                                  s.stride(1), qt.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
                                  POW2=recipe.scale_fmt == "pow2", CAST=not _interpreting(), TOKENS=BLOCK,
-                                 GROUP=BLOCK, num_warps=8)
+                                 GROUP=BLOCK, num_warps=num_warps)
     return _finish_codes(q), s, _finish_codes(qt), st
 
 
-def regroup_for_wgrad(q: torch.Tensor, s: torch.Tensor, recipe: Fp8Recipe | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def regroup_for_wgrad(q: torch.Tensor, s: torch.Tensor, recipe: Fp8Recipe | None = None, *,
+                      num_warps: int = TILE_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """Saved 1x128 FP8 activation (q (M,K), s (M,K/128), any scale strides) -> qt (K,Mp), st (K,Mp/128) col-major.
 
     Equals quantize_1x128(pad_tokens(dequantize_1x128(q, s)).t()) bit for bit; the FP32 dequantized tile lives only
@@ -265,7 +271,7 @@ def regroup_for_wgrad(q: torch.Tensor, s: torch.Tensor, recipe: Fp8Recipe | None
         _regroup_kernel[grid](q_in, s, qt, st, m, k, q_in.stride(0), q_in.stride(1), s.stride(0), s.stride(1),
                               qt.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
                               POW2=recipe.scale_fmt == "pow2", CAST=not _interpreting(), TOKENS=BLOCK, GROUP=BLOCK,
-                              num_warps=8)
+                              num_warps=num_warps)
     return _finish_codes(qt), st
 
 

@@ -57,7 +57,7 @@ def _promote(acc, part, sa, sb, SA_SCALAR: tl.constexpr, SB_SCALAR: tl.constexpr
     return acc
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "stride_sam", "stride_sak"])
 def _blockwise_fp8_gemm_kernel(
     a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
     M, N, K, k_tiles_per_split,
