@@ -1,0 +1,135 @@
+"""FP8 tensor-parallel linears: Megatron-Core's Column/RowParallelLinear with the GEMM swapped for Jet-RL's.
+
+Why subclass instead of re-implementing: Megatron keeps its own TP plumbing (input copy/all-reduce of DGrad, output
+all-reduce / reduce-scatter, weight init and sharding attributes, state-dict names); only ``_forward_impl`` (the
+local GEMM) changes. The GEMM runs through ``jetrl_megatron.fp8.fp8_linear`` with the per-step FP8 weight from the
+model's :class:`~jetrl_megatron.fp8.weights.Fp8WeightCache`; every TP collective stays BF16:
+
+* column-parallel, no sequence parallel: ``copy_to_tensor_model_parallel_region`` (identity fwd, BF16 all-reduce of
+  DGrad bwd) then the FP8 GEMM;
+* column-parallel with sequence parallel: BF16 all-gather of the sequence shard (reduce-scatter of DGrad bwd), then
+  the FP8 GEMM (the saved activation is the FP8 copy of the gathered input);
+* row-parallel: the FP8 GEMM, then Megatron's own BF16 all-reduce / reduce-scatter of the output.
+
+Modes (per layer; ``recipe.mode`` for FP8 layers, ``bf16`` for the recipe's BF16 exclusions):
+``jetrl`` FP8 FProp/DGrad/WGrad; ``fake_quant`` BF16 GEMMs on quantize-dequantized operands; ``bf16`` and
+``bf16_train_fp8_rollout`` a BF16 ``F.linear(x, W, b)`` (bias added inside the GEMM, one rounding — what vLLM's
+unquantized linear does; Megatron's own path rounds ``x @ W.t()`` and then adds the bias in BF16).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+
+from jetrl_megatron.fp8.linear import fake_quant_linear, fp8_linear
+from jetrl_megatron.fp8.weights import Fp8WeightCache
+from jetrl_megatron.recipe import Fp8Recipe
+
+__all__ = ["Fp8ColumnParallelLinear", "Fp8RowParallelLinear", "Fp8GemmShapeError", "gemm_mode_of", "FP8_GEMM_MODES"]
+
+FP8_GEMM_MODES = ("jetrl", "fake_quant")
+_BLOCK = 128
+
+
+class Fp8GemmShapeError(ValueError):
+    """A per-rank FP8 GEMM dimension is not a multiple of 128 (the 1x128 / 128x128 grouping would cut a block)."""
+
+
+def gemm_mode_of(recipe: Fp8Recipe, fp8_layer: bool) -> str:
+    """The GEMM flavour of one linear: the recipe's mode for FP8 layers, plain BF16 otherwise."""
+    if not fp8_layer or recipe.mode in ("bf16", "bf16_train_fp8_rollout"):
+        return "bf16"
+    return recipe.mode
+
+
+class _Fp8Gemm:
+    """Mixin holding the mode, recipe, cache handle and the replacement ``_forward_impl``."""
+
+    jetrl_name: str
+    jetrl_mode: str
+    jetrl_recipe: Fp8Recipe
+    fp8_cache: Fp8WeightCache | None
+
+    def _init_fp8(self, name: str, mode: str, recipe: Fp8Recipe, tp: int) -> None:
+        if mode not in ("bf16", *FP8_GEMM_MODES):
+            raise ValueError(f"{name}: unknown GEMM mode {mode!r}")
+        self.jetrl_name, self.jetrl_mode, self.jetrl_recipe, self.fp8_cache = name, mode, recipe, None
+        if mode == "bf16":
+            return
+        if getattr(self.config, "gradient_accumulation_fusion", False):
+            raise ValueError(f"{name}: gradient_accumulation_fusion is not supported with FP8 GEMMs")
+        if self.weight is None:
+            raise ValueError(f"{name}: FP8 GEMMs need an allocated weight (skip_weight_param_allocation is set)")
+        n, k = self.weight.shape
+        bad = [f"{what} {size}" for what, size in (("output (N)", n), ("input (K)", k)) if size % _BLOCK]
+        if bad:
+            raise Fp8GemmShapeError(
+                f"{name}: per-rank FP8 GEMM weight is {n} x {k} at TP={tp}; {' and '.join(bad)} not a multiple of "
+                f"{_BLOCK}. Use a TP size that keeps every shard 128-aligned, or exclude this layer from FP8 "
+                f"(jet_rl.bf16_first_layers / bf16_last_layers / mode=bf16)."
+            )
+
+    def _fp8_forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,
+                          allreduce_dgrad=False, sequence_parallel=False, tp_group=None, **_unused):
+        if gradient_accumulation_fusion:
+            raise ValueError(f"{self.jetrl_name}: gradient_accumulation_fusion is not supported")
+        if sequence_parallel:
+            x = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+        elif allreduce_dgrad:
+            x = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        else:
+            x = input
+        if self.jetrl_mode == "bf16":
+            return torch.nn.functional.linear(x, weight, bias)
+        if self.jetrl_mode == "fake_quant":
+            return fake_quant_linear(x, weight, bias, self.jetrl_recipe)
+        if self.fp8_cache is None:
+            raise RuntimeError(f"{self.jetrl_name}: no FP8 weight cache attached (build the model with build_gpt)")
+        return fp8_linear(x, weight, bias, self.jetrl_recipe, weight_fp8=self.fp8_cache.get(weight))
+
+
+class Fp8ColumnParallelLinear(_Fp8Gemm, ColumnParallelLinear):
+    """ColumnParallelLinear (linear_qkv, linear_fc1) with Jet-RL GEMMs; extra spec params name/mode/recipe."""
+
+    def __init__(self, *args, jetrl_name: str, jetrl_mode: str, jetrl_recipe: Fp8Recipe, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_fp8(jetrl_name, jetrl_mode, jetrl_recipe, self.tp_group.size() if self.tp_group else 1)
+
+    def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (Megatron's signature)
+        return self._fp8_forward_impl(input, weight, *args, **kwargs)
+
+
+class Fp8RowParallelLinear(_Fp8Gemm, RowParallelLinear):
+    """RowParallelLinear (linear_proj, linear_fc2) with Jet-RL GEMMs; extra spec params name/mode/recipe."""
+
+    def __init__(self, *args, jetrl_name: str, jetrl_mode: str, jetrl_recipe: Fp8Recipe, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_fp8(jetrl_name, jetrl_mode, jetrl_recipe, self.tp_group.size() if self.tp_group else 1)
+
+    def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002
+        return self._fp8_forward_impl(input, weight, *args, **kwargs)
+
+
+def bf16_output_forward_impl(module: torch.nn.Module):
+    """A ``_forward_impl`` for the (BF16) output layer computing ``F.linear(x, W)`` like vLLM's lm_head.
+
+    Megatron's own path uses ``torch.matmul(x, W.t())``; F.linear is what the rollout reference uses, so the BF16
+    logits agree bit for bit on CPU. TP comms as Megatron: DGrad all-reduce (or SP all-gather) in BF16.
+    """
+
+    def impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+             sequence_parallel=False, tp_group=None, **_unused):
+        if sequence_parallel:
+            x = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+        elif allreduce_dgrad:
+            x = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        else:
+            x = input
+        return torch.nn.functional.linear(x, weight, bias)
+
+    return impl

@@ -1,0 +1,382 @@
+"""Build Megatron-Core GPT models for Jet-RL and run them: per-token logprobs, training steps, rollout weights.
+
+Public API (everything the RL loop and the rollout side need; parallel sizes come from Megatron's parallel state,
+set up with :func:`jetrl_megatron.megatron.cpu.init_parallel` or the caller's own ``initialize_model_parallel``):
+
+* :func:`build_gpt` -> one ``GPTModel`` (this rank's TP shard of its PP stage), FP8 cache attached and filled.
+* :func:`token_logprobs` -> FP32 logprobs of given token ids (forward only, through ``get_forward_backward_func``).
+* :func:`wrap_ddp` + :func:`jetrl_megatron.megatron.optim.build_optimizer` + :func:`train_step` -> one optimizer
+  step over micro-batches (gradient accumulation) with a caller-supplied loss on the logprobs.
+* :func:`rollout_weights` -> this rank's Megatron-named FP8 weights + ``<name>_scale_inv`` + BF16 non-GEMM tensors.
+
+Logprob convention: ``out[:, t] = log p(tokens[:, t + 1] | tokens[:, :t + 1])`` from BF16 logits (vocab padding
+removed) put through an FP32 ``log_softmax`` over the full vocabulary — vLLM's rounding. Sequences are right-padded;
+positions are 0..s-1 for every row (no packing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from jetrl_megatron.fp8 import ops
+from jetrl_megatron.fp8.weights import Fp8WeightCache
+from jetrl_megatron.megatron.cpu import enable_cpu_mode
+from jetrl_megatron.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear, bf16_output_forward_impl
+from jetrl_megatron.megatron.layout import padded_vocab_size, pp_layer_range
+from jetrl_megatron.megatron.models import ModelShape
+from jetrl_megatron.megatron.spec import check_fp8_gemm_shapes, gpt_block_spec
+from jetrl_megatron.recipe import Fp8Recipe
+
+__all__ = [
+    "megatron_config",
+    "build_gpt",
+    "unwrap",
+    "fp8_linears",
+    "refresh_fp8_cache",
+    "logprobs_from_logits",
+    "token_logprobs",
+    "wrap_ddp",
+    "StepResult",
+    "train_step",
+    "rollout_weights",
+]
+
+
+def megatron_config(shape: ModelShape, recipe: Fp8Recipe, *, sequence_parallel: bool = False,
+                    init_std: float = 0.02, **overrides: Any) -> TransformerConfig:
+    """TransformerConfig for ``shape`` at the current TP/PP sizes (BF16 params, FP32 pipeline hidden state)."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if shape.num_layers % pp:
+        raise ValueError(f"{shape.name}: {shape.num_layers} layers do not split evenly over PP={pp}")
+    for what, n in (("num_attention_heads", shape.num_attention_heads), ("ffn_hidden_size", shape.ffn_hidden_size)):
+        if n % tp:
+            raise ValueError(f"{shape.name}: {what}={n} is not divisible by TP={tp}")
+    if shape.num_kv_heads % tp and tp % shape.num_kv_heads:
+        raise ValueError(f"{shape.name}: num_kv_heads={shape.num_kv_heads} and TP={tp}: one must divide the other")
+    kwargs: dict[str, Any] = dict(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.float32,  # the residual stream between layers is the FP32 sum (numerics.py)
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=True,
+        init_method_std=init_std,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None = None,
+              post_process: bool | None = None, sequence_parallel: bool = False, attn_impl: str | None = None,
+              seed: int = 1234, init_std: float = 0.02, **config_overrides: Any) -> GPTModel:
+    """This rank's GPTModel (its TP shard of its PP stage), with Jet-RL linears, numerics and a filled FP8 cache.
+
+    pre_process / post_process default to whether this rank is the first / last pipeline stage. The model is
+    randomly initialised (seeded identically on every rank, so TP shards are slices of one global init); load a
+    checkpoint with :func:`jetrl_megatron.megatron.convert.load_hf_checkpoint`.
+    """
+    enable_cpu_mode()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    layers = pp_layer_range(shape.num_layers, pp, pp_rank)
+    check_fp8_gemm_shapes(shape, recipe, tp, layers)
+    config = megatron_config(shape, recipe, sequence_parallel=sequence_parallel, init_std=init_std,
+                             **config_overrides)
+    torch.manual_seed(seed)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_block_spec(shape, recipe, layers, attn_impl=attn_impl),
+        vocab_size=padded_vocab_size(shape.vocab_size, tp),
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        position_embedding_type="none",
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if post_process:
+        model.output_layer._forward_impl = bf16_output_forward_impl(model.output_layer)
+    model.jetrl_shape, model.jetrl_recipe, model.jetrl_layers = shape, recipe, layers
+    model.jetrl_fp8_cache = Fp8WeightCache(recipe)
+    for _, module in fp8_linears(model):
+        module.fp8_cache = model.jetrl_fp8_cache
+    refresh_fp8_cache(model)
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> GPTModel:
+    """The GPTModel inside Megatron DDP / Float16Module wrappers."""
+    while not isinstance(model, GPTModel) and hasattr(model, "module"):
+        model = model.module
+    if not isinstance(model, GPTModel):
+        raise TypeError(f"expected a (wrapped) GPTModel, got {type(model).__name__}")
+    return model
+
+
+def fp8_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(module name, module) of every linear running the FP8 flow (mode 'jetrl') in this chunk."""
+    gpt = unwrap(model)
+    return [(n, m) for n, m in gpt.named_modules()
+            if isinstance(m, (Fp8ColumnParallelLinear, Fp8RowParallelLinear)) and m.jetrl_mode == "jetrl"]
+
+
+def refresh_fp8_cache(model: torch.nn.Module) -> int:
+    """Re-quantize every FP8 linear's master weight into the chunk's cache; returns the cache generation.
+
+    Raises NonFiniteWeightError (cache untouched) when a master weight is not finite.
+    """
+    gpt = unwrap(model)
+    gpt.jetrl_fp8_cache.refresh((f"{n}.weight", m.weight) for n, m in fp8_linears(gpt))
+    return gpt.jetrl_fp8_cache.generation
+
+
+# ------------------------------------------------------------------------------------------------ logprobs
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(b, s, V/tp) vocab-parallel BF16 logits + (b, s) tokens -> (b, s-1) FP32 logprobs of tokens[:, 1:].
+
+    Gathers the full BF16 logits over TP (autograd: split in backward), drops vocab padding, FP32 log_softmax.
+    """
+    full = gather_from_tensor_model_parallel_region(logits)[..., :vocab_size]
+    lp = torch.log_softmax(full[:, :-1].float(), dim=-1)
+    return lp.gather(-1, tokens[:, 1:].unsqueeze(-1).long()).squeeze(-1)
+
+
+def _forward(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=tokens, position_ids=None, attention_mask=None)
+
+
+def _micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    b = batch["tokens"].shape[0]
+    if micro_batch_size <= 0 or b % micro_batch_size:
+        raise ValueError(f"batch size {b} is not a positive multiple of micro_batch_size {micro_batch_size}")
+    for k, v in batch.items():
+        if not isinstance(v, torch.Tensor) or v.shape[0] != b:
+            raise ValueError(f"batch[{k!r}] must be a tensor with leading dim {b}")
+    return [{k: v[i:i + micro_batch_size] for k, v in batch.items()} for i in range(0, b, micro_batch_size)]
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _broadcast_from_last_stage(t: torch.Tensor | None, shape: Sequence[int]) -> torch.Tensor:
+    """Send a float32 tensor held by the last PP stage to every stage of this rank's pipeline."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        assert t is not None
+        return t
+    buf = t.contiguous() if t is not None else torch.empty(tuple(shape), dtype=torch.float32, device=_device())
+    torch.distributed.broadcast(buf, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                group=parallel_state.get_pipeline_model_parallel_group())
+    return buf
+
+
+def _as_chunks(model) -> list[torch.nn.Module]:
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if len(chunks) != 1:
+        raise ValueError("virtual pipeline parallelism (several model chunks per rank) is not supported yet")
+    return chunks
+
+
+@torch.no_grad()
+def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None = None) -> torch.Tensor:
+    """FP32 logprobs (b, s-1) of ``tokens`` (b, s) under ``model``; forward only; identical on all PP stages.
+
+    ``model``: the GPTModel of this rank (or a DDP-wrapped one, or a one-element list). Every TP/PP rank of a
+    pipeline must call it with the same tokens.
+    """
+    chunks = _as_chunks(model)
+    gpt = unwrap(chunks[0])
+    tokens = tokens.to(_device())
+    b, s = tokens.shape
+    mbs = micro_batch_size or b
+    mbatches = _micro_batches({"tokens": tokens}, mbs)
+    vocab = gpt.jetrl_shape.vocab_size
+    was_training = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()
+
+    def step(data_iter, m):
+        mb = next(data_iter)
+        out = _forward(m, mb["tokens"])
+        if not gpt.post_process:
+            return out, None
+        lp = logprobs_from_logits(out, mb["tokens"], vocab)
+        return lp, lambda o: (o.sum() * 0.0, {"logprobs": o.detach()})
+
+    try:
+        store = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(mbatches), model=chunks, num_microbatches=len(mbatches),
+            seq_length=s, micro_batch_size=mbs, forward_only=True)
+    finally:
+        for c, t in zip(chunks, was_training, strict=True):
+            c.train(t)
+    lp = torch.cat([d["logprobs"] for d in store], 0) if gpt.post_process else None
+    return _broadcast_from_last_stage(lp, (b, s - 1))
+
+
+# ------------------------------------------------------------------------------------------------ training
+def wrap_ddp(model: GPTModel, *, grad_reduce_in_fp32: bool = True):
+    """Megatron DistributedDataParallel around one model chunk (no overlap; plain all-reduce over DP)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False, check_for_nan_in_grad=False)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    refresh_fp8_cache(ddp)  # params were moved into the contiguous grad/param buffers
+    return ddp
+
+
+@dataclass
+class StepResult:
+    """Outcome of :func:`train_step` (loss / metrics are means over micro-batches, valid on every rank)."""
+
+    loss: float
+    skipped: bool
+    grad_norm: float | None
+    fp8_generation: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn, *,
+               micro_batch_size: int) -> StepResult:
+    """One optimizer step: forward+backward over micro-batches (grad accumulation), DP/TP/PP reductions, step.
+
+    ``batch``: this DP rank's tensors with a common leading dim, at least ``"tokens"`` (b, s); it is split into
+    micro-batches of ``micro_batch_size`` rows. ``loss_fn(logprobs, micro_batch) -> (loss, metrics)`` receives
+    FP32 logprobs (mb, s-1) with autograd and returns a scalar loss (its mean over micro-batches is optimised) and
+    a dict of scalar tensors. ``optimizer`` comes from :func:`jetrl_megatron.megatron.optim.build_optimizer`; it
+    refreshes the FP8 cache exactly once after a successful step and skips steps with non-finite gradients.
+    """
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    chunks = _as_chunks(model)
+    gpt = unwrap(chunks[0])
+    mbatches = _micro_batches({k: v.to(_device()) for k, v in batch.items()}, micro_batch_size)
+    s = mbatches[0]["tokens"].shape[1]
+    vocab = gpt.jetrl_shape.vocab_size
+    config = gpt.config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    for c in chunks:
+        c.train()
+        if hasattr(c, "zero_grad_buffer"):
+            c.zero_grad_buffer()
+    optimizer.zero_grad()
+
+    def step(data_iter, m):
+        mb = next(data_iter)
+        out = _forward(m, mb["tokens"])
+        if not gpt.post_process:
+            return out, None
+        lp = logprobs_from_logits(out, mb["tokens"], vocab)
+
+        def loss_func(lp_out):
+            loss, metrics = loss_fn(lp_out, mb)
+            if loss.dim() != 0:
+                raise ValueError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)}")
+            report = {"loss": loss.detach().float().clone()}  # Megatron divides the loss in place
+            report.update({k: torch.as_tensor(v).detach().float().clone() for k, v in metrics.items()})
+            return loss, report
+
+        return lp, loss_func
+
+    store = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter(mbatches), model=chunks, num_microbatches=len(mbatches),
+        seq_length=s, micro_batch_size=micro_batch_size, forward_only=False)
+    ok, grad_norm, _ = optimizer.step()
+    keys = sorted(store[0]) if gpt.post_process else []
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        obj = [keys]
+        torch.distributed.broadcast_object_list(obj, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                                group=parallel_state.get_pipeline_model_parallel_group())
+        keys = obj[0]
+    means = (torch.stack([torch.stack([d[k] for d in store]).mean() for k in keys]) if gpt.post_process else None)
+    means = _broadcast_from_last_stage(means, (len(keys),))
+    values = dict(zip(keys, means.tolist(), strict=True))
+    return StepResult(loss=values.pop("loss"), skipped=not ok,
+                      grad_norm=None if grad_norm is None else float(grad_norm),
+                      fp8_generation=gpt.jetrl_fp8_cache.generation, metrics=values)
+
+
+# ------------------------------------------------------------------------------------------------ rollout weights
+def rollout_weights(model, *, include_bf16: bool = True) -> dict[str, torch.Tensor]:
+    """This rank's weights for the rollout engine, Megatron local names (per PP stage, local layer index).
+
+    FP8 linears: ``name`` -> float8_e4m3fn tensor and ``name + "_scale_inv"`` -> FP32 128x128 block scales. In
+    ``jetrl`` mode they are the cache's bytes (what the trainer computes with); in ``bf16_train_fp8_rollout`` and
+    ``fake_quant`` the master weights are quantized with the same function; in ``bf16`` nothing is FP8. Every other
+    tensor (norms, embeddings, output layer, biases, BF16-excluded linears) is returned as is (BF16) when
+    ``include_bf16``. Tensors are detached views of live parameters/cache entries: copy before the next step.
+    """
+    gpt = unwrap(_as_chunks(model)[0])
+    recipe = gpt.jetrl_recipe
+    out: dict[str, torch.Tensor] = {}
+    fp8_names = set()
+    for n, m in gpt.named_modules():
+        if not isinstance(m, (Fp8ColumnParallelLinear, Fp8RowParallelLinear)):
+            continue
+        if not (m.jetrl_mode == "jetrl" or (recipe.rollout_fp8 and _layer_fp8(gpt, n))):
+            continue
+        if m.jetrl_mode == "jetrl":
+            q, sc = gpt.jetrl_fp8_cache.get(m.weight)
+        else:
+            with torch.no_grad():
+                q, sc = ops.quant_weight(m.weight.detach(), recipe)
+        out[f"{n}.weight"], out[f"{n}.weight_scale_inv"] = q, sc
+        fp8_names.add(f"{n}.weight")
+    if include_bf16:
+        for n, p in gpt.named_parameters():
+            if n not in fp8_names:
+                out[n] = p.detach()
+    return out
+
+
+def _layer_fp8(gpt: GPTModel, module_name: str) -> bool:
+    local = int(module_name.split(".")[2])
+    g = gpt.jetrl_layers[local]
+    return gpt.jetrl_recipe.module_is_fp8(f"decoder.layers.{g}.{module_name.split('.', 3)[3]}.weight", g,
+                                         gpt.jetrl_shape.num_layers)

@@ -1,0 +1,117 @@
+"""The GPT layer spec: Megatron-Core's TransformerLayer wired with Jet-RL's linears and rollout-matched numerics.
+
+Why a per-layer list: FP8 is decided per *global* decoder layer (the recipe's BF16 first/last-N exclusions), and
+Megatron's linears are built without a layer index, so each layer gets its own spec whose linear params carry the
+layer's name and GEMM mode. Attention core, norms, embeddings and the output layer stay BF16 in every mode.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from jetrl_megatron.megatron.layers import (
+    Fp8ColumnParallelLinear,
+    Fp8GemmShapeError,
+    Fp8RowParallelLinear,
+    gemm_mode_of,
+)
+from jetrl_megatron.megatron.models import ModelShape
+from jetrl_megatron.megatron.numerics import RolloutCoreAttention, RolloutRMSNorm, get_fp32_residual_bda
+from jetrl_megatron.recipe import Fp8Recipe
+
+__all__ = ["gpt_layer_spec", "gpt_block_spec", "layer_gemm_modes", "per_rank_gemm_shapes", "check_fp8_gemm_shapes"]
+
+
+def layer_gemm_modes(shape: ModelShape, recipe: Fp8Recipe, global_layer: int) -> dict[str, str]:
+    """GEMM mode of each linear of one global layer: {'linear_qkv': 'jetrl', ...} (Megatron names)."""
+    prefix = f"decoder.layers.{global_layer}."
+    names = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_attention.linear_proj",
+             "linear_fc1": "mlp.linear_fc1", "linear_fc2": "mlp.linear_fc2"}
+    return {k: gemm_mode_of(recipe, recipe.module_is_fp8(prefix + v + ".weight", global_layer, shape.num_layers))
+            for k, v in names.items()}
+
+
+def gpt_layer_spec(shape: ModelShape, recipe: Fp8Recipe, global_layer: int, *, attn_impl: str | None = None
+                   ) -> ModuleSpec:
+    """ModuleSpec of decoder layer ``global_layer`` (0-based)."""
+    modes = layer_gemm_modes(shape, recipe, global_layer)
+    prefix = f"decoder.layers.{global_layer}."
+
+    def linear(cls, key: str, sub: str) -> ModuleSpec:
+        return ModuleSpec(module=cls, params={"jetrl_name": prefix + sub, "jetrl_mode": modes[key],
+                                              "jetrl_recipe": recipe})
+
+    qk_norm = RolloutRMSNorm if shape.qk_norm else IdentityOp
+    rope = {"theta": shape.rope_theta, "max_positions": shape.max_position_embeddings,
+            "scaling": shape.rope_scaling}
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=RolloutRMSNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=linear(Fp8ColumnParallelLinear, "linear_qkv", "self_attention.linear_qkv"),
+                    core_attention=functools.partial(RolloutCoreAttention, rope=rope, attn_impl=attn_impl),
+                    linear_proj=linear(Fp8RowParallelLinear, "linear_proj", "self_attention.linear_proj"),
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
+                ),
+            ),
+            self_attn_bda=get_fp32_residual_bda,
+            pre_mlp_layernorm=RolloutRMSNorm,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(
+                    linear_fc1=linear(Fp8ColumnParallelLinear, "linear_fc1", "mlp.linear_fc1"),
+                    linear_fc2=linear(Fp8RowParallelLinear, "linear_fc2", "mlp.linear_fc2"),
+                ),
+            ),
+            mlp_bda=get_fp32_residual_bda,
+        ),
+    )
+
+
+def gpt_block_spec(shape: ModelShape, recipe: Fp8Recipe, layers: range, *, attn_impl: str | None = None
+                   ) -> TransformerBlockSubmodules:
+    """Block spec of one pipeline chunk holding global ``layers``; final norm = rollout-matched RMSNorm."""
+    return TransformerBlockSubmodules(
+        layer_specs=[gpt_layer_spec(shape, recipe, g, attn_impl=attn_impl) for g in layers],
+        layer_norm=RolloutRMSNorm,
+    )
+
+
+def per_rank_gemm_shapes(shape: ModelShape, tp: int) -> dict[str, tuple[int, int]]:
+    """Per-rank (N, K) of each linear weight at TP=tp (fc1's N counts gate_r and up_r separately: F/tp each)."""
+    return {
+        "self_attention.linear_qkv": ((shape.num_attention_heads + 2 * shape.num_kv_heads) * shape.head_dim // tp,
+                                      shape.hidden_size),
+        "self_attention.linear_proj": (shape.hidden_size, shape.num_attention_heads * shape.head_dim // tp),
+        "mlp.linear_fc1": (shape.ffn_hidden_size // tp, shape.hidden_size),
+        "mlp.linear_fc2": (shape.hidden_size, shape.ffn_hidden_size // tp),
+    }
+
+
+def check_fp8_gemm_shapes(shape: ModelShape, recipe: Fp8Recipe, tp: int, layers: range | None = None) -> None:
+    """Refuse (Fp8GemmShapeError naming layer and sizes) when an FP8 GEMM dim per rank is not a multiple of 128."""
+    sizes = per_rank_gemm_shapes(shape, tp)
+    for g in layers if layers is not None else range(shape.num_layers):
+        modes = layer_gemm_modes(shape, recipe, g)
+        for sub, (n, k) in sizes.items():
+            if modes[sub.rsplit(".", 1)[1]] == "bf16":
+                continue
+            bad = [f"{what} {v}" for what, v in (("output (N)", n), ("input (K)", k)) if v % 128]
+            if bad:
+                raise Fp8GemmShapeError(
+                    f"{shape.name}: decoder.layers.{g}.{sub}: per-rank FP8 GEMM weight is {n} x {k} at TP={tp}; "
+                    f"{' and '.join(bad)} not a multiple of 128. Use a TP size that keeps every shard 128-aligned, "
+                    f"or exclude the layer from FP8 (jet_rl.bf16_first_layers / bf16_last_layers / mode=bf16).")

@@ -1,0 +1,162 @@
+"""Helpers shared by the Megatron tests (no tests here): tiny HF checkpoints and an independent reference forward.
+
+The reference forward is written from the rollout numerics conventions (shared/DESIGN.md §10) on HF-named tensors,
+using only the foundation's FP8 functions — no code from jetrl_megatron.megatron — so the Megatron model is checked
+against an independent implementation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.nn.functional as F
+
+from jetrl_megatron.fp8.linear import fp8_linear_forward
+from jetrl_megatron.fp8.quant import quantize_128x128
+from jetrl_megatron.megatron.models import ModelShape, get_model_shape
+
+TINY = get_model_shape("tiny")
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def tiny_shape(family: str = "qwen3") -> ModelShape:
+    if family == "qwen3":
+        return TINY
+    if family == "llama":  # llama3 rope scaling that actually bends frequencies at this length; tied embeddings
+        return dataclasses.replace(TINY, name="tiny-llama", family="llama", qk_norm=False, rope_scaling=LLAMA3_ROPE,
+                                   tie_word_embeddings=True, rms_norm_eps=1e-5)
+    if family == "qwen2":  # q/k/v bias; Qwen2 needs heads*head_dim == hidden
+        return dataclasses.replace(TINY, name="tiny-qwen2", family="qwen2", qk_norm=False, qkv_bias=True,
+                                   hidden_size=512)
+    raise ValueError(family)
+
+
+def hf_classes(family: str):
+    import transformers
+
+    return {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
+
+
+def make_hf_model(shape: ModelShape, seed: int = 0, std: float = 0.08):
+    """Random-init transformers model (BF16) with non-trivial norms/biases and weights large enough that a wrong
+    layout would change the logprobs visibly."""
+    cfg_cls, model_cls = hf_classes(shape.family)
+    hf_cfg = {k: v for k, v in shape.to_hf_config().items() if k not in ("architectures", "model_type")}
+    hf_cfg["initializer_range"] = std
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**hf_cfg)).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def save_tiny_hf(shape: ModelShape, path: str | os.PathLike, seed: int = 0) -> dict[str, torch.Tensor]:
+    model = make_hf_model(shape, seed)
+    model.save_pretrained(os.fspath(path))
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(os.fspath(path), "model.safetensors"))
+
+
+def hf_state(shape: ModelShape, seed: int = 0, std: float = 0.08) -> dict[str, torch.Tensor]:
+    """HF-named BF16 tensors of a random tiny model (as save_pretrained would store them)."""
+    sd = {k: v.detach().clone() for k, v in make_hf_model(shape, seed, std).state_dict().items()}
+    if shape.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+# ---------------------------------------------------------------------------------------------- reference forward
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf.to(w.dtype) * w).to(torch.bfloat16)
+
+
+def _add_rms(x, res, w, eps):
+    s = x.float() + res.float()
+    return _rms(s, w, eps), s.to(torch.bfloat16)
+
+
+def _rope_tables(shape: ModelShape):
+    hd = shape.head_dim
+    inv = 1.0 / (shape.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+    sc = shape.rope_scaling
+    if sc:
+        import math
+
+        lo, hi, fac, orig = sc["low_freq_factor"], sc["high_freq_factor"], sc["factor"], \
+            sc["original_max_position_embeddings"]
+        wl = 2 * math.pi / inv
+        smooth = (orig / wl - lo) / (hi - lo)
+        inv = torch.where(wl < orig / hi, inv, torch.where(wl > orig / lo, inv / fac,
+                                                           (1 - smooth) * inv / fac + smooth * inv))
+    t = torch.arange(shape.max_position_embeddings, dtype=torch.float)
+    freqs = torch.einsum("i,j -> ij", t, inv)
+    cache = torch.cat((freqs.cos(), freqs.sin()), -1).to(torch.bfloat16).float()
+    return cache[:, : hd // 2], cache[:, hd // 2:]
+
+
+def _rope(x, cos, sin):  # x (b, s, heads, hd)
+    x1, x2 = x.float().chunk(2, -1)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1).to(x.dtype)
+
+
+def reference_logprobs(sd: dict[str, torch.Tensor], shape: ModelShape, tokens: torch.Tensor,
+                       fp8: bool | set[int], recipe=None) -> torch.Tensor:
+    """Independent Qwen3/Llama/Qwen2 forward with vLLM-CPU conventions; FP8 linears via the foundation.
+
+    fp8: True/False for all layers, or the set of global layer indices whose linears are FP8.
+    """
+    fp8_layers = set(range(shape.num_layers)) if fp8 is True else (set() if fp8 is False else set(fp8))
+
+    def lin(x, name, bias=None):
+        w = sd[name]
+        if int(name.split(".")[2]) in fp8_layers:
+            q, s = quantize_128x128(w, recipe)
+            return fp8_linear_forward(x, q, s, bias, recipe)
+        return F.linear(x, w, bias)
+
+    b, s = tokens.shape
+    hd, nh, ng, eps = shape.head_dim, shape.num_attention_heads, shape.num_kv_heads, shape.rms_norm_eps
+    cos, sin = _rope_tables(shape)
+    cos, sin = cos[:s], sin[:s]
+    x = sd["model.embed_tokens.weight"][tokens]
+    res = None
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        if res is None:
+            h, res = _rms(x, sd[p + "input_layernorm.weight"], eps), x
+        else:
+            h, res = _add_rms(x, res, sd[p + "input_layernorm.weight"], eps)
+        bq, bk, bv = (sd.get(p + f"self_attn.{n}_proj.bias") for n in "qkv")
+        q = lin(h, p + "self_attn.q_proj.weight", bq).view(b, s, nh, hd)
+        k = lin(h, p + "self_attn.k_proj.weight", bk).view(b, s, ng, hd)
+        v = lin(h, p + "self_attn.v_proj.weight", bv).view(b, s, ng, hd)
+        if shape.qk_norm:
+            q = _rms(q, sd[p + "self_attn.q_norm.weight"], eps)
+            k = _rms(k, sd[p + "self_attn.k_norm.weight"], eps)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2).float(), k.transpose(1, 2).float(),
+                                           v.transpose(1, 2).float(), is_causal=True, enable_gqa=True)
+        o = o.to(torch.bfloat16).transpose(1, 2).reshape(b, s, nh * hd)
+        x = lin(o, p + "self_attn.o_proj.weight")
+        h, res = _add_rms(x, res, sd[p + "post_attention_layernorm.weight"], eps)
+        gate = lin(h, p + "mlp.gate_proj.weight")
+        up = lin(h, p + "mlp.up_proj.weight")
+        x = lin(F.silu(gate) * up, p + "mlp.down_proj.weight")
+    h, _ = _add_rms(x, res, sd["model.norm.weight"], eps)
+    head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+    logits = F.linear(h, head)
+    lp = torch.log_softmax(logits[:, :-1].float(), -1)
+    return lp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
