@@ -53,7 +53,7 @@ SHAPES = {  # name -> (N, K) of the linear; Qwen3-8B and Qwen3-32B per rank at T
     "32B.qkv": (5120, 5120), "32B.o": (5120, 4096), "32B.gate_up": (25600, 5120), "32B.down": (5120, 12800),
 }
 TRAIN_M = (8192, 16384)
-DECODE_M = (1, 16, 64)
+DECODE_M = (1, 4, 16, 64)
 
 
 def dim(x: int) -> int:
@@ -198,19 +198,25 @@ def quant_kernels() -> None:
         nbytes = 3 * m * k + 4 * m * k // 128
         rows.append({"kernel": f"quant_act[bm={bm},w={nw}]", "shape": [m, k], "us": ms * 1e3,
                      "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
-    for nw in (4, 8, 16):
-        ms = bench_ms(lambda nw=nw, x=x: K.quant_dual(x, recipe, num_warps=nw))
-        nbytes = 4 * m * k + 8 * m * k // 128
-        rows.append({"kernel": f"quant_dual[w={nw}]", "shape": [m, k], "us": ms * 1e3, "GBps": nbytes / ms / 1e6,
-                     "frac_copy": nbytes / ms / 1e6 / copy_gbs})
-        ms = bench_ms(lambda nw=nw, xq=xq, xs=xs: K.regroup_for_wgrad(xq, xs, recipe, num_warps=nw))
-        nbytes = 2 * m * k + 8 * m * k // 128
-        rows.append({"kernel": f"regroup[w={nw}]", "shape": [m, k], "us": ms * 1e3, "GBps": nbytes / ms / 1e6,
-                     "frac_copy": nbytes / ms / 1e6 / copy_gbs})
+    for tm in (0, 1):
+        for nw in (4, 8, 16):
+            ms = bench_ms(lambda nw=nw, x=x, tm=tm: K.quant_dual(x, recipe, num_warps=nw, trans_mode=tm))
+            nbytes = 4 * m * k + 8 * m * k // 128
+            rows.append({"kernel": f"quant_dual[t={tm},w={nw}]", "shape": [m, k], "us": ms * 1e3,
+                         "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
+        for nw, ft in ((4, 32), (4, 64), (8, 128), (4, 128)):
+            ms = bench_ms(lambda nw=nw, xq=xq, xs=xs, tm=tm, ft=ft: K.regroup_for_wgrad(
+                xq, xs, recipe, num_warps=nw, trans_mode=tm, feats=ft))
+            nbytes = 2 * m * k + 8 * m * k // 128
+            rows.append({"kernel": f"regroup[t={tm},w={nw},f={ft}]", "shape": [m, k], "us": ms * 1e3,
+                         "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
     del x, xq, xs
     for n, k in ((24576, 4096), (4096, 12288)):
         n, k = dim(n), dim(k)
         w = randn(n, k, scale=0.02)
+        ms_copy = bench_ms(lambda w=w: w.clone())
+        rows.append({"kernel": "bf16 clone (same tensor)", "shape": [n, k], "us": ms_copy * 1e3,
+                     "GBps": 4 * n * k / ms_copy / 1e6, "frac_copy": 4 * n * k / ms_copy / 1e6 / copy_gbs})
         for with_t in (False, True):
             ms = bench_ms(lambda w=w, with_t=with_t: K.quant_weight(w, recipe, with_transpose=with_t))
             nbytes = 2 * n * k + n * k * (2 if with_t else 1)
@@ -239,10 +245,12 @@ def _bf16_fn(form: str, ops: dict):
 SWEEP = [
     GemmConfig(128, 128, 8, 8, 4),
     GemmConfig(128, 128, 8, 8, 4, pipe=True),
-    GemmConfig(128, 256, 8, 8, 3),
-    GemmConfig(256, 128, 8, 8, 3),
     GemmConfig(128, 128, 16, 8, 3),
-    GemmConfig(64, 128, 8, 4, 5),
+    GemmConfig(128, 128, 8, 8, 3, pipe=True),
+    GemmConfig(128, 128, 16, 8, 4, pipe=True),
+    GemmConfig(128, 64, 8, 4, 4, pipe=True),
+    GemmConfig(64, 128, 8, 4, 4, pipe=True),
+    GemmConfig(128, 64, 8, 4, 5),
 ]
 
 

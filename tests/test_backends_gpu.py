@@ -155,8 +155,8 @@ def test_fp8_linear_cuda_matches_cpu_reference():
     dy = torch.randn(2, 96, 768, device="cuda", generator=g).to(torch.bfloat16)
     outs = []
     for dev in ("cuda", "cpu"):
-        xd = x.to(dev).requires_grad_(True)
-        wd = w.to(dev).requires_grad_(True)
+        xd = x.detach().to(dev).clone().requires_grad_(True)
+        wd = w.detach().to(dev).clone().requires_grad_(True)
         y = fp8_linear(xd, wd)
         y.backward(dy.to(dev))
         outs.append((y.detach().cpu(), xd.grad.cpu(), wd.grad.cpu()))

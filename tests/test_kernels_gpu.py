@@ -113,6 +113,28 @@ def test_quant_weight_bit_identical_16m_and_edges(recipe):
         _assert_codes(q2, qr, "quant_weight (no transpose)")
 
 
+@pytest.mark.parametrize("trans_mode", [0, 1])
+def test_launch_variants_identical(trans_mode):
+    """Every launch shape (warps, transposed-store mode, regroup feature slice) gives the reference bytes."""
+    k = _kernels()
+    x = _rand(1000, 1024, seed=21)
+    for recipe in RECIPES:
+        qtr, str_ = Q.quantize_1x128(_pad_t(x), recipe)
+        for nw in (4, 8):
+            q, s, qt, st = k.quant_dual(x, recipe, num_warps=nw, trans_mode=trans_mode)
+            _assert_codes(qt, qtr, f"dual t={trans_mode} w={nw}")
+            _assert_scales(st, str_, f"dual st t={trans_mode} w={nw}")
+        qr, sr = Q.quantize_1x128(x, recipe)
+        ref_q, ref_s = Q.quantize_1x128(_pad_t(Q.dequantize_1x128(qr, sr)), recipe)
+        for feats in (32, 64, 128):
+            qt, st = k.regroup_for_wgrad(qr, sr, recipe, trans_mode=trans_mode, feats=feats)
+            _assert_codes(qt, ref_q, f"regroup t={trans_mode} f={feats}")
+            _assert_scales(st, ref_s, f"regroup st t={trans_mode} f={feats}")
+        for bm, nw in ((16, 4), (64, 8), (128, 8)):
+            q, s = k.quant_act(x, recipe, block_m=bm, num_warps=nw)
+            _assert_codes(q, qr, f"act bm={bm}")
+
+
 def test_fp32_input_and_noncontiguous():
     k = _kernels()
     base = _rand(512, 2048, seed=7, dtype=torch.float32)

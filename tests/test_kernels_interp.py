@@ -42,9 +42,13 @@ SCRIPT = textwrap.dedent(
         assert same(q, qr) and same(s, sr) and s.stride() == (1, 200), f"quant_act {fmt}"
         q, s, qt, st = K.quant_dual(x, r); qtr, str_ = Q.quantize_1x128(pad_t(x), r)
         assert same(q, qr) and same(s, sr) and same(qt, qtr) and same(st, str_), f"quant_dual {fmt}"
-        qt, st = K.regroup_for_wgrad(qr, sr.t().contiguous().t(), r)
         ref = Q.quantize_1x128(pad_t(Q.dequantize_1x128(qr, sr)), r)
-        assert same(qt, ref[0]) and same(st, ref[1]), f"regroup {fmt}"
+        for tm in (0, 1):
+            q, s, qt, st = K.quant_dual(x, r, trans_mode=tm)
+            assert same(qt, qtr) and same(st, str_), f"quant_dual trans_mode={tm} {fmt}"
+            for feats in (32, 128):
+                qt, st = K.regroup_for_wgrad(qr, sr.t().contiguous().t(), r, trans_mode=tm, feats=feats)
+                assert same(qt, ref[0]) and same(st, ref[1]), f"regroup trans_mode={tm} feats={feats} {fmt}"
         w = torch.randn(300, 200).bfloat16()
         qw, sw, qwt = K.quant_weight(w, r, with_transpose=True); qwr, swr = Q.quantize_128x128(w, r)
         assert same(qw, qwr) and same(sw, swr) and same(qwt, qwr.t().contiguous()), f"quant_weight {fmt}"

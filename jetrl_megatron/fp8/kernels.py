@@ -37,6 +37,8 @@ _DEFAULT_RECIPE = Fp8Recipe()
 ACT_BLOCK_M = 32
 ACT_WARPS = 4
 TILE_WARPS = 8
+TRANS_MODE = 1
+REGROUP_FEATS = 128
 
 
 def _interpreting() -> bool:
@@ -97,22 +99,31 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_xk, stride_qm, 
 
 @triton.jit
 def _transposed_group_store(xf, qt_ptr, st_ptr, tok0, feat0, mb, N, stride_qtn, stride_stn, stride_stg, eps,
-                            POW2: tl.constexpr, CAST: tl.constexpr, TOKENS: tl.constexpr, FEATS: tl.constexpr):
+                            POW2: tl.constexpr, CAST: tl.constexpr, TOKENS: tl.constexpr, FEATS: tl.constexpr,
+                            TRANS_MODE: tl.constexpr):
     """xf: (TOKENS, FEATS) FP32 tile (padded tokens are 0). Quantize each feature column over the 128 tokens and store
-    the transposed codes qt[feat, tok] and the scales st[feat, mb]."""
+    the transposed codes qt[feat, tok] and the scales st[feat, mb].
+
+    TRANS_MODE 0: transpose the FP8 register tile (tl.trans) and store rows; 1: store the untransposed tile through
+    transposed addresses and let the compiler pick a coalesced layout for the token-contiguous store."""
     st = _scale_from_amax(_nan_aware_amax(xf, 0), eps, POW2)  # (FEATS,)
-    yt = tl.trans(_to_fp8(tl.div_rn(xf, st[None, :]), CAST))  # (FEATS, TOKENS)
+    y = _to_fp8(tl.div_rn(xf, st[None, :]), CAST)  # (TOKENS, FEATS)
     feats = feat0 + tl.arange(0, FEATS)
     toks = tok0 + tl.arange(0, TOKENS)
     feat_ok = feats < N
-    tl.store(qt_ptr + feats[:, None].to(tl.int64) * stride_qtn + toks[None, :], yt, mask=feat_ok[:, None])
+    if TRANS_MODE == 0:
+        tl.store(qt_ptr + feats[:, None].to(tl.int64) * stride_qtn + toks[None, :], tl.trans(y),
+                 mask=feat_ok[:, None])
+    else:
+        tl.store(qt_ptr + feats[None, :].to(tl.int64) * stride_qtn + toks[:, None], y, mask=feat_ok[None, :])
     tl.store(st_ptr + feats * stride_stn + mb * stride_stg, st, mask=feat_ok)
 
 
 @triton.jit
 def _quant_dual_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, stride_xm, stride_xn, stride_qm, stride_sm,
                        stride_sg, stride_qtn, stride_stn, stride_stg, eps,
-                       POW2: tl.constexpr, CAST: tl.constexpr, TOKENS: tl.constexpr, GROUP: tl.constexpr):
+                       POW2: tl.constexpr, CAST: tl.constexpr, TOKENS: tl.constexpr, GROUP: tl.constexpr,
+                       TRANS_MODE: tl.constexpr):
     """One program: a 128-token x 128-feature tile; writes the 1x128 row-wise codes and the transposed 128x1 codes."""
     mb = tl.program_id(0)
     g = tl.program_id(1)
@@ -127,31 +138,34 @@ def _quant_dual_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, stride_xm, str
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q, mask=row_ok[:, None])
     tl.store(s_ptr + rows * stride_sm + g * stride_sg, s, mask=row_ok)
     _transposed_group_store(xf, qt_ptr, st_ptr, mb * TOKENS, g * GROUP, mb, N, stride_qtn, stride_stn, stride_stg,
-                            eps, POW2, CAST, TOKENS, GROUP)
+                            eps, POW2, CAST, TOKENS, GROUP, TRANS_MODE)
 
 
 @triton.jit
 def _regroup_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_qm, stride_qk, stride_sm, stride_sg,
                     stride_qtn, stride_stn, stride_stg, eps,
-                    POW2: tl.constexpr, CAST: tl.constexpr, TOKENS: tl.constexpr, GROUP: tl.constexpr):
-    """One program: 128 tokens x one 128-feature group of the saved FP8 activation: x = q*s (FP32), requantized
-    along tokens and stored transposed."""
+                    POW2: tl.constexpr, CAST: tl.constexpr, TOKENS: tl.constexpr, GROUP: tl.constexpr,
+                    FEATS: tl.constexpr, TRANS_MODE: tl.constexpr):
+    """One program: 128 tokens x FEATS features (a slice of one 128-group) of the saved FP8 activation:
+    x = q*s (FP32), requantized along tokens and stored transposed."""
     mb = tl.program_id(0)
-    g = tl.program_id(1)
+    f = tl.program_id(1)
+    g = (f * FEATS) // GROUP
     rows = mb * TOKENS + tl.arange(0, TOKENS)
-    cols = g * GROUP + tl.arange(0, GROUP)
+    cols = f * FEATS + tl.arange(0, FEATS)
     row_ok = rows < M
     q = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :] * stride_qk,
                 mask=row_ok[:, None], other=0.0)
     s = tl.load(s_ptr + rows * stride_sm + g * stride_sg, mask=row_ok, other=0.0)
     xf = q.to(tl.float32) * s[:, None]
-    _transposed_group_store(xf, qt_ptr, st_ptr, mb * TOKENS, g * GROUP, mb, K, stride_qtn, stride_stn, stride_stg,
-                            eps, POW2, CAST, TOKENS, GROUP)
+    _transposed_group_store(xf, qt_ptr, st_ptr, mb * TOKENS, f * FEATS, mb, K, stride_qtn, stride_stn, stride_stg,
+                            eps, POW2, CAST, TOKENS, FEATS, TRANS_MODE)
 
 
 @triton.jit
 def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, N, K, stride_wn, stride_wk, stride_qn, stride_sn, stride_qtk,
-                         eps, POW2: tl.constexpr, CAST: tl.constexpr, WRITE_T: tl.constexpr, TILE: tl.constexpr):
+                         eps, POW2: tl.constexpr, CAST: tl.constexpr, WRITE_T: tl.constexpr, TILE: tl.constexpr,
+                         TRANS_MODE: tl.constexpr):
     """One program: one 128x128 weight tile (edge tiles masked); optional transposed (K,N) copy of the codes."""
     nb = tl.program_id(0)
     kb = tl.program_id(1)
@@ -166,7 +180,11 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, N, K, stride_wn, stride_wk
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qn + cols[None, :], q, mask=mask)
     tl.store(s_ptr + nb * stride_sn + kb, s)
     if WRITE_T:
-        tl.store(qt_ptr + cols[:, None].to(tl.int64) * stride_qtk + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+        if TRANS_MODE == 0:
+            tl.store(qt_ptr + cols[:, None].to(tl.int64) * stride_qtk + rows[None, :], tl.trans(q),
+                     mask=tl.trans(mask))
+        else:
+            tl.store(qt_ptr + cols[None, :].to(tl.int64) * stride_qtk + rows[:, None], q, mask=mask)
 
 
 # ------------------------------------------------------------------------------------------------ host wrappers
@@ -227,8 +245,8 @@ def quant_act(x2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, block_m: in
     return _finish_codes(q), s
 
 
-def quant_dual(g2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, num_warps: int = TILE_WARPS
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quant_dual(g2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, num_warps: int = TILE_WARPS,
+               trans_mode: int = TRANS_MODE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One pass over g (M,N): the 1x128 row-wise copy (q, s) and the token-grouped transposed copy
     qt (N,Mp) row-major with st (N,Mp/128) column-major (zero-padded tokens)."""
     _check_cuda_or_interp(g2d, "quant_dual")
@@ -244,12 +262,13 @@ def quant_dual(g2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, num_warps:
         _quant_dual_kernel[grid](g2d, q, s, qt, st, m, n, g2d.stride(0), g2d.stride(1), q.stride(0), s.stride(0),
                                  s.stride(1), qt.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
                                  POW2=recipe.scale_fmt == "pow2", CAST=not _interpreting(), TOKENS=BLOCK,
-                                 GROUP=BLOCK, num_warps=num_warps)
+                                 GROUP=BLOCK, TRANS_MODE=trans_mode, num_warps=num_warps)
     return _finish_codes(q), s, _finish_codes(qt), st
 
 
 def regroup_for_wgrad(q: torch.Tensor, s: torch.Tensor, recipe: Fp8Recipe | None = None, *,
-                      num_warps: int = TILE_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+                      num_warps: int = TILE_WARPS, trans_mode: int = TRANS_MODE, feats: int = REGROUP_FEATS
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Saved 1x128 FP8 activation (q (M,K), s (M,K/128), any scale strides) -> qt (K,Mp), st (K,Mp/128) col-major.
 
     Equals quantize_1x128(pad_tokens(dequantize_1x128(q, s)).t()) bit for bit; the FP32 dequantized tile lives only
@@ -267,11 +286,11 @@ def regroup_for_wgrad(q: torch.Tensor, s: torch.Tensor, recipe: Fp8Recipe | None
     st = _col_major(k, mp // BLOCK, q.device)
     if m:
         q_in = q
-        grid = (mp // BLOCK, k // BLOCK)
+        grid = (mp // BLOCK, k // feats)
         _regroup_kernel[grid](q_in, s, qt, st, m, k, q_in.stride(0), q_in.stride(1), s.stride(0), s.stride(1),
                               qt.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
                               POW2=recipe.scale_fmt == "pow2", CAST=not _interpreting(), TOKENS=BLOCK, GROUP=BLOCK,
-                              num_warps=num_warps)
+                              FEATS=feats, TRANS_MODE=trans_mode, num_warps=num_warps)
     return _finish_codes(qt), st
 
 
@@ -292,7 +311,8 @@ def quant_weight(w: torch.Tensor, recipe: Fp8Recipe | None = None, *, with_trans
     if n and k:
         _quant_weight_kernel[(nb, kb)](w, q, s, qt, n, k, w.stride(0), w.stride(1), q.stride(0), s.stride(0),
                                        qt.stride(0), recipe.amax_eps, POW2=recipe.scale_fmt == "pow2",
-                                       CAST=not _interpreting(), WRITE_T=with_transpose, TILE=BLOCK, num_warps=8)
+                                       CAST=not _interpreting(), WRITE_T=with_transpose, TILE=BLOCK,
+                                       TRANS_MODE=TRANS_MODE, num_warps=8)
     if with_transpose:
         return _finish_codes(q), s, _finish_codes(qt)
     return _finish_codes(q), s

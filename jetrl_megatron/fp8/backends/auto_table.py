@@ -9,7 +9,7 @@ from __future__ import annotations
 
 # form -> [(upper bound of M inclusive, backend)], first match wins; the last entry has no bound.
 TABLE: dict[str, list[tuple[int | None, str]]] = {
-    "fprop": [(None, "cublas")],
+    "fprop": [(8, "triton"), (None, "cublas")],
     "dgrad": [(None, "cublas")],
     "wgrad": [(None, "cublas")],
 }

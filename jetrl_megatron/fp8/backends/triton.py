@@ -11,14 +11,15 @@ from __future__ import annotations
 import torch
 
 from jetrl_megatron.fp8.backends._layout import contiguous_codes, derived
-from jetrl_megatron.fp8.backends.triton_gemm import BATCH_INVARIANT_CONFIG, BLOCK_K, GemmConfig, blockwise_fp8_gemm
+from jetrl_megatron.fp8.backends.triton_gemm import BATCH_INVARIANT_CONFIGS, BLOCK_K, GemmConfig, blockwise_fp8_gemm
 from jetrl_megatron.fp8.kernels import transpose_fp8
 
-# Fastest-mode tile configs per GEMM form for M > SWAP_AB_MAX_M (measured on the H200, bench/kernels_bench.py).
+# Fastest-mode tile configs per GEMM form for M > SWAP_AB_MAX_M (H200 sweep at M=8192, bench/kernels_bench.py):
+# the software-pipelined promotion wins for the 128x128-weight forms; WGrad (two 1x128 operands) spills with it.
 TUNED: dict[str, GemmConfig] = {
-    "fprop": GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4),
-    "dgrad": GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4),
-    "wgrad": GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4),
+    "fprop": GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, pipe=True),
+    "dgrad": GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, pipe=True),
+    "wgrad": GemmConfig(block_m=128, block_n=128, group_m=16, num_warps=8, num_stages=3),
 }
 SWAP_AB_MAX_M = 64
 _NUM_SMS: int | None = None
@@ -52,7 +53,7 @@ def _run(form: str, a, sa, b, sb, a_rows: int, b_rows: int, bias, out_dtype, bat
     m = a.shape[0]
     if batch_invariant:
         return blockwise_fp8_gemm(a, sa, b, sb, a_scale_rows=a_rows, b_scale_rows=b_rows,
-                                  config=BATCH_INVARIANT_CONFIG, bias=bias, out_dtype=out_dtype)
+                                  config=BATCH_INVARIANT_CONFIGS[form], bias=bias, out_dtype=out_dtype)
     if config is None and tokens_on_a and m <= SWAP_AB_MAX_M:
         cfg = small_m_config(m, b.shape[0], a.shape[1], a.device)
         return blockwise_fp8_gemm(b, sb, a, sa, a_scale_rows=b_rows, b_scale_rows=a_rows, config=cfg, bias=bias,

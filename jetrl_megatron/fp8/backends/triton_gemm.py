@@ -39,8 +39,12 @@ class GemmConfig:
                 f"k{self.split_k}{'p' if self.pipe else ''}")
 
 
-# The one config batch-invariant mode always uses (never chosen per M).
-BATCH_INVARIANT_CONFIG = GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, split_k=1)
+# The configs batch-invariant mode always uses, one per GEMM form, never chosen per M (H200 sweep winners at M=8192).
+BATCH_INVARIANT_CONFIGS = {
+    "fprop": GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, pipe=True),
+    "dgrad": GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, pipe=True),
+    "wgrad": GemmConfig(block_m=128, block_n=128, group_m=16, num_warps=8, num_stages=3),
+}
 
 
 @triton.jit
