@@ -346,3 +346,25 @@ def test_preset_smoke_fp8_qwen3_06b_layer_shapes():
     assert got["model.layers.0.self_attn.qkv_proj.weight"].shape == (4096, 1024)
     assert got["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (8, 24)
     assert proj_shape(shape, "o") == (1024, 2048)
+
+
+@pytest.mark.parametrize("rollout_tp", [1, 4])
+def test_refit_program_equals_streaming_and_writes_in_place(rollout_tp):
+    from jetrl_megatron.reshard import StaleSourceError, VllmRefitProgram
+    master, canon = _hf_master(SMALL, seed=37)
+    src = _megatron_trainer_shards(SMALL, master, canon, 2, 2)
+    for rank in range(rollout_tp):
+        want = dict(iter_vllm_rank(src, rollout_tp, rank))
+        dst = {k: torch.full_like(v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v, 3).view(v.dtype)
+               for k, v in want.items()}
+        prog = VllmRefitProgram(src, rollout_tp, rank, dst=dst)
+        for batched in (True, False):
+            got = prog.run(batched=batched)
+            assert set(got) == set(want)
+            for k, v in want.items():
+                assert got[k] is dst[k] and _same_bytes(v, got[k]), k
+    # the trainer replaces a source tensor: the program refuses to copy stale memory
+    key = "decoder.layers.0.mlp.linear_fc1.weight"
+    src.states[(0, 0, 1)][key] = src.states[(0, 0, 1)][key].clone()  # read by every program built last
+    with pytest.raises(StaleSourceError):
+        prog.run()

@@ -80,7 +80,7 @@ def qkv_interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads:
     if not (q.shape[1:] == k.shape[1:] == v.shape[1:]):
         raise ValueError(f"q/k/v trailing shapes differ: {tuple(q.shape)} {tuple(k.shape)} {tuple(v.shape)}")
     hf = torch.cat([q, k, v], dim=0).reshape(num_heads + 2 * num_kv_heads, rph, *q.shape[1:])
-    perm = qkv_slot_permutation(num_heads, num_kv_heads)
+    perm = qkv_slot_permutation(num_heads, num_kv_heads).to(hf.device)
     return hf.index_select(0, perm).reshape(-1, *q.shape[1:])
 
 
@@ -90,7 +90,7 @@ def qkv_deinterleave(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
     slots = num_heads + 2 * num_kv_heads
     rph = _rows_per_head(qkv, slots, rows_per_head, "linear_qkv")
     fused = qkv.reshape(slots, rph, *qkv.shape[1:])
-    inv = torch.argsort(qkv_slot_permutation(num_heads, num_kv_heads))
+    inv = torch.argsort(qkv_slot_permutation(num_heads, num_kv_heads)).to(qkv.device)
     hf = fused.index_select(0, inv).reshape(-1, *qkv.shape[1:])
     nq, nk = num_heads * rph, num_kv_heads * rph
     return hf[:nq], hf[nq:nq + nk], hf[nq + nk:]

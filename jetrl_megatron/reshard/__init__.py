@@ -17,10 +17,11 @@ from jetrl_megatron.reshard.mover import (
 )
 from jetrl_megatron.reshard.plan import build_plan, format_plan
 from jetrl_megatron.reshard.preflight import ReshardError, Violation, check_reshard, validate_reshard
+from jetrl_megatron.reshard.program import StaleSourceError, VllmRefitProgram
 
 __all__ = [
     "Address", "megatron_address", "vllm_addresses", "vllm_rank_plans", "export_hf_fp8", "write_hf_checkpoint",
     "MegatronShards", "canonical_layer_tensors", "iter_canonical", "iter_vllm_rank", "megatron_from_canonical",
     "vllm_layer_tensors", "build_plan", "format_plan", "ReshardError", "Violation", "check_reshard",
-    "validate_reshard",
+    "validate_reshard", "VllmRefitProgram", "StaleSourceError",
 ]

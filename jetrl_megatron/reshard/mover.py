@@ -14,7 +14,7 @@ same way, without scales.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -132,52 +132,86 @@ def _gemm_shards(src: MegatronShards, layer: int, mparam: str,
 # Megatron -> vLLM (one rollout rank)
 
 
-def _assemble(plan: ParamPlan, shards: Sequence[torch.Tensor], what: str,
-              device: torch.device | str | None = None) -> torch.Tensor:
-    """Build one vLLM tensor from Megatron TP shards by copying the plan's slabs (weights, scales or biases)."""
+CopyPair = tuple[torch.Tensor, torch.Tensor]   # (destination view, source view), both integer views
+DstFactory = Callable[[str, tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
+def _allocate(device: torch.device | str | None) -> DstFactory:
+    def make(name: str, shape: tuple[int, ...], dtype: torch.dtype, src_device: torch.device) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device or src_device)
+    return make
+
+
+def _check_dst(t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise ValueError(f"{name}: destination is {tuple(t.shape)} {t.dtype}, the reshard produces "
+                         f"{tuple(shape)} {dtype}")
+    return t
+
+
+def _plan_pairs(plan: ParamPlan, shards: Sequence[torch.Tensor], name: str, dst_for: DstFactory,
+                ) -> tuple[torch.Tensor, list[CopyPair]]:
+    """Destination tensor + slab copies building one vLLM tensor from Megatron TP shards (weight, scale or bias)."""
     dim = plan.dim if shards[0].dim() > 1 else 0
     size = shards[0].shape[dim]
     unit, rem = divmod(size, plan.src_blocks)
     if rem or unit == 0:
-        raise ValueError(f"{what}: Megatron shard size {size} along dim {dim} is not {plan.src_blocks} blocks")
-    for r, s in enumerate(shards):
-        if s.shape != shards[0].shape or s.dtype != shards[0].dtype:
-            raise ValueError(f"{what}: TP rank {r} shard {tuple(s.shape)} {s.dtype} differs from rank 0 "
+        raise ValueError(f"{name}: Megatron shard size {size} along dim {dim} is not {plan.src_blocks} blocks")
+    for r, sh in enumerate(shards):
+        if sh.shape != shards[0].shape or sh.dtype != shards[0].dtype:
+            raise ValueError(f"{name}: TP rank {r} shard {tuple(sh.shape)} {sh.dtype} differs from rank 0 "
                              f"{tuple(shards[0].shape)} {shards[0].dtype}")
     out_shape = list(shards[0].shape)
     out_shape[dim] = plan.dst_blocks * unit
-    out = torch.empty(out_shape, dtype=shards[0].dtype, device=device or shards[0].device)
+    out = _check_dst(dst_for(name, tuple(out_shape), shards[0].dtype, shards[0].device), name, tuple(out_shape),
+                     shards[0].dtype)
     dst = raw(out)
-    srcs = [raw(s) for s in shards]
-    for seg in plan.segments:
-        dst.narrow(dim, seg.dst_start * unit, seg.length * unit).copy_(
-            srcs[seg.src_rank].narrow(dim, seg.src_start * unit, seg.length * unit))
-    return out
+    srcs = [raw(sh) for sh in shards]
+    pairs = [(dst.narrow(dim, seg.dst_start * unit, seg.length * unit),
+              srcs[seg.src_rank].narrow(dim, seg.src_start * unit, seg.length * unit)) for seg in plan.segments]
+    return out, pairs
+
+
+def _whole_pair(t: torch.Tensor, name: str, dst_for: DstFactory) -> tuple[torch.Tensor, list[CopyPair]]:
+    out = _check_dst(dst_for(name, tuple(t.shape), t.dtype, t.device), name, tuple(t.shape), t.dtype)
+    return out, [(raw(out), raw(t))]
+
+
+def run_pairs(pairs: Sequence[CopyPair]) -> None:
+    for dst, src in pairs:
+        dst.copy_(src)
 
 
 def _copy(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
-    out = torch.empty_like(t, device=device or t.device)
-    raw(out).copy_(raw(t))
+    out, pairs = _whole_pair(t, "", _allocate(device))
+    run_pairs(pairs)
     return out
 
 
-def vllm_layer_tensors(src: MegatronShards, layer: int, rollout_tp: int, rank: int,
-                       device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-    """vLLM rank `rank`'s tensors of decoder layer `layer` (vLLM module names, global layer index)."""
+def layer_copy_pairs(src: MegatronShards, layer: int, rollout_tp: int, rank: int, dst_for: DstFactory,
+                     ) -> tuple[dict[str, torch.Tensor], list[CopyPair]]:
+    """Destination tensors and byte copies of decoder layer `layer` on vLLM rank `rank` (nothing copied yet)."""
     shape = src.shape
     prefix = layout.hf_layer_prefix(layer)
     out: dict[str, torch.Tensor] = {}
+    pairs: list[CopyPair] = []
+
+    def add(name: str, made: tuple[torch.Tensor, list[CopyPair]]) -> None:
+        out[name] = made[0]
+        pairs.extend(made[1])
+
     for plan in vllm_rank_plans(shape, src.tp, rollout_tp, rank):
         weights, scales = _gemm_shards(src, layer, plan.megatron_param)
         name = prefix + plan.vllm_param + ".weight"
-        out[name] = _assemble(plan, weights, name, device)
+        add(name, _plan_pairs(plan, weights, name, dst_for))
         if scales is not None:
-            out[name + SCALE_SUFFIX] = _assemble(plan, scales, name + SCALE_SUFFIX, device)
+            add(name + SCALE_SUFFIX, _plan_pairs(plan, scales, name + SCALE_SUFFIX, dst_for))
         if plan.vllm_param == "self_attn.qkv_proj" and shape.qkv_bias:
             bias = src.layer_shards(layer, plan.megatron_param + ".bias")
             if bias is None:
                 raise KeyError(f"layer {layer}: {shape.name} has q/k/v bias but linear_qkv.bias is missing")
-            out[prefix + "self_attn.qkv_proj.bias"] = _assemble(plan, bias, prefix + "qkv_proj.bias", device)
+            add(prefix + "self_attn.qkv_proj.bias", _plan_pairs(plan, bias, prefix + "self_attn.qkv_proj.bias",
+                                                                  dst_for))
     norms = [("input_layernorm.weight", "input_layernorm.weight"),
              ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight")]
     if shape.qk_norm:
@@ -187,35 +221,61 @@ def vllm_layer_tensors(src: MegatronShards, layer: int, rollout_tp: int, rank: i
         shards = src.layer_shards(layer, mname)
         if shards is None:
             raise KeyError(f"layer {layer}: Megatron parameter {mname!r} not found")
-        out[prefix + hname] = _copy(shards[0], device)
+        add(prefix + hname, _whole_pair(shards[0], prefix + hname, dst_for))
+    return out, pairs
+
+
+def vllm_layer_tensors(src: MegatronShards, layer: int, rollout_tp: int, rank: int,
+                       device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """vLLM rank `rank`'s tensors of decoder layer `layer` (vLLM module names, global layer index)."""
+    out, pairs = layer_copy_pairs(src, layer, rollout_tp, rank, _allocate(device))
+    run_pairs(pairs)
     return out
+
+
+def vocab_copy_pairs(shards: Sequence[torch.Tensor], vocab_size: int, start: int, stop: int, name: str,
+                     dst_for: DstFactory) -> tuple[torch.Tensor, list[CopyPair], torch.Tensor]:
+    """Rows [start, stop) of the unpadded vocab from Megatron vocab shards: (dst, copies, padding rows to zero)."""
+    per = shards[0].shape[0]
+    if per * len(shards) < vocab_size:
+        raise ValueError(f"{name}: {len(shards)} shards x {per} rows < vocab_size {vocab_size}")
+    shape = (stop - start, *shards[0].shape[1:])
+    out = _check_dst(dst_for(name, shape, shards[0].dtype, shards[0].device), name, shape, shards[0].dtype)
+    dst = raw(out)
+    lo, hi = start, min(stop, vocab_size)
+    pad = dst[max(hi - start, 0):]
+    pairs = []
+    while lo < hi:
+        r, off = divmod(lo, per)
+        n = min(hi - lo, per - off)
+        pairs.append((dst.narrow(0, lo - start, n), raw(shards[r]).narrow(0, off, n)))
+        lo += n
+    return out, pairs, pad
 
 
 def _vocab_rows(shards: Sequence[torch.Tensor], vocab_size: int, start: int, stop: int,
                 device: torch.device | str | None, what: str) -> torch.Tensor:
     """Rows [start, stop) of the unpadded vocab gathered from Megatron vocab shards; rows >= vocab_size are zero."""
-    per = shards[0].shape[0]
-    if per * len(shards) < vocab_size:
-        raise ValueError(f"{what}: {len(shards)} shards x {per} rows < vocab_size {vocab_size}")
-    out = torch.zeros((stop - start, *shards[0].shape[1:]), dtype=shards[0].dtype, device=device or shards[0].device)
-    dst = raw(out)
-    lo, hi = start, min(stop, vocab_size)
-    while lo < hi:
-        r, off = divmod(lo, per)
-        n = min(hi - lo, per - off)
-        dst.narrow(0, lo - start, n).copy_(raw(shards[r]).narrow(0, off, n))
-        lo += n
+    out, pairs, pad = vocab_copy_pairs(shards, vocab_size, start, stop, what, _allocate(device))
+    pad.zero_()
+    run_pairs(pairs)
     return out
 
 
-def vllm_vocab_tensor(shards: Sequence[torch.Tensor], vocab_size: int, rollout_tp: int, rank: int,
-                      device: torch.device | str | None = None, what: str = "vocab") -> torch.Tensor:
-    """vLLM rank's rows of an embedding / lm_head: vocab padded to a multiple of 64, split evenly (pad rows 0)."""
+def vllm_vocab_rows(vocab_size: int, rollout_tp: int, rank: int, what: str = "vocab") -> tuple[int, int]:
+    """[start, stop) of a vLLM rank's embedding / lm_head rows: vocab padded to a multiple of 64, split evenly."""
     padded = vllm_padded_vocab(vocab_size)
     if padded % rollout_tp:
         raise ValueError(f"{what}: vLLM padded vocab {padded} is not divisible by TP {rollout_tp}")
     per = padded // rollout_tp
-    return _vocab_rows(shards, vocab_size, rank * per, (rank + 1) * per, device, what)
+    return rank * per, (rank + 1) * per
+
+
+def vllm_vocab_tensor(shards: Sequence[torch.Tensor], vocab_size: int, rollout_tp: int, rank: int,
+                      device: torch.device | str | None = None, what: str = "vocab") -> torch.Tensor:
+    """vLLM rank's rows of an embedding / lm_head (pad rows zero)."""
+    start, stop = vllm_vocab_rows(vocab_size, rollout_tp, rank, what)
+    return _vocab_rows(shards, vocab_size, start, stop, device, what)
 
 
 def iter_vllm_rank(src: MegatronShards, rollout_tp: int, rank: int,

@@ -1,0 +1,134 @@
+"""A compiled refit: the byte copies Megatron shards -> one vLLM rank's tensors, planned once and replayed each step.
+
+Why: in RL the trainer's FP8 cache and the rollout engine's parameters are persistent buffers, and the same
+few thousand slab copies happen after every optimizer step. Building the copy list once removes the per-step
+Python planning cost; on CUDA, contiguous copies go through one `torch._foreach_copy_` call per dtype (batched
+multi-tensor launches) and the whole replay can be captured in a CUDA graph. Destinations can be the engine's own
+parameter tensors (pass `dst`), so a refit writes in place with no allocation.
+
+The program holds views of the source tensors it was built from: if the trainer reallocates them, build a new
+program (`run()` checks the source data pointers and refuses stale ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from jetrl_megatron.megatron import layout
+from jetrl_megatron.reshard.mover import (
+    CopyPair,
+    DstFactory,
+    MegatronShards,
+    _whole_pair,
+    layer_copy_pairs,
+    run_pairs,
+    vllm_vocab_rows,
+    vocab_copy_pairs,
+)
+from jetrl_megatron.reshard.preflight import validate_reshard
+
+
+class StaleSourceError(RuntimeError):
+    """A source tensor of the program was reallocated since it was built."""
+
+
+class VllmRefitProgram:
+    """Copies for vLLM rank `rank` of rollout TP `rollout_tp` from `src`; `run()` performs them (byte moves)."""
+
+    def __init__(self, src: MegatronShards, rollout_tp: int, rank: int,
+                 dst: Mapping[str, torch.Tensor] | None = None, device: torch.device | str | None = None):
+        validate_reshard(src.shape, src.tp, src.pp, rollout_tp, src.vp)
+        shape = src.shape
+        self.tensors: dict[str, torch.Tensor] = {}
+        pairs: list[CopyPair] = []
+        pads: list[torch.Tensor] = []
+
+        def dst_for(name: str, shp: tuple[int, ...], dtype: torch.dtype, src_device: torch.device) -> torch.Tensor:
+            if dst is not None:
+                if name not in dst:
+                    raise KeyError(f"destination has no tensor {name!r}")
+                return dst[name]
+            return torch.empty(shp, dtype=dtype, device=device or src_device)
+
+        factory: DstFactory = dst_for
+        emb = layout.embedding_param_map().megatron
+        start, stop = vllm_vocab_rows(shape.vocab_size, rollout_tp, rank, emb)
+        t, p, pad = vocab_copy_pairs(src.first_shards(emb), shape.vocab_size, start, stop,
+                                     "model.embed_tokens.weight", factory)
+        self.tensors["model.embed_tokens.weight"] = t
+        pairs += p
+        pads.append(pad)
+        for layer in range(shape.num_layers):
+            ts, p = layer_copy_pairs(src, layer, rollout_tp, rank, factory)
+            self.tensors.update(ts)
+            pairs += p
+        norm = layout.final_norm_param_map().megatron
+        t, p = _whole_pair(src.last_shards(norm)[0], "model.norm.weight", factory)
+        self.tensors["model.norm.weight"] = t
+        pairs += p
+        out_map = layout.output_param_map(shape)
+        if out_map is not None:
+            t, p, pad = vocab_copy_pairs(src.last_shards(out_map.megatron), shape.vocab_size, start, stop,
+                                         "lm_head.weight", factory)
+            self.tensors["lm_head.weight"] = t
+            pairs += p
+            pads.append(pad)
+        for pad in pads:
+            pad.zero_()
+        # contiguous pairs grouped by dtype for batched copies; strided ones (row-parallel column slabs) apart
+        self._groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._strided: list[CopyPair] = []
+        for d, s in pairs:
+            if d.is_contiguous() and s.is_contiguous():
+                g = self._groups.setdefault(d.dtype, ([], []))
+                g[0].append(d)
+                g[1].append(s)
+            else:
+                self._strided.append((d, s))
+        used = {s.untyped_storage().data_ptr() for _, s in pairs}
+        self._src = src
+        self._src_ptrs = {(key, name): t.data_ptr() for key, state in src.states.items() for name, t in state.items()
+                          if t.untyped_storage().data_ptr() in used}
+        self.num_copies = len(pairs)
+        self.bytes = sum(d.numel() * d.element_size() for d, _ in pairs)
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    def check_sources(self) -> None:
+        for (key, name), ptr in self._src_ptrs.items():
+            t = self._src.states[key].get(name)
+            if t is None or t.data_ptr() != ptr:
+                raise StaleSourceError(f"Megatron source tensor {name!r} of (pp, vp, tp) rank {key} was replaced "
+                                       f"or reallocated since the refit program was built; rebuild it")
+
+    def run(self, batched: bool = True, check: bool = True) -> dict[str, torch.Tensor]:
+        """Perform every copy; returns the destination tensors (vLLM names)."""
+        if check:
+            self.check_sources()
+        if self._graph is not None:
+            self._graph.replay()
+            return self.tensors
+        if batched:
+            for dsts, srcs in self._groups.values():
+                torch._foreach_copy_(dsts, srcs)
+            run_pairs(self._strided)
+        else:
+            for dsts, srcs in self._groups.values():
+                run_pairs(list(zip(dsts, srcs, strict=True)))
+            run_pairs(self._strided)
+        return self.tensors
+
+    def capture_cuda_graph(self) -> None:
+        """Record run() into a CUDA graph; later run() calls replay it (sources and destinations must stay put)."""
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.run(check=False)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.run(check=False)
+        self._graph = graph
