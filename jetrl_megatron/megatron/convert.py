@@ -118,8 +118,12 @@ def _gather_tp(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def hf_state_dict(model) -> dict[str, torch.Tensor] | None:
-    """Collective: the full HF-named state dict (CPU tensors) on global rank 0, None elsewhere."""
+def hf_state_dict(model, *, grads: bool = False) -> dict[str, torch.Tensor] | None:
+    """Collective: the full HF-named state dict (CPU tensors) on global rank 0, None elsewhere.
+
+    ``grads=True`` returns the gradients instead (``param.main_grad`` of a DDP-wrapped model, else ``.grad``) in
+    the same HF layout — for checking that TP/PP layouts produce the same gradients.
+    """
     gpt = unwrap(model)
     shape = gpt.jetrl_shape
     params = dict(gpt.named_parameters())
@@ -127,7 +131,11 @@ def hf_state_dict(model) -> dict[str, torch.Tensor] | None:
     for pmap in _stage_maps(gpt):
         if pmap.megatron == "output_layer.weight" and shape.tie_word_embeddings:
             continue  # tied: HF has no lm_head
-        p = params[pmap.megatron].detach()
+        p = params[pmap.megatron]
+        p = (getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad) if grads \
+            else p.detach()
+        if p is None:
+            raise ValueError(f"{pmap.megatron}: no gradient")
         shards = [p] if pmap.kind == "replicated" else _gather_tp(p)
         tensors = megatron_shards_to_hf(pmap, [s.cpu() for s in shards], shape)
         for name, t in zip(pmap.hf, tensors, strict=True):

@@ -47,6 +47,7 @@ __all__ = [
     "token_logprobs",
     "wrap_ddp",
     "StepResult",
+    "forward_backward",
     "train_step",
     "rollout_weights",
 ]
@@ -281,15 +282,13 @@ class StepResult:
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn, *,
-               micro_batch_size: int) -> StepResult:
-    """One optimizer step: forward+backward over micro-batches (grad accumulation), DP/TP/PP reductions, step.
+def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int,
+                     grad_scale_func: Callable | None = None) -> tuple[float, dict[str, float]]:
+    """Forward+backward over micro-batches through ``get_forward_backward_func`` (no optimizer step).
 
-    ``batch``: this DP rank's tensors with a common leading dim, at least ``"tokens"`` (b, s); it is split into
-    micro-batches of ``micro_batch_size`` rows. ``loss_fn(logprobs, micro_batch) -> (loss, metrics)`` receives
-    FP32 logprobs (mb, s-1) with autograd and returns a scalar loss (its mean over micro-batches is optimised) and
-    a dict of scalar tensors. ``optimizer`` comes from :func:`jetrl_megatron.megatron.optim.build_optimizer`; it
-    refreshes the FP8 cache exactly once after a successful step and skips steps with non-finite gradients.
+    Gradients end up in the DDP grad buffers (``param.main_grad``), reduced over DP / TP (sequence-parallel
+    norms) / PP (tied embeddings) by Megatron's ``finalize_model_grads``. Returns (mean loss, mean metrics),
+    valid on every rank. See :func:`train_step` for ``batch`` and ``loss_fn``.
     """
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
@@ -300,12 +299,12 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn
     vocab = gpt.jetrl_shape.vocab_size
     config = gpt.config
     config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
+    config.grad_scale_func = grad_scale_func
     for c in chunks:
         c.train()
-        if hasattr(c, "zero_grad_buffer"):
-            c.zero_grad_buffer()
-    optimizer.zero_grad()
+        if not hasattr(c, "zero_grad_buffer"):
+            raise TypeError("forward_backward needs DDP-wrapped chunks (wrap_ddp)")
+        c.zero_grad_buffer()
 
     def step(data_iter, m):
         mb = next(data_iter)
@@ -327,7 +326,6 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn
     store = get_forward_backward_func()(
         forward_step_func=step, data_iterator=iter(mbatches), model=chunks, num_microbatches=len(mbatches),
         seq_length=s, micro_batch_size=micro_batch_size, forward_only=False)
-    ok, grad_norm, _ = optimizer.step()
     keys = sorted(store[0]) if gpt.post_process else []
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         obj = [keys]
@@ -337,9 +335,27 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn
     means = (torch.stack([torch.stack([d[k] for d in store]).mean() for k in keys]) if gpt.post_process else None)
     means = _broadcast_from_last_stage(means, (len(keys),))
     values = dict(zip(keys, means.tolist(), strict=True))
-    return StepResult(loss=values.pop("loss"), skipped=not ok,
-                      grad_norm=None if grad_norm is None else float(grad_norm),
-                      fp8_generation=gpt.jetrl_fp8_cache.generation, metrics=values)
+    return values.pop("loss"), values
+
+
+def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn, *,
+               micro_batch_size: int) -> StepResult:
+    """One optimizer step: forward+backward over micro-batches (grad accumulation), DP/TP/PP reductions, step.
+
+    ``batch``: this DP rank's tensors with a common leading dim, at least ``"tokens"`` (b, s); it is split into
+    micro-batches of ``micro_batch_size`` rows. ``loss_fn(logprobs, micro_batch) -> (loss, metrics)`` receives
+    FP32 logprobs (mb, s-1) with autograd and returns a scalar loss (its mean over micro-batches is optimised; DP
+    ranks are averaged) and a dict of scalar tensors. ``optimizer`` comes from
+    :func:`jetrl_megatron.megatron.optim.build_optimizer`; it refreshes the FP8 cache exactly once after a
+    successful step and skips steps with non-finite gradients (``StepResult.skipped``).
+    """
+    optimizer.zero_grad()
+    loss, metrics = forward_backward(model, batch, loss_fn, micro_batch_size=micro_batch_size,
+                                     grad_scale_func=optimizer.scale_loss)
+    ok, grad_norm, _ = optimizer.step()
+    gpt = unwrap(_as_chunks(model)[0])
+    return StepResult(loss=loss, skipped=not ok, grad_norm=None if grad_norm is None else float(grad_norm),
+                      fp8_generation=gpt.jetrl_fp8_cache.generation, metrics=metrics)
 
 
 # ------------------------------------------------------------------------------------------------ rollout weights
