@@ -165,11 +165,51 @@ def ceilings() -> None:
     print(RESULTS["ceilings"])
 
 
+def _gbps_row(name, shape, ms, nbytes, copy_gbs):
+    return {"kernel": name, "shape": list(shape), "us": ms * 1e3, "GBps": nbytes / ms / 1e6,
+            "frac_copy": nbytes / ms / 1e6 / copy_gbs}
+
+
 @section("quant kernels")
 def quant_kernels() -> None:
     copy_gbs = RESULTS.get("ceilings", {}).get("copy_GBps", float("nan"))
     rows = []
     recipe = Fp8Recipe()
+    # 1) launch-shape sweep on one shape; the winners become the defaults for everything measured afterwards
+    m, k = dim(16384), dim(4096)
+    x = randn(m, k)
+    xq, xs = K.quant_act(x, recipe)
+    best_act, best_dual, best_regroup = None, None, None
+    for bm, nw in ((16, 4), (32, 4), (64, 8)):
+        ms = bench_ms(lambda bm=bm, nw=nw, x=x: K.quant_act(x, recipe, block_m=bm, num_warps=nw))
+        rows.append(_gbps_row(f"quant_act[bm={bm},w={nw}]", (m, k), ms, 3 * m * k + 4 * m * k // 128, copy_gbs))
+        best_act = min(best_act or (ms, bm, nw), (ms, bm, nw))
+    for tm in (0, 1, 2):
+        for nw, ft in ((4, 32), (4, 64), (8, 64), (4, 128)):
+            ms = bench_ms(lambda nw=nw, xq=xq, xs=xs, tm=tm, ft=ft: K.regroup_for_wgrad(
+                xq, xs, recipe, num_warps=nw, trans_mode=tm, feats=ft))
+            rows.append(_gbps_row(f"regroup[t={tm},w={nw},f={ft}]", (m, k), ms, 2 * m * k + 8 * m * k // 128,
+                                  copy_gbs))
+            best_regroup = min(best_regroup or (ms, tm, nw, ft), (ms, tm, nw, ft))
+    K.REGROUP_TRANS_MODE, K.REGROUP_WARPS, K.REGROUP_FEATS = best_regroup[1:]
+    K.ACT_BLOCK_M, K.ACT_WARPS = best_act[1:]
+    for tm in (0, 1, 2):
+        for nw, split in ((4, False), (8, False), (4, True)):
+            if split and tm != K.REGROUP_TRANS_MODE:
+                continue
+            ms = bench_ms(lambda nw=nw, x=x, tm=tm, split=split: K.quant_dual(
+                x, recipe, num_warps=None if split else nw, trans_mode=tm, split=split))
+            rows.append(_gbps_row(f"quant_dual[t={tm},w={nw},split={int(split)}]", (m, k), ms,
+                                  4 * m * k + 8 * m * k // 128, copy_gbs))
+            best_dual = min(best_dual or (ms, tm, nw, split), (ms, tm, nw, split))
+    K.TRANS_MODE, K.DUAL_WARPS, K.DUAL_SPLIT = best_dual[1], best_dual[2], best_dual[3]
+    chosen = {"ACT_BLOCK_M": K.ACT_BLOCK_M, "ACT_WARPS": K.ACT_WARPS, "TRANS_MODE": K.TRANS_MODE,
+              "DUAL_WARPS": K.DUAL_WARPS, "DUAL_SPLIT": K.DUAL_SPLIT, "REGROUP_TRANS_MODE": K.REGROUP_TRANS_MODE,
+              "REGROUP_WARPS": K.REGROUP_WARPS, "REGROUP_FEATS": K.REGROUP_FEATS}
+    RESULTS["quant_defaults"] = chosen
+    print("quant launch defaults chosen:", chosen)
+    del x, xq, xs
+    # 2) the kernels with those defaults on the Qwen3 activation/gradient shapes
     for m, k in ((16384, 4096), (16384, 12288), (8192, 24576)):
         m, k = dim(m), dim(k)
         x = randn(m, k)
@@ -181,47 +221,20 @@ def quant_kernels() -> None:
                                   m * k + 4 * m * k // 128 + m * k + 4 * m * k // 128),
         }
         for name, (fn, nbytes) in cases.items():
-            ms = bench_ms(fn)
-            rows.append({"kernel": name, "shape": [m, k], "us": ms * 1e3, "GBps": nbytes / ms / 1e6,
-                         "frac_copy": nbytes / ms / 1e6 / copy_gbs})
+            rows.append(_gbps_row(name, (m, k), bench_ms(fn), nbytes, copy_gbs))
         if (m, k) == (dim(16384), dim(4096)):
             ms = bench_ms(lambda x=x: Q.quantize_1x128(x, recipe))
-            rows.append({"kernel": "eager torch quantize_1x128 (reference)", "shape": [m, k], "us": ms * 1e3,
-                         "GBps": (3 * m * k) / ms / 1e6, "frac_copy": (3 * m * k) / ms / 1e6 / copy_gbs})
+            rows.append(_gbps_row("eager torch quantize_1x128 (reference)", (m, k), ms, 3 * m * k, copy_gbs))
         del x, xq, xs
-    # launch-shape sweep on one shape (the defaults in kernels.py come from it)
-    m, k = dim(16384), dim(4096)
-    x = randn(m, k)
-    xq, xs = K.quant_act(x, recipe)
-    for bm, nw in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8)):
-        ms = bench_ms(lambda bm=bm, nw=nw, x=x: K.quant_act(x, recipe, block_m=bm, num_warps=nw))
-        nbytes = 3 * m * k + 4 * m * k // 128
-        rows.append({"kernel": f"quant_act[bm={bm},w={nw}]", "shape": [m, k], "us": ms * 1e3,
-                     "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
-    for tm in (0, 1):
-        for nw in (4, 8, 16):
-            ms = bench_ms(lambda nw=nw, x=x, tm=tm: K.quant_dual(x, recipe, num_warps=nw, trans_mode=tm))
-            nbytes = 4 * m * k + 8 * m * k // 128
-            rows.append({"kernel": f"quant_dual[t={tm},w={nw}]", "shape": [m, k], "us": ms * 1e3,
-                         "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
-        for nw, ft in ((4, 32), (4, 64), (8, 128), (4, 128)):
-            ms = bench_ms(lambda nw=nw, xq=xq, xs=xs, tm=tm, ft=ft: K.regroup_for_wgrad(
-                xq, xs, recipe, num_warps=nw, trans_mode=tm, feats=ft))
-            nbytes = 2 * m * k + 8 * m * k // 128
-            rows.append({"kernel": f"regroup[t={tm},w={nw},f={ft}]", "shape": [m, k], "us": ms * 1e3,
-                         "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
-    del x, xq, xs
     for n, k in ((24576, 4096), (4096, 12288)):
         n, k = dim(n), dim(k)
         w = randn(n, k, scale=0.02)
-        ms_copy = bench_ms(lambda w=w: w.clone())
-        rows.append({"kernel": "bf16 clone (same tensor)", "shape": [n, k], "us": ms_copy * 1e3,
-                     "GBps": 4 * n * k / ms_copy / 1e6, "frac_copy": 4 * n * k / ms_copy / 1e6 / copy_gbs})
+        rows.append(_gbps_row("bf16 clone (same tensor)", (n, k), bench_ms(lambda w=w: w.clone()), 4 * n * k,
+                              copy_gbs))
         for with_t in (False, True):
             ms = bench_ms(lambda w=w, with_t=with_t: K.quant_weight(w, recipe, with_transpose=with_t))
             nbytes = 2 * n * k + n * k * (2 if with_t else 1)
-            rows.append({"kernel": "quant_weight" + ("+T" if with_t else ""), "shape": [n, k], "us": ms * 1e3,
-                         "GBps": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs})
+            rows.append(_gbps_row("quant_weight" + ("+T" if with_t else ""), (n, k), ms, nbytes, copy_gbs))
     RESULTS["quant"] = rows
     for r in rows:
         print(f"{r['kernel']:<40} {str(r['shape']):<16} {r['us']:9.1f} us {r['GBps']:8.0f} GB/s {r['frac_copy']:.2f}")
@@ -243,14 +256,13 @@ def _bf16_fn(form: str, ops: dict):
 
 
 SWEEP = [
-    GemmConfig(128, 128, 8, 8, 4),
     GemmConfig(128, 128, 8, 8, 4, pipe=True),
     GemmConfig(128, 128, 16, 8, 3),
-    GemmConfig(128, 128, 8, 8, 3, pipe=True),
-    GemmConfig(128, 128, 16, 8, 4, pipe=True),
-    GemmConfig(128, 64, 8, 4, 4, pipe=True),
     GemmConfig(64, 128, 8, 4, 4, pipe=True),
-    GemmConfig(128, 64, 8, 4, 5),
+    GemmConfig(64, 128, 8, 4, 5, pipe=True),
+    GemmConfig(64, 128, 16, 4, 3, pipe=True),
+    GemmConfig(64, 256, 8, 8, 3, pipe=True),
+    GemmConfig(64, 128, 8, 4, 4),
 ]
 
 
@@ -446,10 +458,12 @@ def summary() -> None:
         print(f"copy {c['copy_GBps']:.0f} GB/s (read+write); BF16 8192^3 mm {c['bf16_mm_8192_TFLOPs']:.0f} TFLOP/s")
     if RESULTS.get("triton_sweep"):
         print("triton best configs:", RESULTS["triton_sweep"]["best"])
+    if RESULTS.get("quant_defaults"):
+        print("quant launch defaults:", RESULTS["quant_defaults"])
     if RESULTS.get("quant"):
-        print("\nQuant kernels            shape              us      GB/s  frac-of-copy")
+        print("\nQuant kernels                  shape              us      GB/s  frac-of-copy")
         for r in RESULTS["quant"]:
-            print(f"{r['kernel'][:24]:<24} {str(r['shape']):<16} {r['us']:8.1f} {r['GBps']:8.0f}  {r['frac_copy']:.2f}")
+            print(f"{r['kernel'][:30]:<30} {str(r['shape']):<16} {r['us']:8.1f} {r['GBps']:8.0f}  {r['frac_copy']:.2f}")
     if RESULTS.get("gemm_train"):
         names = [n for n in ("cublas", "triton", "triton_bi", "deep_gemm") if n in RESULTS["gemm_train"][0]]
         print("\nGEMM TFLOP/s (ratio to BF16)")
@@ -492,6 +506,11 @@ def main() -> int:
         linear_fwd_bwd()
     if "mlp" in sections:
         mlp_block()
+    try:
+        from jetrl_megatron.fp8.backends import cublas as cublas_backend
+        RESULTS["cublas_pads_small_m"] = cublas_backend._pad_small_m
+    except Exception:  # noqa: BLE001
+        pass
     save()
     summary()
     return 1 if RESULTS["errors"] else 0

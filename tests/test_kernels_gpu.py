@@ -113,18 +113,20 @@ def test_quant_weight_bit_identical_16m_and_edges(recipe):
         _assert_codes(q2, qr, "quant_weight (no transpose)")
 
 
-@pytest.mark.parametrize("trans_mode", [0, 1])
+@pytest.mark.parametrize("trans_mode", [0, 1, 2])
 def test_launch_variants_identical(trans_mode):
     """Every launch shape (warps, transposed-store mode, regroup feature slice) gives the reference bytes."""
     k = _kernels()
     x = _rand(1000, 1024, seed=21)
     for recipe in RECIPES:
         qtr, str_ = Q.quantize_1x128(_pad_t(x), recipe)
-        for nw in (4, 8):
-            q, s, qt, st = k.quant_dual(x, recipe, num_warps=nw, trans_mode=trans_mode)
-            _assert_codes(qt, qtr, f"dual t={trans_mode} w={nw}")
-            _assert_scales(st, str_, f"dual st t={trans_mode} w={nw}")
         qr, sr = Q.quantize_1x128(x, recipe)
+        for nw, split in ((4, False), (8, False), (4, True)):
+            q, s, qt, st = k.quant_dual(x, recipe, num_warps=nw, trans_mode=trans_mode, split=split)
+            _assert_codes(qt, qtr, f"dual t={trans_mode} w={nw} split={split}")
+            _assert_scales(st, str_, f"dual st t={trans_mode} w={nw} split={split}")
+            _assert_codes(q, qr, f"dual q split={split}")
+            _assert_scales(s, sr, f"dual s split={split}")
         ref_q, ref_s = Q.quantize_1x128(_pad_t(Q.dequantize_1x128(qr, sr)), recipe)
         for feats in (32, 64, 128):
             qt, st = k.regroup_for_wgrad(qr, sr, recipe, trans_mode=trans_mode, feats=feats)

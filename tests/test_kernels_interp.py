@@ -43,9 +43,11 @@ SCRIPT = textwrap.dedent(
         q, s, qt, st = K.quant_dual(x, r); qtr, str_ = Q.quantize_1x128(pad_t(x), r)
         assert same(q, qr) and same(s, sr) and same(qt, qtr) and same(st, str_), f"quant_dual {fmt}"
         ref = Q.quantize_1x128(pad_t(Q.dequantize_1x128(qr, sr)), r)
-        for tm in (0, 1):
-            q, s, qt, st = K.quant_dual(x, r, trans_mode=tm)
-            assert same(qt, qtr) and same(st, str_), f"quant_dual trans_mode={tm} {fmt}"
+        for tm in (0, 1, 2):
+            for split in (False, True):
+                q, s, qt, st = K.quant_dual(x, r, trans_mode=tm, split=split)
+                assert same(q, qr) and same(s, sr), f"quant_dual q trans_mode={tm} split={split} {fmt}"
+                assert same(qt, qtr) and same(st, str_), f"quant_dual trans_mode={tm} split={split} {fmt}"
             for feats in (32, 128):
                 qt, st = K.regroup_for_wgrad(qr, sr.t().contiguous().t(), r, trans_mode=tm, feats=feats)
                 assert same(qt, ref[0]) and same(st, ref[1]), f"regroup trans_mode={tm} feats={feats} {fmt}"

@@ -36,9 +36,12 @@ _DEFAULT_RECIPE = Fp8Recipe()
 # Launch shapes (rows per program, warps), picked on the H200 with bench/kernels_bench.py; results never depend on them.
 ACT_BLOCK_M = 32
 ACT_WARPS = 4
-TILE_WARPS = 8
+DUAL_WARPS = 4
+REGROUP_WARPS = 4
+REGROUP_FEATS = 64
 TRANS_MODE = 1
-REGROUP_FEATS = 128
+REGROUP_TRANS_MODE = 1
+DUAL_SPLIT = False  # quant_dual as two kernels (row-wise quant_act + token-grouped transposed pass) instead of one
 
 
 def _interpreting() -> bool:
@@ -105,16 +108,20 @@ def _transposed_group_store(xf, qt_ptr, st_ptr, tok0, feat0, mb, N, stride_qtn, 
     the transposed codes qt[feat, tok] and the scales st[feat, mb].
 
     TRANS_MODE 0: transpose the FP8 register tile (tl.trans) and store rows; 1: store the untransposed tile through
-    transposed addresses and let the compiler pick a coalesced layout for the token-contiguous store."""
+    transposed addresses and let the compiler pick a coalesced layout for the token-contiguous store; 2: transpose
+    the FP32 quotients, then clamp, cast and store rows."""
     st = _scale_from_amax(_nan_aware_amax(xf, 0), eps, POW2)  # (FEATS,)
-    y = _to_fp8(tl.div_rn(xf, st[None, :]), CAST)  # (TOKENS, FEATS)
     feats = feat0 + tl.arange(0, FEATS)
     toks = tok0 + tl.arange(0, TOKENS)
     feat_ok = feats < N
+    if TRANS_MODE == 2:
+        yt = _to_fp8(tl.trans(tl.div_rn(xf, st[None, :])), CAST)
+        tl.store(qt_ptr + feats[:, None].to(tl.int64) * stride_qtn + toks[None, :], yt, mask=feat_ok[:, None])
+    y = _to_fp8(tl.div_rn(xf, st[None, :]), CAST)  # (TOKENS, FEATS)
     if TRANS_MODE == 0:
         tl.store(qt_ptr + feats[:, None].to(tl.int64) * stride_qtn + toks[None, :], tl.trans(y),
                  mask=feat_ok[:, None])
-    else:
+    elif TRANS_MODE == 1:
         tl.store(qt_ptr + feats[None, :].to(tl.int64) * stride_qtn + toks[:, None], y, mask=feat_ok[None, :])
     tl.store(st_ptr + feats * stride_stn + mb * stride_stg, st, mask=feat_ok)
 
@@ -145,9 +152,10 @@ def _quant_dual_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, stride_xm, str
 def _regroup_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_qm, stride_qk, stride_sm, stride_sg,
                     stride_qtn, stride_stn, stride_stg, eps,
                     POW2: tl.constexpr, CAST: tl.constexpr, TOKENS: tl.constexpr, GROUP: tl.constexpr,
-                    FEATS: tl.constexpr, TRANS_MODE: tl.constexpr):
+                    FEATS: tl.constexpr, TRANS_MODE: tl.constexpr, HAS_SCALE: tl.constexpr):
     """One program: 128 tokens x FEATS features (a slice of one 128-group) of the saved FP8 activation:
-    x = q*s (FP32), requantized along tokens and stored transposed."""
+    x = q*s (FP32), requantized along tokens and stored transposed. HAS_SCALE=False: q is a BF16/FP32 input
+    quantized along tokens directly (the transposed half of quant_dual's two-kernel form)."""
     mb = tl.program_id(0)
     f = tl.program_id(1)
     g = (f * FEATS) // GROUP
@@ -156,8 +164,11 @@ def _regroup_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_qm, stride_qk, st
     row_ok = rows < M
     q = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :] * stride_qk,
                 mask=row_ok[:, None], other=0.0)
-    s = tl.load(s_ptr + rows * stride_sm + g * stride_sg, mask=row_ok, other=0.0)
-    xf = q.to(tl.float32) * s[:, None]
+    if HAS_SCALE:
+        s = tl.load(s_ptr + rows * stride_sm + g * stride_sg, mask=row_ok, other=0.0)
+        xf = q.to(tl.float32) * s[:, None]
+    else:
+        xf = q.to(tl.float32)
     _transposed_group_store(xf, qt_ptr, st_ptr, mb * TOKENS, f * FEATS, mb, K, stride_qtn, stride_stn, stride_stg,
                             eps, POW2, CAST, TOKENS, FEATS, TRANS_MODE)
 
@@ -227,8 +238,8 @@ def padded_tokens(m: int) -> int:
     return -(-m // BLOCK) * BLOCK
 
 
-def quant_act(x2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, block_m: int = ACT_BLOCK_M,
-              num_warps: int = ACT_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_act(x2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, block_m: int | None = None,
+              num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 group quant of a 2-D activation/gradient: q (M,K) row-major, s (M,K/128) column-major.
 
     block_m/num_warps are tuning knobs (rows per program, warps); they do not change the result."""
@@ -237,6 +248,8 @@ def quant_act(x2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, block_m: in
     recipe = _recipe(recipe)
     q = _codes_buffer((m, k), x2d.device)
     s = _col_major(m, k // BLOCK, x2d.device)
+    block_m = block_m or ACT_BLOCK_M
+    num_warps = num_warps or ACT_WARPS
     if m:
         grid = (triton.cdiv(m, block_m), k // BLOCK)
         _quant_rows_kernel[grid](x2d, q, s, m, x2d.stride(0), x2d.stride(1), q.stride(0), s.stride(0), s.stride(1),
@@ -245,14 +258,30 @@ def quant_act(x2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, block_m: in
     return _finish_codes(q), s
 
 
-def quant_dual(g2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, num_warps: int = TILE_WARPS,
-               trans_mode: int = TRANS_MODE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quant_dual(g2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, num_warps: int | None = None,
+               trans_mode: int | None = None, split: bool | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One pass over g (M,N): the 1x128 row-wise copy (q, s) and the token-grouped transposed copy
     qt (N,Mp) row-major with st (N,Mp/128) column-major (zero-padded tokens)."""
     _check_cuda_or_interp(g2d, "quant_dual")
     m, n = _check_2d_groups(g2d, "quant_dual")
     recipe = _recipe(recipe)
+    split = DUAL_SPLIT if split is None else split
+    trans_mode = (REGROUP_TRANS_MODE if split else TRANS_MODE) if trans_mode is None else trans_mode
     mp = padded_tokens(m)
+    if split:
+        q, s = quant_act(g2d, recipe)
+        qt = _codes_buffer((n, mp), g2d.device)
+        st = _col_major(n, mp // BLOCK, g2d.device)
+        if m:
+            grid = (mp // BLOCK, n // REGROUP_FEATS)
+            _regroup_kernel[grid](g2d, st, qt, st, m, n, g2d.stride(0), g2d.stride(1), 0, 0,
+                                  qt.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
+                                  POW2=recipe.scale_fmt == "pow2", CAST=not _interpreting(), TOKENS=BLOCK,
+                                  GROUP=BLOCK, FEATS=REGROUP_FEATS, TRANS_MODE=trans_mode, HAS_SCALE=False,
+                                  num_warps=num_warps or REGROUP_WARPS)
+        return q, s, _finish_codes(qt), st
+    num_warps = num_warps or DUAL_WARPS
     q = _codes_buffer((m, n), g2d.device)
     s = _col_major(m, n // BLOCK, g2d.device)
     qt = _codes_buffer((n, mp), g2d.device)
@@ -267,7 +296,7 @@ def quant_dual(g2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, num_warps:
 
 
 def regroup_for_wgrad(q: torch.Tensor, s: torch.Tensor, recipe: Fp8Recipe | None = None, *,
-                      num_warps: int = TILE_WARPS, trans_mode: int = TRANS_MODE, feats: int = REGROUP_FEATS
+                      num_warps: int | None = None, trans_mode: int | None = None, feats: int | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Saved 1x128 FP8 activation (q (M,K), s (M,K/128), any scale strides) -> qt (K,Mp), st (K,Mp/128) col-major.
 
@@ -281,6 +310,9 @@ def regroup_for_wgrad(q: torch.Tensor, s: torch.Tensor, recipe: Fp8Recipe | None
         raise ValueError(f"regroup_for_wgrad: scale must be float32 of shape {(m, k // BLOCK)}, got "
                          f"{s.dtype} {tuple(s.shape)} for q of shape {tuple(q.shape)}")
     recipe = _recipe(recipe)
+    num_warps = num_warps or REGROUP_WARPS
+    trans_mode = REGROUP_TRANS_MODE if trans_mode is None else trans_mode
+    feats = feats or REGROUP_FEATS
     mp = padded_tokens(m)
     qt = _codes_buffer((k, mp), q.device)
     st = _col_major(k, mp // BLOCK, q.device)
@@ -290,7 +322,7 @@ def regroup_for_wgrad(q: torch.Tensor, s: torch.Tensor, recipe: Fp8Recipe | None
         _regroup_kernel[grid](q_in, s, qt, st, m, k, q_in.stride(0), q_in.stride(1), s.stride(0), s.stride(1),
                               qt.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
                               POW2=recipe.scale_fmt == "pow2", CAST=not _interpreting(), TOKENS=BLOCK, GROUP=BLOCK,
-                              FEATS=feats, TRANS_MODE=trans_mode, num_warps=num_warps)
+                              FEATS=feats, TRANS_MODE=trans_mode, HAS_SCALE=True, num_warps=num_warps)
     return _finish_codes(qt), st
 
 
@@ -312,7 +344,7 @@ def quant_weight(w: torch.Tensor, recipe: Fp8Recipe | None = None, *, with_trans
         _quant_weight_kernel[(nb, kb)](w, q, s, qt, n, k, w.stride(0), w.stride(1), q.stride(0), s.stride(0),
                                        qt.stride(0), recipe.amax_eps, POW2=recipe.scale_fmt == "pow2",
                                        CAST=not _interpreting(), WRITE_T=with_transpose, TILE=BLOCK,
-                                       TRANS_MODE=TRANS_MODE, num_warps=8)
+                                       TRANS_MODE=min(TRANS_MODE, 1), num_warps=8)
     if with_transpose:
         return _finish_codes(q), s, _finish_codes(qt)
     return _finish_codes(q), s

@@ -40,12 +40,10 @@ def _mm_any_m(a, b, sa, recipe_b, sb, out_dtype):
             if m % _M_ALIGN == 0:
                 raise
             _pad_small_m = True
-    mp = -(-m // _M_ALIGN) * _M_ALIGN
-    a_pad = torch.zeros((mp, a.shape[1]), dtype=torch.uint8, device=a.device)
-    a_pad[:m] = a.view(torch.uint8)
-    sa_pad = torch.ones((sa.shape[1], mp), dtype=torch.float32, device=a.device)
-    sa_pad[:, :m] = sa.t()
-    return _mm(a_pad.view(a.dtype), b, sa_pad.t(), recipe_b, sb, out_dtype)[:m]
+    extra = -(-m // _M_ALIGN) * _M_ALIGN - m
+    a_pad = F.pad(a.view(torch.uint8), (0, 0, 0, extra)).view(a.dtype)
+    sa_pad = F.pad(sa.t(), (0, extra), value=1.0)  # (G, Mp) contiguous: its .t() has strides (1, Mp)
+    return _mm(a_pad, b, sa_pad.t(), recipe_b, sb, out_dtype)[:m]
 
 
 def fprop(xq, xs, wq, ws, *, bias=None, out_dtype=torch.bfloat16):

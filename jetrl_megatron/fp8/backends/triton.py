@@ -17,8 +17,8 @@ from jetrl_megatron.fp8.kernels import transpose_fp8
 # Fastest-mode tile configs per GEMM form for M > SWAP_AB_MAX_M (H200 sweep at M=8192, bench/kernels_bench.py):
 # the software-pipelined promotion wins for the 128x128-weight forms; WGrad (two 1x128 operands) spills with it.
 TUNED: dict[str, GemmConfig] = {
-    "fprop": GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, pipe=True),
-    "dgrad": GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, pipe=True),
+    "fprop": GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, pipe=True),
+    "dgrad": GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, pipe=True),
     "wgrad": GemmConfig(block_m=128, block_n=128, group_m=16, num_warps=8, num_stages=3),
 }
 SWAP_AB_MAX_M = 64

@@ -41,8 +41,8 @@ class GemmConfig:
 
 # The configs batch-invariant mode always uses, one per GEMM form, never chosen per M (H200 sweep winners at M=8192).
 BATCH_INVARIANT_CONFIGS = {
-    "fprop": GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, pipe=True),
-    "dgrad": GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, pipe=True),
+    "fprop": GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, pipe=True),
+    "dgrad": GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, pipe=True),
     "wgrad": GemmConfig(block_m=128, block_n=128, group_m=16, num_warps=8, num_stages=3),
 }
 
