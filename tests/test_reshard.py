@@ -368,3 +368,41 @@ def test_refit_program_equals_streaming_and_writes_in_place(rollout_tp):
     src.states[(0, 0, 1)][key] = src.states[(0, 0, 1)][key].clone()  # read by every program built last
     with pytest.raises(StaleSourceError):
         prog.run()
+
+
+def test_rollout_preflight_agrees_with_vllm_block_validation(monkeypatch):
+    """Our rollout-side refusals == vLLM 0.32's own FP8 block-shape validation (+ its head divisibility rule)."""
+    fp8_utils = pytest.importorskip("vllm.model_executor.layers.quantization.utils.fp8_utils")
+    import types
+
+    import vllm.distributed
+
+    from jetrl_megatron.reshard import check_reshard
+
+    def vllm_refuses(shape, tp):
+        layer = types.SimpleNamespace(tp_size=tp)
+        monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: tp)
+        nh, ng, hd, h, f = (shape.num_attention_heads, shape.num_kv_heads, shape.head_dim, shape.hidden_size,
+                            shape.ffn_hidden_size)
+        if nh % tp or (tp >= ng and tp % ng) or (tp < ng and ng % tp):  # QKVParallelLinear's divide() asserts
+            return True
+        kv = max(1, ng // tp)
+        checks = [  # (input_size, output_size, input_size_per_partition, output_partition_sizes)
+            (h, (nh + 2 * kv * tp) * hd, h, [nh * hd // tp, kv * hd, kv * hd]),   # qkv_proj
+            (nh * hd, h, nh * hd // tp, [h]),                                       # o_proj (row)
+            (h, 2 * f, h, [f // tp, f // tp]),                                      # gate_up_proj
+            (f, h, f // tp, [h]),                                                   # down_proj (row)
+        ]
+        try:
+            for args in checks:
+                fp8_utils.validate_fp8_block_shape(layer, *args, [128, 128])
+        except ValueError:
+            return True
+        return False
+
+    for name in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "llama3.1-8b",
+                 "qwen2.5-7b", "tiny"):
+        shape = PRESETS[name]
+        for tp in (1, 2, 4, 8):
+            ours = any(v.side == "rollout" for v in check_reshard(shape, 1, 1, tp))
+            assert ours == vllm_refuses(shape, tp), (name, tp)

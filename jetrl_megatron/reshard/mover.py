@@ -37,6 +37,23 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def widen(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-view a (dst, src) byte-move pair with the widest integer type both allow (int64 > int32 > int16).
+
+    Same bytes, fewer and wider elements: element-wise copy kernels (strided slabs, multi-tensor copies) move
+    8 bytes per element instead of 1.
+    """
+    dst, src = pair
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if dtype.itemsize <= dst.element_size():
+            break
+        try:
+            return dst.view(dtype), src.view(dtype)
+        except RuntimeError:
+            continue
+    return dst, src
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Source: Megatron shards
 
@@ -167,14 +184,14 @@ def _plan_pairs(plan: ParamPlan, shards: Sequence[torch.Tensor], name: str, dst_
                      shards[0].dtype)
     dst = raw(out)
     srcs = [raw(sh) for sh in shards]
-    pairs = [(dst.narrow(dim, seg.dst_start * unit, seg.length * unit),
-              srcs[seg.src_rank].narrow(dim, seg.src_start * unit, seg.length * unit)) for seg in plan.segments]
+    pairs = [widen((dst.narrow(dim, seg.dst_start * unit, seg.length * unit),
+                    srcs[seg.src_rank].narrow(dim, seg.src_start * unit, seg.length * unit))) for seg in plan.segments]
     return out, pairs
 
 
 def _whole_pair(t: torch.Tensor, name: str, dst_for: DstFactory) -> tuple[torch.Tensor, list[CopyPair]]:
     out = _check_dst(dst_for(name, tuple(t.shape), t.dtype, t.device), name, tuple(t.shape), t.dtype)
-    return out, [(raw(out), raw(t))]
+    return out, [widen((raw(out), raw(t)))]
 
 
 def run_pairs(pairs: Sequence[CopyPair]) -> None:
@@ -248,7 +265,7 @@ def vocab_copy_pairs(shards: Sequence[torch.Tensor], vocab_size: int, start: int
     while lo < hi:
         r, off = divmod(lo, per)
         n = min(hi - lo, per - off)
-        pairs.append((dst.narrow(0, lo - start, n), raw(shards[r]).narrow(0, off, n)))
+        pairs.append(widen((dst.narrow(0, lo - start, n), raw(shards[r]).narrow(0, off, n))))
         lo += n
     return out, pairs, pad
 
