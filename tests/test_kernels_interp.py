@@ -77,6 +77,10 @@ SCRIPT = textwrap.dedent(
         "wgrad": (TB.wgrad(gtq, gts, xtq, xts, config=small, out_dtype=f32),
                   G.emulated_wgrad(gtq, gts, xtq, xts, out_dtype=f32)),
     }
+    for form, cfg in TB.TUNED.items():  # the measured fastest configs (tile/order logic; warps/stages ignored here)
+        args = {"fprop": (xq, xs, wq, ws), "dgrad": (gq, gs, wq, ws), "wgrad": (gtq, gts, xtq, xts)}[form]
+        checks[f"{form}_tuned"] = (getattr(TB, form)(*args, config=cfg, out_dtype=f32),
+                                   getattr(G, f"emulated_{form}")(*args, out_dtype=f32))
     for name, (got, ref) in checks.items():
         assert torch.isfinite(got).all(), name
         assert rel(got, ref) < 1e-6, f"{name}: rel {rel(got, ref):.2e}"

@@ -14,12 +14,13 @@ from jetrl_megatron.fp8.backends._layout import contiguous_codes, derived
 from jetrl_megatron.fp8.backends.triton_gemm import BATCH_INVARIANT_CONFIGS, BLOCK_K, GemmConfig, blockwise_fp8_gemm
 from jetrl_megatron.fp8.kernels import transpose_fp8
 
-# Fastest-mode tile configs per GEMM form for M > SWAP_AB_MAX_M (H200 sweep at M=8192, bench/kernels_bench.py):
-# the software-pipelined promotion wins for the 128x128-weight forms; WGrad (two 1x128 operands) spills with it.
+# Fastest-mode tile configs per GEMM form for M > SWAP_AB_MAX_M (H200 sweep at M=8192, bench/kernels_bench.py,
+# geometric mean over 8B.gate_up, 8B.o, 32B.down): the software-pipelined promotion wins for the 128x128-weight forms
+# (869/881 TFLOP/s vs 707 without); WGrad (two 1x128 operands, an outer-product scale) loses with it (599 vs 344).
 TUNED: dict[str, GemmConfig] = {
-    "fprop": GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, pipe=True),
-    "dgrad": GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, pipe=True),
-    "wgrad": GemmConfig(block_m=128, block_n=128, group_m=16, num_warps=8, num_stages=3),
+    "fprop": GemmConfig(block_m=64, block_n=128, group_m=16, num_warps=4, num_stages=3, pipe=True),
+    "dgrad": GemmConfig(block_m=64, block_n=128, group_m=16, num_warps=4, num_stages=3, pipe=True),
+    "wgrad": GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4),
 }
 SWAP_AB_MAX_M = 64
 _NUM_SMS: int | None = None

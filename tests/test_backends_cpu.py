@@ -1,0 +1,56 @@
+"""CPU: backend plumbing that needs no GPU: the measured auto table, scale re-layouts, the derived-tensor cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jetrl_megatron.fp8.backends import _layout, auto_table
+from jetrl_megatron.recipe import GEMM_BACKENDS
+
+
+def test_auto_table_picks_known_backends_for_every_m():
+    for form in ("fprop", "dgrad", "wgrad"):
+        for m in (1, 4, 8, 9, 16, 64, 65, 1000, 8192, 16384, 10**6):
+            assert auto_table.pick(form, m) in GEMM_BACKENDS
+            assert auto_table.pick(form, m, batch_invariant=True) == "triton"
+    assert auto_table.pick("fprop", 1) == "triton"  # measured: swap-AB split-K beats padded cuBLAS at M=1
+    assert auto_table.pick("fprop", 8192) == "cublas"
+    with pytest.raises(ValueError, match="unknown GEMM form"):
+        auto_table.pick("bprop", 4)
+
+
+def test_pad_cols4_and_col_major():
+    s = torch.arange(15, dtype=torch.float32).reshape(3, 5) + 1
+    p = _layout.pad_cols4(s)
+    assert p.shape == (3, 8) and torch.equal(p[:, :5], s) and torch.count_nonzero(p[:, 5:]) == 0
+    c = _layout.col_major(s)
+    assert c.stride() == (1, 3) and torch.equal(c, s)
+    assert _layout.col_major(c) is c  # already column-major: no copy
+    one = torch.ones(1, 4)
+    assert torch.equal(_layout.col_major(one), one)
+
+
+def test_derived_cache_recomputes_after_in_place_change_and_forgets_freed_tensors():
+    calls = []
+
+    def make(t):
+        calls.append(1)
+        return t * 2
+
+    w = torch.randn(4, 4)
+    a = _layout.derived(w, "double", make)
+    b = _layout.derived(w, "double", make)
+    assert a is b and len(calls) == 1
+    w.add_(1.0)  # in-place update bumps the version: the derived tensor must be rebuilt
+    c = _layout.derived(w, "double", make)
+    assert len(calls) == 2 and torch.equal(c, w * 2)
+    key = (id(w), "double")
+    assert key in _layout._cache
+    del w, a, b, c
+    assert key not in _layout._cache
+    with torch.inference_mode():
+        v = torch.randn(2, 2)
+    _layout.derived(v, "double", make)
+    _layout.derived(v, "double", make)
+    assert len(calls) == 4  # inference tensors carry no version: never cached
