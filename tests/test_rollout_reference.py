@@ -113,9 +113,9 @@ class ReferenceModel:
     def logits(self, ids: list[int]) -> torch.Tensor:
         sh, sd, eps = self.shape, self.sd, self.shape.rms_norm_eps
         t = len(ids)
-        pos = torch.arange(t)
-        cos, sin = self.cos[pos], self.sin[pos]
-        x = sd["model.embed_tokens.weight"][torch.tensor(ids)]
+        dev = sd["model.embed_tokens.weight"].device
+        cos, sin = self.cos[:t].to(dev), self.sin[:t].to(dev)
+        x = sd["model.embed_tokens.weight"][torch.tensor(ids, device=dev)]
         res = None
         for i in range(sh.num_layers):
             p = f"model.layers.{i}."
@@ -142,9 +142,10 @@ class ReferenceModel:
         """logprob of ids[j] given ids[:j] for j >= start (FP32 log_softmax of BF16 logits / temperature)."""
         logits = self.logits(ids).float()
         if temperature != 1.0:
-            logits = logits / torch.tensor(temperature, dtype=torch.float32)
+            logits = logits / torch.tensor(temperature, dtype=torch.float32, device=logits.device)
         lp = torch.log_softmax(logits, dim=-1)
-        return [float(lp[j - 1, ids[j]]) for j in range(start, len(ids))]
+        rows = lp[torch.arange(start - 1, len(ids) - 1, device=lp.device), torch.tensor(ids[start:], device=lp.device)]
+        return rows.cpu().tolist()
 
 
 def test_vllm_cpu_attention_kernel_vs_fp32_sdpa():

@@ -139,4 +139,6 @@ class JetRLFp8LinearMethod(LinearMethodBase):
         return None
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return fp8_linear_forward(x, layer.weight, layer.weight_scale_inv, bias, self.config.recipe)
+        # `.data`: fresh tensor objects, so GPU backends' per-tensor layout caches (keyed by object and version)
+        # can never serve a layout derived from the bytes before an in-place refit; the scale re-layout is tiny.
+        return fp8_linear_forward(x, layer.weight.data, layer.weight_scale_inv.data, bias, self.config.recipe)
