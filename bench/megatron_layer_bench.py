@@ -1,0 +1,240 @@
+"""One Qwen3-8B-shaped transformer layer through Megatron-Core: jetrl (FP8) vs BF16, fwd+bwd time and saved memory.
+
+The layer is built from our GPT layer spec (Megatron-Core TransformerLayer + SelfAttention + MLP with
+Fp8Column/RowParallelLinear and the rollout-matched norms/RoPE/attention), TP=1, micro-batch 1. Both modes get the
+same weights and inputs. Reported per mode: median fwd+bwd time of the whole layer and of its MLP block, the
+per-step FP8 weight-cache refresh (once per optimizer step, not per micro-batch), the bytes saved for backward
+(unique storages seen by saved_tensors_hooks during one forward) and the allocation still held after the forward.
+
+    python bench/megatron_layer_bench.py [--seq 8192] [--iters 20] [--backends auto,triton] [--out DIR]
+        [--attn-impl bf16|bf16_gqa] [--lean-swiglu] [--e2e]
+    python bench/megatron_layer_bench.py --tiny            # CPU smoke run of the same code path
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jetrl_megatron.fp8.weights import Fp8WeightCache  # noqa: E402
+from jetrl_megatron.megatron.cpu import init_parallel, teardown_parallel  # noqa: E402
+from jetrl_megatron.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear  # noqa: E402
+from jetrl_megatron.megatron.model import megatron_config, seed_everything  # noqa: E402
+from jetrl_megatron.megatron.models import get_model_shape  # noqa: E402
+from jetrl_megatron.megatron.spec import gpt_layer_spec  # noqa: E402
+from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
+
+
+def build_layer(shape, recipe, device, attn_impl=None, lean_swiglu=False):
+    from megatron.core.transformer.spec_utils import build_module
+
+    config = megatron_config(shape, recipe, use_te_activation_func=lean_swiglu)
+    spec = gpt_layer_spec(shape, recipe, 0, attn_impl=attn_impl, lean_swiglu=lean_swiglu)
+    layer = build_module(spec, config=config, layer_number=1)
+    layer = layer.to(device)
+    cache = Fp8WeightCache(recipe)
+    fp8 = [(n, m) for n, m in layer.named_modules()
+           if isinstance(m, (Fp8ColumnParallelLinear, Fp8RowParallelLinear)) and m.jetrl_mode == "jetrl"]
+    for _, m in fp8:
+        m.fp8_cache = cache
+
+    def refresh():
+        cache.refresh((f"{n}.weight", m.weight) for n, m in fp8)
+
+    refresh()
+
+    def persistent() -> set[int]:
+        ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        for q, sc in cache.named_fp8().values():
+            ptrs |= {q.untyped_storage().data_ptr(), sc.untyped_storage().data_ptr()}
+        return ptrs
+
+    layer.persistent_storages = persistent
+    return layer, refresh
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timeit(fn, device, warmup: int, iters: int) -> float:
+    """Median milliseconds of fn() (CUDA events on GPU, wall clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def saved_bytes(fn, persistent: set[int]) -> int:
+    """Bytes of the unique storages autograd saves for backward during fn(), excluding ``persistent`` storages
+    (parameters and FP8 weight-cache entries, which live across steps anyway)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            st = t.untyped_storage()
+            if st.data_ptr() not in persistent:
+                seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values())
+
+
+def e2e_smoke() -> dict:
+    """Whole tiny GPTModel on this device: build, jetrl logprobs, 3 train steps (DDP + Megatron optimizer)."""
+    from jetrl_megatron.megatron.model import build_gpt, token_logprobs, train_step, wrap_ddp
+    from jetrl_megatron.megatron.optim import build_optimizer
+
+    shape = get_model_shape("tiny")
+    model = wrap_ddp(build_gpt(shape, Fp8Recipe(mode="jetrl")))
+    opt = build_optimizer([model], lr=3e-3)
+    toks = torch.randint(0, shape.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
+    lp0 = token_logprobs(model, toks)
+    losses = [train_step([model], opt, {"tokens": toks}, lambda lp, mb: (-lp.mean(), {}), micro_batch_size=2).loss
+              for _ in range(3)]
+    return {"e2e_lp_shape": list(lp0.shape), "e2e_losses": losses, "e2e_refreshes": opt.stats.refreshes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--backends", default="auto", help="comma list of gemm_backend values for the jetrl rows")
+    ap.add_argument("--tiny", action="store_true", help="the tiny preset (CPU smoke run)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--e2e", action="store_true", help="also run a tiny whole-model train smoke test")
+    ap.add_argument("--attn-impl", default=None, help="numerics.RolloutCoreAttention attn_impl (default per device)")
+    ap.add_argument("--lean-swiglu", action="store_true", help="SwiGLU saving only the fc1 output for backward")
+    args = ap.parse_args()
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    init_parallel(1, 1)
+    base = get_model_shape("tiny" if args.tiny else "qwen3-8b")
+    shape = dataclasses.replace(base, num_layers=1, max_position_embeddings=max(args.seq, 128))
+    s, h = args.seq, shape.hidden_size
+    seed_everything(0)
+    x = torch.randn(s, 1, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+    gout = torch.randn(s, 1, h, device=device, dtype=torch.float32)
+    xn = torch.randn(s, 1, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+    gmlp = torch.randn(s, 1, h, device=device, dtype=torch.bfloat16)
+
+    rows, outputs, ref_state = [], {}, None
+    arms = [("bf16", "auto")] + [("jetrl", b) for b in args.backends.split(",")]
+    for mode, backend in arms:
+        recipe = Fp8Recipe(mode=mode, gemm_backend=backend)
+        seed_everything(0)
+        layer, refresh = build_layer(shape, recipe, device, args.attn_impl, args.lean_swiglu)
+        if ref_state is None:
+            ref_state = {k: v.detach().clone() for k, v in layer.named_parameters()}
+        else:
+            with torch.no_grad():
+                for k, v in layer.named_parameters():
+                    v.copy_(ref_state[k])  # bumps versions: the refresh below is required
+            refresh()
+
+        def layer_step(layer=layer):
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            out, _ = layer(x, attention_mask=None)
+            out.backward(gout)
+
+        def mlp_step(layer=layer):
+            layer.zero_grad(set_to_none=True)
+            out, _ = layer.mlp(xn)
+            out.backward(gmlp)
+
+        with torch.no_grad():
+            outputs[(mode, backend)] = layer(x, attention_mask=None)[0].float()
+        t_layer = timeit(layer_step, device, args.warmup, args.iters)
+        t_mlp = timeit(mlp_step, device, args.warmup, args.iters)
+        t_refresh = timeit(refresh, device, 2, 5) if mode == "jetrl" else 0.0
+        saved = saved_bytes(lambda layer=layer: layer(x, attention_mask=None)[0], layer.persistent_storages())
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            base_mem = torch.cuda.memory_allocated()
+            out = layer(x, attention_mask=None)[0]
+            held = torch.cuda.memory_allocated() - base_mem
+            del out
+        else:
+            held = 0
+        rows.append(dict(mode=mode, backend=backend, layer_ms=t_layer, mlp_ms=t_mlp, refresh_ms=t_refresh,
+                         saved_MiB=saved / 2**20, held_after_fwd_MiB=held / 2**20))
+        del layer
+
+    ref = outputs[("bf16", "auto")]
+    for r in rows:
+        o = outputs[(r["mode"], r["backend"])]
+        r["out_rel_err_vs_bf16"] = ((o - ref).norm() / ref.norm()).item()
+    b = rows[0]
+    for r in rows:
+        r["layer_speedup"] = b["layer_ms"] / r["layer_ms"]
+        r["mlp_speedup"] = b["mlp_ms"] / r["mlp_ms"]
+        r["saved_ratio"] = r["saved_MiB"] / b["saved_MiB"]
+
+    info = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+                seq=s, shape=dataclasses.asdict(shape) | {"extra_hf": None})
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    import megatron.core
+
+    info["megatron_core"] = megatron.core.__version__
+    from jetrl_megatron.megatron import numerics
+
+    info["attn_impl"] = args.attn_impl or numerics.default_attn_impl()
+    info["lean_swiglu"] = args.lean_swiglu
+    if info["attn_impl"] == "bf16_gqa":
+        info["attn_native_gqa_used"] = numerics._GQA_KERNELS_OK[0]
+    if args.e2e:
+        info.update(e2e_smoke())
+    head = ("| mode | gemm_backend | layer fwd+bwd ms | speedup | MLP fwd+bwd ms | speedup | FP8 refresh ms/step "
+            "| saved for bwd MiB | ratio | held after fwd MiB | out rel err vs bf16 |")
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['backend']} | {r['layer_ms']:.2f} | {r['layer_speedup']:.3f}x "
+                     f"| {r['mlp_ms']:.2f} | {r['mlp_speedup']:.3f}x | {r['refresh_ms']:.2f} | {r['saved_MiB']:.1f} "
+                     f"| {r['saved_ratio']:.3f} | {r['held_after_fwd_MiB']:.1f} | {r['out_rel_err_vs_bf16']:.4f} |")
+    table = "\n".join(lines)
+    print(json.dumps(info))
+    print(table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "megatron_layer_bench.json"), "w") as f:
+            json.dump({"info": info, "rows": rows}, f, indent=2)
+        with open(os.path.join(args.out, "megatron_layer_bench.md"), "w") as f:
+            f.write(table + "\n")
+    teardown_parallel()
+
+
+if __name__ == "__main__":
+    main()
