@@ -44,8 +44,32 @@ def _run_layouts(rank: int, world_size: int, layouts, out_path: str) -> None:
             grads = hf_state_dict(ddp, grads=True)
             if rank == 0:
                 results[(mode, tp, pp, sp)] = {"lp": lp.clone(), "loss": loss, "grads": grads}
+    if world_size == 2:
+        results["train_tp2"] = _train_tp2(shape, sd, toks)
     if rank == 0:
         torch.save(results, out_path)
+
+
+def _train_tp2(shape, sd, toks):
+    """TP=2 jetrl: a few optimizer steps (DDP + Megatron optimizer + FP8 refresh), then a NaN step that is skipped
+    on both ranks (the found-inf flag is reduced over the model-parallel group)."""
+    from jetrl_megatron.megatron.convert import load_hf_checkpoint
+    from jetrl_megatron.megatron.cpu import init_parallel
+    from jetrl_megatron.megatron.model import build_gpt, train_step, unwrap, wrap_ddp
+    from jetrl_megatron.megatron.optim import build_optimizer
+    from jetrl_megatron.recipe import Fp8Recipe
+
+    init_parallel(2, 1)
+    model = build_gpt(shape, Fp8Recipe(mode="jetrl"))
+    load_hf_checkpoint(model, sd)
+    ddp = wrap_ddp(model)
+    opt = build_optimizer([ddp], lr=3e-3)
+    losses = [train_step([ddp], opt, {"tokens": toks}, lambda lp, mb: (-lp.mean(), {}), micro_batch_size=1).loss
+              for _ in range(3)]
+    gen = unwrap(ddp).jetrl_fp8_cache.generation
+    bad = train_step([ddp], opt, {"tokens": toks}, lambda lp, mb: (lp.mean() * float("nan"), {}), micro_batch_size=1)
+    return {"losses": losses, "skipped": bad.skipped, "gen_before": gen,
+            "gen_after": unwrap(ddp).jetrl_fp8_cache.generation, "refreshes": opt.stats.refreshes}
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +137,10 @@ def test_tp2_pp2_matches_tp1(world4, mode):
 def test_jetrl_differs_from_bf16_in_parallel(world2):
     d = (world2[("jetrl", 2, 1, False)]["lp"] - world2[("bf16", 2, 1, False)]["lp"]).abs().max().item()
     assert 0 < d < 0.2
+
+
+@pytest.mark.slow
+def test_tp2_training_steps_and_nan_skip(world2):
+    r = world2["train_tp2"]
+    assert r["losses"][-1] < r["losses"][0], r
+    assert r["skipped"] and r["gen_after"] == r["gen_before"] and r["refreshes"] == 3, r
