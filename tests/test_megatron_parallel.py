@@ -44,6 +44,10 @@ def _run_layouts(rank: int, world_size: int, layouts, out_path: str) -> None:
             grads = hf_state_dict(ddp, grads=True)
             if rank == 0:
                 results[(mode, tp, pp, sp)] = {"lp": lp.clone(), "loss": loss, "grads": grads}
+            if (tp, pp, sp) == (2, 1, False):
+                lp_vp = token_logprobs(ddp, toks, vocab_parallel=True)
+                if rank == 0:
+                    results[(mode, "vocab_parallel")] = lp_vp.clone()
     if world_size == 2:
         results["train_tp2"] = _train_tp2(shape, sd, toks)
     if rank == 0:
@@ -144,3 +148,10 @@ def test_tp2_training_steps_and_nan_skip(world2):
     r = world2["train_tp2"]
     assert r["losses"][-1] < r["losses"][0], r
     assert r["skipped"] and r["gen_after"] == r["gen_before"] and r["refreshes"] == 3, r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_vocab_parallel_logprobs_match_exact(world2, mode):
+    exact, vp = world2[(mode, 2, 1, False)]["lp"], world2[(mode, "vocab_parallel")]
+    assert (exact - vp).abs().max().item() < 1e-5

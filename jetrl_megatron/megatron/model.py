@@ -191,11 +191,25 @@ def refresh_fp8_cache(model: torch.nn.Module) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ logprobs
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, *,
+                         vocab_parallel: bool = False) -> torch.Tensor:
     """(b, s, V/tp) vocab-parallel BF16 logits + (b, s) tokens -> (b, s-1) FP32 logprobs of tokens[:, 1:].
 
-    Gathers the full BF16 logits over TP (autograd: split in backward), drops vocab padding, FP32 log_softmax.
+    Default (exact): gathers the full BF16 logits over TP (autograd: split in backward), drops vocab padding, FP32
+    log_softmax over the whole vocabulary — vLLM's rounding. ``vocab_parallel=True``: Megatron's
+    vocab-parallel cross entropy on each rank's shard (padding masked to -inf), never materialising the full
+    vocabulary (memory for 150k vocabularies on GPU); equal to the exact path up to FP32 summation order.
     """
+    if vocab_parallel:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        local = logits.shape[-1]
+        start = parallel_state.get_tensor_model_parallel_rank() * local
+        lf = logits[:, :-1].float()
+        pad = torch.arange(start, start + local, device=logits.device) >= vocab_size
+        if bool(pad.any()):
+            lf = lf.masked_fill(pad, float("-inf"))
+        return -vocab_parallel_cross_entropy(lf, tokens[:, 1:].long())
     full = gather_from_tensor_model_parallel_region(logits)[..., :vocab_size]
     lp = torch.log_softmax(full[:, :-1].float(), dim=-1)
     return lp.gather(-1, tokens[:, 1:].unsqueeze(-1).long()).squeeze(-1)
@@ -238,11 +252,12 @@ def _as_chunks(model) -> list[torch.nn.Module]:
 
 
 @torch.no_grad()
-def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None = None) -> torch.Tensor:
+def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None = None,
+                   vocab_parallel: bool = False) -> torch.Tensor:
     """FP32 logprobs (b, s-1) of ``tokens`` (b, s) under ``model``; forward only; identical on all PP stages.
 
     ``model``: the GPTModel of this rank (or a DDP-wrapped one, or a one-element list). Every TP/PP rank of a
-    pipeline must call it with the same tokens.
+    pipeline must call it with the same tokens. ``vocab_parallel``: see :func:`logprobs_from_logits`.
     """
     chunks = _as_chunks(model)
     gpt = unwrap(chunks[0])
@@ -260,7 +275,7 @@ def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None 
         out = _forward(m, mb["tokens"])
         if not gpt.post_process:
             return out, None
-        lp = logprobs_from_logits(out, mb["tokens"], vocab)
+        lp = logprobs_from_logits(out, mb["tokens"], vocab, vocab_parallel=vocab_parallel)
         return lp, lambda o: (o.sum() * 0.0, {"logprobs": o.detach()})
 
     try:
@@ -301,7 +316,8 @@ LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, d
 
 
 def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int,
-                     grad_scale_func: Callable | None = None) -> tuple[float, dict[str, float]]:
+                     grad_scale_func: Callable | None = None, vocab_parallel: bool = False
+                     ) -> tuple[float, dict[str, float]]:
     """Forward+backward over micro-batches through ``get_forward_backward_func`` (no optimizer step).
 
     Gradients end up in the DDP grad buffers (``param.main_grad``), reduced over DP / TP (sequence-parallel
@@ -329,7 +345,7 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
         out = _forward(m, mb["tokens"])
         if not gpt.post_process:
             return out, None
-        lp = logprobs_from_logits(out, mb["tokens"], vocab)
+        lp = logprobs_from_logits(out, mb["tokens"], vocab, vocab_parallel=vocab_parallel)
 
         def loss_func(lp_out):
             loss, metrics = loss_fn(lp_out, mb)
@@ -357,7 +373,7 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
 
 
 def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn, *,
-               micro_batch_size: int) -> StepResult:
+               micro_batch_size: int, vocab_parallel: bool = False) -> StepResult:
     """One optimizer step: forward+backward over micro-batches (grad accumulation), DP/TP/PP reductions, step.
 
     ``batch``: this DP rank's tensors with a common leading dim, at least ``"tokens"`` (b, s); it is split into
@@ -369,7 +385,7 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn
     """
     optimizer.zero_grad()
     loss, metrics = forward_backward(model, batch, loss_fn, micro_batch_size=micro_batch_size,
-                                     grad_scale_func=optimizer.scale_loss)
+                                     grad_scale_func=optimizer.scale_loss, vocab_parallel=vocab_parallel)
     ok, grad_norm, _ = optimizer.step()
     gpt = unwrap(_as_chunks(model)[0])
     return StepResult(loss=loss, skipped=not ok, grad_norm=None if grad_norm is None else float(grad_norm),
