@@ -47,6 +47,15 @@ def gemm_mode_of(recipe: Fp8Recipe, fp8_layer: bool) -> str:
     return recipe.mode
 
 
+def _gemm_input(input, allreduce_dgrad: bool, sequence_parallel: bool, tp_group):  # noqa: A002
+    """The local GEMM's input after Megatron's BF16 TP plumbing: SP all-gather, or identity with DGrad all-reduce."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+    if allreduce_dgrad:
+        return copy_to_tensor_model_parallel_region(input, group=tp_group)
+    return input
+
+
 class _Fp8Gemm:
     """Mixin holding the mode, recipe, cache handle and the replacement ``_forward_impl``."""
 
@@ -78,12 +87,7 @@ class _Fp8Gemm:
                           allreduce_dgrad=False, sequence_parallel=False, tp_group=None, **_unused):
         if gradient_accumulation_fusion:
             raise ValueError(f"{self.jetrl_name}: gradient_accumulation_fusion is not supported")
-        if sequence_parallel:
-            x = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
-        elif allreduce_dgrad:
-            x = copy_to_tensor_model_parallel_region(input, group=tp_group)
-        else:
-            x = input
+        x = _gemm_input(input, allreduce_dgrad, sequence_parallel, tp_group)
         if self.jetrl_mode == "bf16":
             return torch.nn.functional.linear(x, weight, bias)
         if self.jetrl_mode == "fake_quant":
@@ -124,12 +128,7 @@ def bf16_output_forward_impl(module: torch.nn.Module):
 
     def impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
              sequence_parallel=False, tp_group=None, **_unused):
-        if sequence_parallel:
-            x = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
-        elif allreduce_dgrad:
-            x = copy_to_tensor_model_parallel_region(input, group=tp_group)
-        else:
-            x = input
+        x = _gemm_input(input, allreduce_dgrad, sequence_parallel, tp_group)
         return torch.nn.functional.linear(x, weight, bias)
 
     return impl
