@@ -149,7 +149,8 @@ class RolloutEngine:
         kwargs: dict[str, Any] = dict(
             model=self.model_dir, dtype="bfloat16", tensor_parallel_size=c.tensor_parallel_size,
             enforce_eager=c.enforce_eager, skip_tokenizer_init=True, seed=c.seed,
-            max_num_seqs=c.max_num_seqs, logprobs_mode="processed_logprobs", hf_overrides=hf_overrides or None)
+            max_num_seqs=c.max_num_seqs, logprobs_mode="processed_logprobs", hf_overrides=hf_overrides or None,
+            worker_extension_cls="jetrl_megatron.rollout.worker_ops.JetRLWorkerExtension")
         if c.max_model_len is not None:
             kwargs["max_model_len"] = c.max_model_len
         if c.kv_cache_memory_bytes is not None:
@@ -269,7 +270,7 @@ class RolloutEngine:
             from safetensors.torch import save
 
             blob = save({k: v.detach().cpu().contiguous() for k, v in weights.items()})
-            self.llm.collective_rpc(worker_ops.reload_from_bytes, args=(blob,))
+            self.llm.collective_rpc("jetrl_reload_from_bytes", args=(blob,))
         self.llm.reset_prefix_cache()
         t2 = time.perf_counter()
         verify = self.config.verify_refit if verify is None else verify
@@ -284,7 +285,7 @@ class RolloutEngine:
                         self.config.tensor_parallel_size)
             return None, []
         expected, shapes = expected_engine_checksums(weights)
-        got = self.llm.collective_rpc(worker_ops.param_checksums, args=(shapes,))[0]
+        got = self.llm.collective_rpc("jetrl_param_checksums", args=({k: list(v) for k, v in shapes.items()},))[0]
         unreadable = sorted(n for n in expected if got.get(n) == worker_ops.UNREADABLE)
         bad = [f"{n} (expected {expected[n]}, read back {got.get(n)})" for n in expected
                if got.get(n) != expected[n] and n not in unreadable]

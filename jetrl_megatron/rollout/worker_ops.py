@@ -1,4 +1,9 @@
-"""Functions the engine runs inside vLLM workers via `collective_rpc` (module-level so they pickle by reference)."""
+"""What the engine runs inside vLLM workers through `collective_rpc`.
+
+`JetRLWorkerExtension` is mixed into vLLM's worker class (`LLM(worker_extension_cls=...)`), so the calls go by method
+name: that works in-process and across vLLM's multiprocess hops, where callables are refused unless insecure pickling
+is switched on.
+"""
 
 from __future__ import annotations
 
@@ -60,3 +65,16 @@ def zero_kv_cache(worker) -> int:
             t.zero_()
             total += t.numel()
     return total
+
+
+class JetRLWorkerExtension:
+    """Methods added to every vLLM worker (`self` is the worker)."""
+
+    def jetrl_param_checksums(self, shapes: dict[str, list[int]]) -> dict[str, int | None]:
+        return param_checksums(self, {k: tuple(v) for k, v in shapes.items()})
+
+    def jetrl_reload_from_bytes(self, blob: bytes) -> None:
+        reload_from_bytes(self, blob)
+
+    def jetrl_zero_kv_cache(self) -> int:
+        return zero_kv_cache(self)
