@@ -140,18 +140,23 @@ def init_parallel(
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        # Rendezvous by an explicit tcp:// address rather than by writing MASTER_PORT into os.environ: a port left in
+        # the environment leaks into child processes (a CLI run launched from a test, a colocated engine) and
+        # collides with the socket this process still holds.
         if master_port is not None:
-            os.environ["MASTER_PORT"] = str(master_port)
-        elif "MASTER_PORT" not in os.environ:
-            if world_size > 1:
-                raise ValueError("init_parallel: world_size > 1 needs master_port or MASTER_PORT")
-            os.environ["MASTER_PORT"] = str(free_port())
+            init_method = f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{master_port}"
+        elif "MASTER_PORT" in os.environ:
+            init_method = f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ['MASTER_PORT']}"
+        elif world_size > 1:
+            raise ValueError("init_parallel: world_size > 1 needs master_port or MASTER_PORT")
+        else:
+            init_method = f"tcp://127.0.0.1:{free_port()}"
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+            backend, init_method=init_method, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
         )
     ws = dist.get_world_size()
     if ws % (tp * pp):
