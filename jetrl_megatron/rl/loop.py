@@ -183,9 +183,12 @@ def megatron_states(trainer: Trainer) -> dict[tuple[int, int, int], dict[str, to
     key = (parallel_state.get_pipeline_model_parallel_rank(), 0, parallel_state.get_tensor_model_parallel_rank())
     if tp * pp == 1:
         return {key: local}
+    # Pickling float8 tensors is not supported by torch's object collectives: send their bytes as uint8 views.
+    fp8 = {k for k, v in local.items() if v.dtype == torch.float8_e4m3fn}
+    packed = {k: (v.view(torch.uint8) if k in fp8 else v) for k, v in local.items()}
     parts: list = [None] * (tp * pp)
-    _dist().all_gather_object(parts, (key, local), group=_mp_group())
-    return dict(parts)
+    _dist().all_gather_object(parts, (key, packed, fp8), group=_mp_group())
+    return {k: {n: (t.view(torch.float8_e4m3fn) if n in f else t) for n, t in st.items()} for k, st, f in parts}
 
 
 def canonical_weights(trainer: Trainer, states: dict | None = None) -> dict[str, torch.Tensor]:
