@@ -631,6 +631,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         prompts = stream.take(g.num_prompts_per_step)
         samples, t_rollout = rollout(cfg, engine, task, prompts, step)
         batch = make_batch(cfg, task, prompts, samples)
+        colocated = cfg.policy.generation.colocated.enabled and engine.sleep(level=1)  # CUDA: free KV cache
         # 2. rewards -> advantages
         adv = grpo.group_advantages(batch.rewards, g.num_generations_per_prompt, normalize=g.normalize_rewards,
                                     leave_one_out=g.use_leave_one_out_baseline)
@@ -656,6 +657,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         t_update = time.perf_counter() - t0
         # 6. refit: the optimizer re-quantized the FP8 cache once; reshard and load it into vLLM in place
         t0 = time.perf_counter()
+        if colocated:
+            engine.wake_up()
         states = megatron_states(trainer)
         report = engine.refit(canonical_weights(trainer, states))
         t_refit = time.perf_counter() - t0
