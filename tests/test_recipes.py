@@ -79,3 +79,14 @@ def test_plan_refuses_bad_layout():
                                         "policy.generation.vllm_cfg.tensor_parallel_size=8"])
     text, ok = plan_report(cfg, show_config=False)
     assert not ok and "REFUSED" in text and "28 attention heads" in text
+
+
+def test_model_weights_resolution(tmp_path, monkeypatch):
+    from jetrl_megatron.rl.loop import resolve_model_weights
+
+    assert resolve_model_weights(load_config("tiny_cpu")) is None  # preset: random init
+    assert resolve_model_weights(load_config("tiny_cpu", [f"policy.model_name={tmp_path}"])) == str(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(FileNotFoundError, match="policy.model_name"):  # never a silent random init
+        resolve_model_weights(load_config("qwen3_8b_tp1"))

@@ -133,13 +133,34 @@ def build_trainer(cfg: RunConfig) -> Trainer:
                     recompute_granularity="full" if mc.activation_checkpointing else None,
                     **({"recompute_method": "uniform", "recompute_num_layers": 1} if mc.activation_checkpointing
                        else {}))
-    if Path(cfg.policy.model_name).is_dir():
-        load_hf_checkpoint(gpt, cfg.policy.model_name)
+    weights = resolve_model_weights(cfg)
+    if weights is not None:
+        load_hf_checkpoint(gpt, weights)
     ddp = wrap_ddp(gpt, grad_reduce_in_fp32=False)
     o = mc.optimizer
     opt = build_optimizer([ddp], lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad,
                           adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps)
     return Trainer(ddp, opt, None, shape, recipe)
+
+
+def resolve_model_weights(cfg: RunConfig) -> str | None:
+    """The HF checkpoint directory to start from, or None for a random init of a preset (``model_name`` equal to
+    ``model_preset``, e.g. ``tiny``). A hub id is looked up in the local Hugging Face cache / downloaded; failing that
+    the run stops instead of silently training a random model."""
+    name = cfg.policy.model_name
+    if Path(name).is_dir():
+        return name
+    if name == cfg.policy.model_preset:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors"])
+    except Exception as e:
+        raise FileNotFoundError(
+            f"policy.model_name {name!r}: not a local directory and not obtainable from the Hugging Face hub ({e}); "
+            f"point it at a local HF checkpoint, or set it to policy.model_preset ({cfg.policy.model_preset!r}) "
+            "for a random init") from e
 
 
 def make_reference(cfg: RunConfig, trainer: Trainer):
