@@ -155,7 +155,8 @@ def resolve_model_weights(cfg: RunConfig) -> str | None:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors"])
+        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors"],
+                                 local_files_only=os.environ.get("HF_HUB_OFFLINE", "0") == "1")
     except Exception as e:
         raise FileNotFoundError(
             f"policy.model_name {name!r}: not a local directory and not obtainable from the Hugging Face hub ({e}); "
