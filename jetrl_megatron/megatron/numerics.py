@@ -212,7 +212,7 @@ class RolloutCoreAttention(torch.nn.Module):
     * ``"fp32"``: FP32 SDPA on BF16 q/k/v, one rounding (vLLM-CPU's result on CPUs without AMX).
     * ``"bf16"``: BF16 SDPA with K/V repeated per query head (flash kernels on CUDA; default there).
     * ``"bf16_gqa"``: BF16 SDPA with native GQA restricted to flash / memory-efficient kernels (K/V not repeated:
-      less memory saved for backward; measured slower on H200, see bench/results_megatron.md).
+      less memory saved for backward; measured slower on H200, see bench/RESULTS.md).
     Build with :func:`functools.partial` to bind ``rope`` (Megatron calls the class with its own kwargs).
     """
 

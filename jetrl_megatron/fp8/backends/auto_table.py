@@ -1,6 +1,6 @@
 """Measured backend choice for gemm_backend="auto" on CUDA: per GEMM form and M bucket (bench/kernels_bench.py).
 
-Filled from the H200 measurements in bench/results_kernels.md (torch 2.11+cu130, triton 3.6): the backend with the
+Filled from the H200 measurements in bench/RESULTS.md (torch 2.11+cu130, triton 3.6): the backend with the
 least total time over the eight Qwen3-8B / Qwen3-32B-TP2 linear shapes in each bucket. Training M (8192, 16384):
 cuBLAS wins every form by 1.4-1.7x over our Triton GEMM. Decode FProp (CUDA graphs): Triton's swap-AB split-K path
 wins at M = 1 and 4 (cuBLAS needs M padded to 16 there); cuBLAS wins at M = 16 (by 4% in total) and 64. The bound 8

@@ -40,7 +40,7 @@ class GemmConfig:
 
 
 # The configs batch-invariant mode always uses, one per GEMM form, never chosen per M (the configs the H200 batch
-# invariance test and bench/results_kernels.md ran with; any fixed config is invariant, these are near the fastest).
+# invariance test and bench/RESULTS.md ran with; any fixed config is invariant, these are near the fastest).
 BATCH_INVARIANT_CONFIGS = {
     "fprop": GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, pipe=True),
     "dgrad": GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, pipe=True),
