@@ -252,6 +252,20 @@ def _as_chunks(model) -> list[torch.nn.Module]:
 
 
 @torch.no_grad()
+def _logprob_step(gpt: GPTModel, vocab_parallel: bool, loss_for: Callable) -> Callable:
+    """Megatron ``forward_step_func``: the micro-batch's token logprobs on the last stage, with ``loss_for(mb)``."""
+    vocab = gpt.jetrl_shape.vocab_size
+
+    def step(data_iter, m):
+        mb = next(data_iter)
+        out = _forward(m, mb["tokens"])
+        if not gpt.post_process:
+            return out, None
+        return logprobs_from_logits(out, mb["tokens"], vocab, vocab_parallel=vocab_parallel), loss_for(mb)
+
+    return step
+
+
 def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None = None,
                    vocab_parallel: bool = False) -> torch.Tensor:
     """FP32 logprobs (b, s-1) of ``tokens`` (b, s) under ``model``; forward only; identical on all PP stages.
@@ -265,18 +279,10 @@ def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None 
     b, s = tokens.shape
     mbs = micro_batch_size or b
     mbatches = _micro_batches({"tokens": tokens}, mbs)
-    vocab = gpt.jetrl_shape.vocab_size
     was_training = [c.training for c in chunks]
     for c in chunks:
         c.eval()
-
-    def step(data_iter, m):
-        mb = next(data_iter)
-        out = _forward(m, mb["tokens"])
-        if not gpt.post_process:
-            return out, None
-        lp = logprobs_from_logits(out, mb["tokens"], vocab, vocab_parallel=vocab_parallel)
-        return lp, lambda o: (o.sum() * 0.0, {"logprobs": o.detach()})
+    step = _logprob_step(gpt, vocab_parallel, lambda mb: lambda o: (o.sum() * 0.0, {"logprobs": o.detach()}))
 
     try:
         store = get_forward_backward_func()(
@@ -330,7 +336,6 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
     gpt = unwrap(chunks[0])
     mbatches = _micro_batches({k: v.to(_device()) for k, v in batch.items()}, micro_batch_size)
     s = mbatches[0]["tokens"].shape[1]
-    vocab = gpt.jetrl_shape.vocab_size
     config = gpt.config
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = grad_scale_func
@@ -340,13 +345,7 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
             raise TypeError("forward_backward needs DDP-wrapped chunks (wrap_ddp)")
         c.zero_grad_buffer()
 
-    def step(data_iter, m):
-        mb = next(data_iter)
-        out = _forward(m, mb["tokens"])
-        if not gpt.post_process:
-            return out, None
-        lp = logprobs_from_logits(out, mb["tokens"], vocab, vocab_parallel=vocab_parallel)
-
+    def loss_for(mb):
         def loss_func(lp_out):
             loss, metrics = loss_fn(lp_out, mb)
             if loss.dim() != 0:
@@ -355,7 +354,9 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
             report.update({k: torch.as_tensor(v).detach().float().clone() for k, v in metrics.items()})
             return loss, report
 
-        return lp, loss_func
+        return loss_func
+
+    step = _logprob_step(gpt, vocab_parallel, loss_for)
 
     store = get_forward_backward_func()(
         forward_step_func=step, data_iterator=iter(mbatches), model=chunks, num_microbatches=len(mbatches),
