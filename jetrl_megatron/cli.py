@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from jetrl_megatron.rl.config import ARM_MODES, DEFAULT_RECIPE, REPO_ROOT, ConfigError, load_config
+from jetrl_megatron.rl.logging import quiet_libraries
 
 COMPARE_ARMS = ("bf16", "bf16_train_fp8_rollout", "jetrl")
 
@@ -48,17 +49,6 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("reshard-check", help="resharder preflight (see docs/reshard.md)", add_help=False)
     sub.add_parser("export", help="HF FP8 export (see docs/reshard.md)", add_help=False)
     return ap
-
-
-def quiet_libraries() -> None:
-    """Keep the run's own progress readable: vLLM logs errors only, known import-time warnings are muted
-    (set VLLM_LOGGING_LEVEL=INFO to see vLLM's log again)."""
-    import warnings
-
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    for mod in ("megatron", "vllm", "torch.distributed"):
-        warnings.filterwarnings("ignore", category=UserWarning, module=mod)
-        warnings.filterwarnings("ignore", category=FutureWarning, module=mod)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -111,3 +111,14 @@ def plot_run(rows: list[dict[str, Any]], out_png: str | Path, title: str = "") -
     plt.close(fig)
     os.replace(tmp, out_png)
     return out_png
+
+
+def quiet_libraries() -> None:
+    """Keep the run's own progress readable: vLLM logs errors only, known import-time warnings are muted
+    (set VLLM_LOGGING_LEVEL=INFO to see vLLM's log again)."""
+    import warnings
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    for mod in ("megatron", "vllm", "torch.distributed"):
+        warnings.filterwarnings("ignore", category=UserWarning, module=mod)
+        warnings.filterwarnings("ignore", category=FutureWarning, module=mod)

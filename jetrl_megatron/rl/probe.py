@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    from jetrl_megatron.cli import quiet_libraries
+    from jetrl_megatron.rl.logging import quiet_libraries
 
     quiet_libraries()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
