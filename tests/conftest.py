@@ -13,3 +13,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def mp():
+    """TP=PP=1 Megatron parallel state for one test module; the process group is destroyed only if it created it."""
+    import torch.distributed as dist
+
+    from jetrl_megatron.megatron import cpu
+
+    created = not dist.is_initialized()
+    cpu.init_parallel(1, 1)
+    yield
+    cpu.teardown_parallel(destroy_process_group=created)
+    cpu.disable_cpu_mode()

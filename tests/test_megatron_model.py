@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from test_megatron_util import hf_state, make_hf_model, reference_logprobs, tiny_shape
 
@@ -19,16 +18,6 @@ from jetrl_megatron.megatron.models import get_model_shape
 from jetrl_megatron.recipe import Fp8Recipe
 
 FAMILIES = ("qwen3", "llama", "qwen2")
-
-
-@pytest.fixture(scope="module")
-def mp():
-    """TP=PP=1 Megatron parallel state; the process group is destroyed only if this module created it."""
-    created = not dist.is_initialized()
-    cpu.init_parallel(1, 1)
-    yield
-    cpu.teardown_parallel(destroy_process_group=created)
-    cpu.disable_cpu_mode()
 
 
 def _tokens(b=3, s=40, seed=1, vocab=128):

@@ -22,7 +22,6 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("megatron.core")
 
-import torch.distributed as dist  # noqa: E402
 from test_rollout_engine import deadline  # noqa: E402
 
 from jetrl_megatron.megatron.models import get_model_shape  # noqa: E402
@@ -37,17 +36,6 @@ from jetrl_megatron.rollout.model_dir import (  # noqa: E402
 SHAPE = get_model_shape("tiny")
 ARMS = ("jetrl", "bf16_train_fp8_rollout", "bf16")
 PROMPT_LEN, RESPONSE_LEN, N_PROMPTS, N_SAMPLES = 12, 20, 4, 2
-
-
-@pytest.fixture(scope="module")
-def mp():
-    from jetrl_megatron.megatron import cpu
-
-    created = not dist.is_initialized()
-    cpu.init_parallel(1, 1)
-    yield
-    cpu.teardown_parallel(destroy_process_group=created)
-    cpu.disable_cpu_mode()
 
 
 def _trainer(mode: str, sd_bf16, attn_impl: str | None = None):
