@@ -300,6 +300,12 @@ def triton_sweep() -> dict[str, GemmConfig]:
     return best
 
 
+def _wanted(name: str) -> bool:
+    """BENCH_GEMM_BACKENDS=cublas,deep_gemm limits the FP8 backends measured (all available ones by default)."""
+    only = os.environ.get("BENCH_GEMM_BACKENDS")
+    return not only or name in only.split(",")
+
+
 def _fp8_backends(best: dict[str, GemmConfig] | None):
     out = {}
     if G.load_backend("cublas") is not None:
@@ -311,7 +317,7 @@ def _fp8_backends(best: dict[str, GemmConfig] | None):
     if G.load_backend("deep_gemm") is not None:
         mod = G.load_backend("deep_gemm")
         out["deep_gemm"] = lambda form, ops, mod=mod: getattr(mod, form)(*ops[form])
-    return out
+    return {k_: v for k_, v in out.items() if _wanted(k_.removesuffix("_bi"))}
 
 
 @section("GEMMs, training M")
@@ -350,8 +356,10 @@ def decode() -> None:
     rows = []
     recipe = Fp8Recipe()
     backends = {"cublas": Fp8Recipe(gemm_backend="cublas"), "triton": Fp8Recipe(gemm_backend="triton"),
-                "triton_bi": Fp8Recipe(gemm_backend="triton", batch_invariant=True), "auto": recipe}
-    backends = {k_: v for k_, v in backends.items() if k_ == "auto" or G.load_backend(v.gemm_backend) is not None}
+                "triton_bi": Fp8Recipe(gemm_backend="triton", batch_invariant=True), "auto": recipe,
+                "deep_gemm": Fp8Recipe(gemm_backend="deep_gemm")}
+    backends = {k_: v for k_, v in backends.items()
+                if k_ == "auto" or (G.load_backend(v.gemm_backend) is not None and _wanted(v.gemm_backend))}
     for shape, (n, k) in SHAPES.items():
         n, k = dim(n), dim(k)
         copies = _rotations(n * k)
@@ -392,8 +400,9 @@ def linear_fwd_bwd() -> None:
     rows = []
     m = dim(8192)
     recipes = {"auto": Fp8Recipe(), "cublas": Fp8Recipe(gemm_backend="cublas"),
-               "triton": Fp8Recipe(gemm_backend="triton")}
-    recipes = {k_: v for k_, v in recipes.items() if k_ == "auto" or G.load_backend(v.gemm_backend) is not None}
+               "triton": Fp8Recipe(gemm_backend="triton"), "deep_gemm": Fp8Recipe(gemm_backend="deep_gemm")}
+    recipes = {k_: v for k_, v in recipes.items()
+               if k_ == "auto" or (G.load_backend(v.gemm_backend) is not None and _wanted(v.gemm_backend))}
     for shape, (n, k) in SHAPES.items():
         n, k = dim(n), dim(k)
         x = randn(m, k).requires_grad_(True)
@@ -435,8 +444,9 @@ def mlp_block() -> None:
 
     caches = [K.quant_weight(w1.detach()), K.quant_weight(w2.detach())]
     res = {"tokens": m, "bf16_ms": bench_ms(make(lambda a, w, i: F.linear(a, w)))}
-    for name, rec in {"auto": Fp8Recipe(), "triton": Fp8Recipe(gemm_backend="triton")}.items():
-        if name != "auto" and G.load_backend(rec.gemm_backend) is None:
+    for name, rec in {"auto": Fp8Recipe(), "triton": Fp8Recipe(gemm_backend="triton"),
+                      "deep_gemm": Fp8Recipe(gemm_backend="deep_gemm")}.items():
+        if name != "auto" and (G.load_backend(rec.gemm_backend) is None or not _wanted(rec.gemm_backend)):
             continue
         ms = bench_ms(make(lambda a, w, i, rec=rec: fp8_linear(a, w, None, rec, weight_fp8=caches[i])))
         res[f"{name}_ms"] = ms
@@ -475,12 +485,13 @@ def summary() -> None:
         print("\nDecode FP8 linear fwd (CUDA graph, us; speedup vs BF16)")
         for r in RESULTS["decode"]:
             cells = "  ".join(f"{n} {r[n + '_us']:.1f} ({r.get(n + '_x', float('nan')):.2f}x)"
-                              for n in ("auto", "cublas", "triton", "triton_bi") if n + "_us" in r)
+                              for n in ("auto", "cublas", "triton", "triton_bi", "deep_gemm") if n + "_us" in r)
             print(f"{r['shape']:<12} M={r['M']:<3} bf16 {r['bf16_us']:.1f}  {cells}")
     if RESULTS.get("linear"):
         print("\nLinear fwd+bwd M=8192 (ms; speedup vs BF16)")
         for r in RESULTS["linear"]:
-            cells = "  ".join(f"{n} {r[n + '_ms']:.3f} ({r[n + '_x']:.2f}x)" for n in ("auto", "cublas", "triton")
+            cells = "  ".join(f"{n} {r[n + '_ms']:.3f} ({r[n + '_x']:.2f}x)"
+                              for n in ("auto", "cublas", "triton", "deep_gemm")
                               if n + "_ms" in r)
             print(f"{r['shape']:<12} bf16 {r['bf16_ms']:.3f}  {cells}")
     if RESULTS.get("mlp"):

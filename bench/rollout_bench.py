@@ -2,12 +2,17 @@
 
     python bench/rollout_bench.py agree     # plugin via the entry point; logprobs vs the trainer-side forward
     python bench/rollout_bench.py throughput --arm jetrl --preset qwen3-8b --prompts 256 --prompt-len 256 --new 1024
+    python bench/rollout_bench.py compare --preset qwen3-32b --arms stock_fp8,jetrl:deep_gemm,jetrl,bf16 --out r.json
 
 `agree`: a small random Qwen3 in canonical FP8 form served by RolloutEngine (plugin, eager). It compares the sampled
 token logprobs (decode) and prompt logprobs (prefill) against a trainer-side forward on the same GPU. That forward is
 the pure-torch reference of tests/test_rollout_reference.py with `fp8_linear_forward` (GPU backends); its attention is
 BF16 SDPA (the trainer's CUDA default) or FP32 SDPA. It then refits new weights and compares again.
 `throughput`: random (dummy) weights of a preset shape, CUDA graphs for decode (FULL_DECODE_ONLY), one arm per process.
+`--gemm-backend` sets the plugin's GEMM backend (the recipe's `gemm_backend`; `auto` by default).
+`compare`: the listed arms one after another, each in a fresh process with the same settings (same GPU, same prompts);
+prints a table with each arm's tokens/s and its ratio to BF16 and to stock block-FP8. An arm `jetrl:deep_gemm` is the
+plugin with that GEMM backend.
 """
 
 from __future__ import annotations
@@ -105,7 +110,7 @@ def throughput(args) -> dict:
 
     plugin.register()
     shape = get_model_shape(args.preset)
-    recipe = Fp8Recipe()
+    recipe = Fp8Recipe(gemm_backend=args.gemm_backend)
     tmp = tempfile.mkdtemp()
     quant = {"jetrl": "jetrl_fp8", "stock_fp8": "fp8"}.get(args.arm)
     cfg = hf_config_for(shape, recipe if quant else None, quant_method=quant or "fp8")
@@ -113,7 +118,7 @@ def throughput(args) -> dict:
         json.dump(cfg, f)
     kwargs = dict(model=tmp, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, seed=0,
                   gpu_memory_utilization=0.85, max_model_len=args.prompt_len + args.new + 16,
-                  max_num_seqs=args.prompts)
+                  max_num_seqs=args.prompts, tensor_parallel_size=args.tp)
     if args.eager:
         kwargs["enforce_eager"] = True
     else:
@@ -134,14 +139,51 @@ def throughput(args) -> dict:
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     del llm
     gc.collect()
-    return {"arm": args.arm, "preset": args.preset, "init_s": init_s, "gen_s": dt, "new_tokens": n,
+    return {"arm": args.arm, "gemm_backend": args.gemm_backend if args.arm == "jetrl" else None,
+            "preset": args.preset, "tp": args.tp, "init_s": init_s, "gen_s": dt, "new_tokens": n,
             "tok_per_s": n / dt, "cuda_graphs": not args.eager}
+
+
+def compare(args) -> dict:
+    """Each arm in its own process (a clean GPU, no allocator state shared), same settings; a table at the end."""
+    import subprocess
+
+    rows = []
+    for spec in args.arms.split(","):
+        arm, _, backend = spec.partition(":")
+        cmd = [sys.executable, os.path.abspath(__file__), "throughput", "--arm", arm, "--preset", args.preset,
+               "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len), "--new", str(args.new),
+               "--tp", str(args.tp), "--gemm-backend", backend or "auto"] + (["--eager"] if args.eager else [])
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.arm_timeout)
+        row = {"spec": spec, "rc": proc.returncode, "wall_s": time.perf_counter() - t0}
+        text = proc.stdout
+        if proc.returncode == 0 and "RESULT " in text:
+            row.update(json.loads(text.split("RESULT ", 1)[1]))
+        else:
+            row["error"] = (proc.stderr or text)[-1500:]
+        rows.append(row)
+        print(f"{spec}: rc={proc.returncode} tok/s={row.get('tok_per_s', float('nan')):.0f} "
+              f"init={row.get('init_s', float('nan')):.1f}s wall={row['wall_s']:.0f}s", flush=True)
+    by = {r["spec"]: r.get("tok_per_s") for r in rows}
+    print(f"\n{args.preset}, TP{args.tp}, {args.prompts} prompts x {args.prompt_len} tokens, {args.new} new tokens")
+    print(f"{'arm':<20} {'tok/s':>9} {'vs bf16':>8} {'vs stock_fp8':>13} {'init s':>7}")
+    for r in rows:
+        tps = r.get("tok_per_s")
+        rel = [f"{tps / by[b]:.3f}x" if tps and by.get(b) else "-" for b in ("bf16", "stock_fp8")]
+        init = r.get("init_s", float("nan"))
+        print(f"{r['spec']:<20} {tps or float('nan'):>9.0f} {rel[0]:>8} {rel[1]:>13} {init:>7.1f}")
+    return {"preset": args.preset, "tp": args.tp, "rows": rows}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=("agree", "throughput"))
+    p.add_argument("what", choices=("agree", "throughput", "compare"))
     p.add_argument("--arm", default="jetrl", choices=("jetrl", "bf16", "stock_fp8"))
+    p.add_argument("--arms", default="stock_fp8,jetrl:deep_gemm,jetrl,bf16", help="compare: comma-separated arms")
+    p.add_argument("--gemm-backend", default="auto", help="the plugin's GEMM backend (jetrl arm)")
+    p.add_argument("--tp", type=int, default=1, help="vLLM tensor_parallel_size")
+    p.add_argument("--arm-timeout", type=float, default=560.0, help="compare: seconds per arm")
     p.add_argument("--preset", default=None)
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=256)
@@ -150,7 +192,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.preset = args.preset or ("tiny" if args.what == "agree" else "qwen3-8b")
-    res = agree(args) if args.what == "agree" else throughput(args)
+    res = {"agree": agree, "throughput": throughput, "compare": compare}[args.what](args)
     text = json.dumps(res, indent=1, default=str)
     print("RESULT", text)
     if args.out:
