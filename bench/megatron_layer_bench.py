@@ -6,9 +6,17 @@ same weights and inputs. Reported per mode: median fwd+bwd time of the whole lay
 per-step FP8 weight-cache refresh (once per optimizer step, not per micro-batch), the bytes saved for backward
 (unique storages seen by saved_tensors_hooks during one forward) and the allocation still held after the forward.
 
+``--elementwise torch,triton`` repeats every mode with the rollout-matched element-wise ops (RMSNorm, qk-norm,
+RoPE, FP32 residual add, SwiGLU) as the torch twins and as the Triton kernels (numerics.set_elementwise_impl), same
+weights and inputs. The Triton SwiGLU lives in numerics.SwiGLU, so ``triton`` arms always use that module (Megatron
+otherwise applies its own autograd ``silu(g) * u``); ``torch`` arms use it only with ``--lean-swiglu``.
+``--profile`` prints, per arm, the top CUDA kernels of one fwd+bwd by total time (torch.profiler) and the time per
+kernel group (GEMM, attention, FP8 quantization, our Triton element-wise kernels, other = torch element-wise/copies).
+
     python bench/megatron_layer_bench.py [--seq 8192] [--iters 20] [--backends auto,triton] [--out DIR]
-        [--attn-impl bf16|bf16_gqa] [--lean-swiglu] [--e2e]
-    python bench/megatron_layer_bench.py --tiny            # CPU smoke run of the same code path
+        [--attn-impl bf16|bf16_gqa] [--lean-swiglu] [--e2e] [--elementwise torch,triton] [--profile [--top 25]]
+    python bench/megatron_layer_bench.py --tiny --seq 64 --iters 2 --warmup 1   # CPU smoke run (TRITON_INTERPRET=1
+                                                                                # makes the triton arms use Triton)
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jetrl_megatron.fp8.weights import Fp8WeightCache  # noqa: E402
+from jetrl_megatron.megatron import numerics  # noqa: E402
 from jetrl_megatron.megatron.cpu import init_parallel, teardown_parallel  # noqa: E402
 from jetrl_megatron.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear  # noqa: E402
 from jetrl_megatron.megatron.model import megatron_config, seed_everything  # noqa: E402
@@ -106,6 +115,67 @@ def saved_bytes(fn, persistent: set[int]) -> int:
     return sum(seen.values())
 
 
+KERNEL_GROUPS = (  # (group, lower-case name fragments), first match wins
+    ("jetrl triton element-wise", ("_rms_fwd", "_rms_bwd", "_swiglu_", "_rope_kernel", "_residual_add")),
+    ("fp8 quant", ("quant", "regroup")),
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_", "_sum_splits", "matmul", "aten::mm",
+              "aten::addmm", "aten::bmm")),
+)
+
+
+def kernel_group(name: str) -> str:
+    low = name.lower()
+    for group, frags in KERNEL_GROUPS:
+        if any(f in low for f in frags):
+            return group
+    return "other (torch element-wise, copies, reductions)"
+
+
+def profile_step(step, device, top: int) -> dict:
+    """One fwd+bwd under torch.profiler: the top kernels (CUDA; CPU ops on CPU) by total time, and group totals."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    _sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        _sync(device)
+    rows = []
+    for e in prof.key_averages():
+        if device.type == "cuda":
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(e, "self_device_time_total", None)
+            us = e.self_cuda_time_total if us is None else us
+        else:
+            us = e.self_cpu_time_total
+        if us > 0:
+            rows.append((e.key, e.count, us / 1e3))
+    rows.sort(key=lambda r: -r[2])
+    total = sum(r[2] for r in rows) or 1.0
+    groups: dict[str, float] = {}
+    for name, _, ms in rows:
+        groups[kernel_group(name)] = groups.get(kernel_group(name), 0.0) + ms
+    return {"total_ms": total, "top": [{"kernel": n, "calls": c, "ms": ms, "pct": 100 * ms / total}
+                                       for n, c, ms in rows[:top]],
+            "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1]))}
+
+
+def format_profile(label: str, prof: dict) -> str:
+    unit = "kernel time" if prof.get("device") == "cuda" else "self CPU time"
+    lines = [f"### profile: {label} (one fwd+bwd, {unit} {prof['total_ms']:.2f} ms)", "",
+             "| group | ms | % |", "|---|---|---|"]
+    lines += [f"| {g} | {ms:.2f} | {100 * ms / prof['total_ms']:.1f} |" for g, ms in prof["groups"].items()]
+    lines += ["", "| kernel | calls | ms | % |", "|---|---|---|---|"]
+    for r in prof["top"]:
+        name = r["kernel"].replace("|", "/")
+        name = name if len(name) <= 100 else name[:97] + "..."
+        lines.append(f"| {name} | {r['calls']} | {r['ms']:.3f} | {r['pct']:.1f} |")
+    return "\n".join(lines)
+
+
 def e2e_smoke() -> dict:
     """Whole tiny GPTModel on this device: build, jetrl logprobs, 3 train steps (DDP + Megatron optimizer)."""
     from jetrl_megatron.megatron.model import build_gpt, token_logprobs, train_step, wrap_ddp
@@ -121,6 +191,13 @@ def e2e_smoke() -> dict:
     return {"e2e_lp_shape": list(lp0.shape), "e2e_losses": losses, "e2e_refreshes": opt.stats.refreshes}
 
 
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, default=8192)
@@ -132,7 +209,15 @@ def main() -> None:
     ap.add_argument("--e2e", action="store_true", help="also run a tiny whole-model train smoke test")
     ap.add_argument("--attn-impl", default=None, help="numerics.RolloutCoreAttention attn_impl (default per device)")
     ap.add_argument("--lean-swiglu", action="store_true", help="SwiGLU saving only the fc1 output for backward")
+    ap.add_argument("--elementwise", default="auto",
+                    help="comma list of element-wise impls to run every mode with: auto, torch, triton")
+    ap.add_argument("--profile", action="store_true", help="print the top kernels of one fwd+bwd per arm")
+    ap.add_argument("--top", type=int, default=25, help="kernels listed per arm with --profile")
     args = ap.parse_args()
+    impls = [e.strip() for e in args.elementwise.split(",") if e.strip()]
+    for e in impls:
+        if e not in numerics.ELEMENTWISE_IMPLS:
+            ap.error(f"--elementwise: {e!r} is not one of {numerics.ELEMENTWISE_IMPLS}")
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     init_parallel(1, 1)
@@ -145,12 +230,16 @@ def main() -> None:
     xn = torch.randn(s, 1, h, device=device, dtype=torch.bfloat16, requires_grad=True)
     gmlp = torch.randn(s, 1, h, device=device, dtype=torch.bfloat16)
 
-    rows, outputs, ref_state = [], {}, None
-    arms = [("bf16", "auto")] + [("jetrl", b) for b in args.backends.split(",")]
-    for mode, backend in arms:
+    rows, outputs, ref_state, profiles = [], {}, None, []
+    arms = [(e, "bf16", "auto") for e in impls]
+    arms += [(e, "jetrl", b) for e in impls for b in args.backends.split(",")]
+    arms.sort(key=lambda a: impls.index(a[0]))
+    for ew, mode, backend in arms:
+        numerics.set_elementwise_impl(ew)
         recipe = Fp8Recipe(mode=mode, gemm_backend=backend)
         seed_everything(0)
-        layer, refresh = build_layer(shape, recipe, device, args.attn_impl, args.lean_swiglu)
+        lean = args.lean_swiglu or ew == "triton"
+        layer, refresh = build_layer(shape, recipe, device, args.attn_impl, lean)
         if ref_state is None:
             ref_state = {k: v.detach().clone() for k, v in layer.named_parameters()}
         else:
@@ -171,7 +260,7 @@ def main() -> None:
             out.backward(gmlp)
 
         with torch.no_grad():
-            outputs[(mode, backend)] = layer(x, attention_mask=None)[0].float()
+            outputs[(ew, mode, backend)] = layer(x, attention_mask=None)[0].float()
         t_layer = timeit(layer_step, device, args.warmup, args.iters)
         t_mlp = timeit(mlp_step, device, args.warmup, args.iters)
         t_refresh = timeit(refresh, device, 2, 5) if mode == "jetrl" else 0.0
@@ -184,14 +273,21 @@ def main() -> None:
             del out
         else:
             held = 0
-        rows.append(dict(mode=mode, backend=backend, layer_ms=t_layer, mlp_ms=t_mlp, refresh_ms=t_refresh,
-                         saved_MiB=saved / 2**20, held_after_fwd_MiB=held / 2**20))
+        rows.append(dict(elementwise=ew, swiglu_module=lean, mode=mode, backend=backend, layer_ms=t_layer,
+                         mlp_ms=t_mlp, refresh_ms=t_refresh, saved_MiB=saved / 2**20,
+                         held_after_fwd_MiB=held / 2**20))
+        if args.profile:
+            prof = profile_step(layer_step, device, args.top) | {"device": device.type}
+            profiles.append({"arm": f"{mode} / {backend} / elementwise {ew}", **prof})
         del layer
+        numerics.set_elementwise_impl("auto")
 
-    ref = outputs[("bf16", "auto")]
+    ref = outputs[(impls[0], "bf16", "auto")]
     for r in rows:
-        o = outputs[(r["mode"], r["backend"])]
+        o = outputs[(r["elementwise"], r["mode"], r["backend"])]
         r["out_rel_err_vs_bf16"] = ((o - ref).norm() / ref.norm()).item()
+        twin = None if r["elementwise"] == "torch" else outputs.get(("torch", r["mode"], r["backend"]))
+        r["out_rel_diff_vs_torch_ew"] = None if twin is None else ((o - twin).norm() / twin.norm()).item()
     b = rows[0]
     for r in rows:
         r["layer_speedup"] = b["layer_ms"] / r["layer_ms"]
@@ -209,30 +305,41 @@ def main() -> None:
     import megatron.core
 
     info["megatron_core"] = megatron.core.__version__
-    from jetrl_megatron.megatron import numerics
-
     info["attn_impl"] = args.attn_impl or numerics.default_attn_impl()
     info["lean_swiglu"] = args.lean_swiglu
+    info["elementwise"] = impls
+    if "triton" in impls and device.type != "cuda":
+        from jetrl_megatron.megatron import triton_numerics
+
+        info["triton_arms_run_triton"] = triton_numerics.available() and triton_numerics.interpreting()
     if info["attn_impl"] == "bf16_gqa":
         info["attn_native_gqa_used"] = numerics._GQA_KERNELS_OK[0]
     if args.e2e:
         info.update(e2e_smoke())
-    head = ("| mode | gemm_backend | layer fwd+bwd ms | speedup | MLP fwd+bwd ms | speedup | FP8 refresh ms/step "
-            "| saved for bwd MiB | ratio | held after fwd MiB | out rel err vs bf16 |")
-    lines = [head, "|" + "---|" * 11]
+    head = ("| mode | gemm_backend | elementwise | layer fwd+bwd ms | speedup | MLP fwd+bwd ms | speedup "
+            "| FP8 refresh ms/step | saved for bwd MiB | ratio | held after fwd MiB | out rel err vs bf16 "
+            "| out rel diff vs torch elementwise |")
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['backend']} | {r['layer_ms']:.2f} | {r['layer_speedup']:.3f}x "
+        ew = r["elementwise"] + (" (SwiGLU module)" if r["swiglu_module"] else "")
+        dtw = "-" if r["out_rel_diff_vs_torch_ew"] is None else f"{r['out_rel_diff_vs_torch_ew']:.2e}"
+        lines.append(f"| {r['mode']} | {r['backend']} | {ew} | {r['layer_ms']:.2f} | {r['layer_speedup']:.3f}x "
                      f"| {r['mlp_ms']:.2f} | {r['mlp_speedup']:.3f}x | {r['refresh_ms']:.2f} | {r['saved_MiB']:.1f} "
-                     f"| {r['saved_ratio']:.3f} | {r['held_after_fwd_MiB']:.1f} | {r['out_rel_err_vs_bf16']:.4f} |")
+                     f"| {r['saved_ratio']:.3f} | {r['held_after_fwd_MiB']:.1f} | {r['out_rel_err_vs_bf16']:.4f} "
+                     f"| {dtw} |")
     table = "\n".join(lines)
+    prof_text = "\n\n".join(format_profile(p["arm"], p) for p in profiles)
     print(json.dumps(info))
     print(table)
+    if prof_text:
+        print()
+        print(prof_text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "megatron_layer_bench.json"), "w") as f:
-            json.dump({"info": info, "rows": rows}, f, indent=2)
-        with open(os.path.join(args.out, "megatron_layer_bench.md"), "w") as f:
-            f.write(table + "\n")
+        _write_atomic(os.path.join(args.out, "megatron_layer_bench.json"),
+                      json.dumps({"info": info, "rows": rows, "profiles": profiles}, indent=2))
+        _write_atomic(os.path.join(args.out, "megatron_layer_bench.md"),
+                      table + "\n" + ("\n" + prof_text + "\n" if prof_text else ""))
     teardown_parallel()
 
 

@@ -7,11 +7,12 @@ GPU (``gpu`` marker): the same checks at Qwen3-8B sizes, printing how many eleme
 Exact where the math allows: RoPE (fwd/bwd), the residual add (fwd/bwd), RMSNorm's output given the same 1/rms.
 Stated bounds elsewhere (why: see the module docstring of triton_numerics):
 * RMSNorm ``rstd``: within 4 FP32 ulps of the twin's (the sum of squares adds in another order);
-* RMSNorm ``y``: within 1 ulp of the twin's (a last-bit ``rstd`` difference can flip one BF16 rounding);
+* RMSNorm ``y``: within 3 BF16 ulps of the twin's (a last-bit ``rstd`` difference can flip the rounding of
+  ``n = bf16(x*rstd)`` by 1 ulp of n, up to 2 ulps of ``n*w`` before its own rounding);
 * RMSNorm ``dx`` (given the twin's rstd): 1 ulp of the output dtype plus the FP32 summation-order bound
   ``2 * N * 2^-24 * rstd * |n_i| * mean|dn*n|`` of the row reduction ``mean(dn*n)``;
 * RMSNorm ``dw``: 1 BF16 ulp plus ``2 * R * 2^-24 * sum_rows|dy*n|`` (column sum over R rows in another order);
-* SwiGLU: forward within 2 BF16 ulps, backward within 1 (interpreter: numpy's expf vs torch-CPU's vectorised one
+* SwiGLU: forward within 3 BF16 ulps (same argument, for ``silu(g)*u``), backward within 1 (interpreter: numpy's expf vs torch-CPU's vectorised one
   can differ by 1 FP32 ulp; on GPU both are CUDA's expf, expected exact — the GPU test prints the counts).
 """
 
@@ -52,6 +53,11 @@ def exact_frac(got: Tensor, ref: Tensor) -> float:
     return (got.reshape(-1) == ref.reshape(-1)).float().mean().item()
 
 
+def max_ulps(got: Tensor, ref: Tensor) -> float:
+    """Largest |got - ref| in units of ref's ulp in ref's dtype."""
+    return ((got.double() - ref.double()).abs() / ulp(ref, ref.dtype)).max().item()
+
+
 def _rows_input(rows: int, n: int, dtype: torch.dtype, device: str, strided: bool, g: torch.Generator) -> Tensor:
     """Rows with magnitudes over 4 decades; ``strided``: every row is a slice of a wider row (like Megatron's k)."""
     scale = torch.logspace(-2, 2, rows, dtype=torch.float64)[torch.randperm(rows, generator=g)]
@@ -72,7 +78,7 @@ def check_rms(tn, device: str, rows: int, n: int, xdtype: torch.dtype, strided: 
     y_same = ((x.float() * rstd[:, None]).to(BF16) * w).to(BF16)
     assert torch.equal(y, y_same), f"{tag}: output differs from the twin's ops applied with the kernel's rstd"
     within(rstd, rstd_ref.view(-1), 4 * ulp(rstd_ref.view(-1), F32), f"{tag}: rstd")
-    within(y, y_ref, ulp(y_ref, BF16), f"{tag}: y")
+    within(y, y_ref, 3 * ulp(y_ref, BF16), f"{tag}: y")
 
     dy = torch.randn(rows, n, generator=g).to(BF16).to(device)
     dx, dw = tn.rms_norm_bwd(x, w, rstd_ref.view(-1), dy)
@@ -86,8 +92,10 @@ def check_rms(tn, device: str, rows: int, n: int, xdtype: torch.dtype, strided: 
     nw = nrm.to(BF16).double()  # the BF16 weight makes the twin round n before the dw product
     dw_bound = ulp(dw_ref, BF16) + 2 * rows * 2.0**-24 * (dy.double() * nw).abs().sum(0)
     within(dw, dw_ref, dw_bound, f"{tag}: dw")
-    return {"case": tag, "y_exact": exact_frac(y, y_ref), "rstd_exact": exact_frac(rstd, rstd_ref),
-            "dx_exact": exact_frac(dx, dx_ref), "dw_exact": exact_frac(dw, dw_ref)}
+    return {"case": tag, "y_exact": exact_frac(y, y_ref), "y_max_ulps": max_ulps(y, y_ref),
+            "rstd_exact": exact_frac(rstd, rstd_ref.view(-1)), "rstd_max_ulps": max_ulps(rstd, rstd_ref.view(-1)),
+            "dx_exact": exact_frac(dx, dx_ref), "dx_max_ulps": max_ulps(dx, dx_ref),
+            "dw_exact": exact_frac(dw, dw_ref), "dw_max_ulps": max_ulps(dw, dw_ref)}
 
 
 def check_swiglu(tn, device: str, rows: int, f: int, seed: int = 0) -> dict:
@@ -96,12 +104,13 @@ def check_swiglu(tn, device: str, rows: int, f: int, seed: int = 0) -> dict:
     y = tn.swiglu_fwd(x)
     y_ref = N._swiglu_forward(x)
     tag = f"swiglu {tuple(x.shape)}"
-    within(y, y_ref, 2 * ulp(y_ref, BF16), f"{tag}: y")
+    within(y, y_ref, 3 * ulp(y_ref, BF16), f"{tag}: y")
     dy = torch.randn(rows, f, generator=g).to(BF16).to(device)
     dx = tn.swiglu_bwd(x, dy)
     dx_ref = N._swiglu_backward(x, dy)
     within(dx, dx_ref, ulp(dx_ref, BF16) + 1e-30, f"{tag}: dx")
-    return {"case": tag, "y_exact": exact_frac(y, y_ref), "dx_exact": exact_frac(dx, dx_ref)}
+    return {"case": tag, "y_exact": exact_frac(y, y_ref), "y_max_ulps": max_ulps(y, y_ref),
+            "dx_exact": exact_frac(dx, dx_ref), "dx_max_ulps": max_ulps(dx, dx_ref)}
 
 
 def check_rope(tn, device: str, b: int, s: int, h: int, d: int, dtype: torch.dtype, strided: bool,
