@@ -18,6 +18,11 @@ the bias-dropout-add (:func:`fp32_residual_add`) computes ``out.float() + s.to(b
 vLLM's ``fused_add_rms_norm(out, residual=bf16(s))``. Layer 0 receives the BF16 embedding (exact in FP32) and the
 final norm is vLLM's last fused add + norm. With PP the FP32 ``s`` travels between stages
 (``pipeline_dtype=float32``).
+
+GPU: the torch functions here are the reference twins and the CPU path. For CUDA tensors the norms, SwiGLU, RoPE
+and the residual add run as the Triton kernels of :mod:`jetrl_megatron.megatron.triton_numerics` (same op order and
+roundings; only the reductions' summation order differs), selected by :func:`set_elementwise_impl` /
+``$JETRL_ELEMENTWISE`` (``auto`` by default; ``torch`` forces the twins everywhere).
 """
 
 from __future__ import annotations
