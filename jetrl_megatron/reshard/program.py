@@ -38,7 +38,10 @@ class VllmRefitProgram:
     """Copies for vLLM rank `rank` of rollout TP `rollout_tp` from `src`; `run()` performs them (byte moves)."""
 
     def __init__(self, src: MegatronShards, rollout_tp: int, rank: int,
-                 dst: Mapping[str, torch.Tensor] | None = None, device: torch.device | str | None = None):
+                 dst: Mapping[str, torch.Tensor] | None = None, device: torch.device | str | None = None,
+                 dst_factory: DstFactory | None = None):
+        """`dst`: destination tensors by vLLM name (e.g. the engine's live parameters); `dst_factory`: called as
+        (name, shape, dtype, source device) for each destination instead (the caller decides per tensor)."""
         validate_reshard(src.shape, src.tp, src.pp, rollout_tp, src.vp)
         shape = src.shape
         self.tensors: dict[str, torch.Tensor] = {}
@@ -46,6 +49,8 @@ class VllmRefitProgram:
         pads: list[torch.Tensor] = []
 
         def dst_for(name: str, shp: tuple[int, ...], dtype: torch.dtype, src_device: torch.device) -> torch.Tensor:
+            if dst_factory is not None:
+                return dst_factory(name, shp, dtype, src_device)
             if dst is not None:
                 if name not in dst:
                     raise KeyError(f"destination has no tensor {name!r}")
@@ -118,6 +123,10 @@ class VllmRefitProgram:
                 run_pairs(list(zip(dsts, srcs, strict=True)))
             run_pairs(self._strided)
         return self.tensors
+
+    def copy_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every (destination view, source view) byte-move pair, for read-back comparison after run()."""
+        return [p for dsts, srcs in self._groups.values() for p in zip(dsts, srcs, strict=True)] + self._strided
 
     def capture_cuda_graph(self) -> None:
         """Record run() into a CUDA graph; later run() calls replay it (sources and destinations must stay put)."""

