@@ -6,14 +6,16 @@ GPU (``gpu`` marker): the same checks at Qwen3-8B sizes, printing how many eleme
 
 Exact where the math allows: RoPE (fwd/bwd), the residual add (fwd/bwd), RMSNorm's output given the same 1/rms.
 Stated bounds elsewhere (why: see the module docstring of triton_numerics):
-* RMSNorm ``rstd``: within 4 FP32 ulps of the twin's (the sum of squares adds in another order);
+* RMSNorm ``rstd``: within ``ceil(log2 N) + 4`` FP32 ulps of the twin's (the sum of squares adds in another order;
+  each of the two tree-shaped sums is within ~depth/2 ulps of exact for positive terms, the square root halves it);
 * RMSNorm ``y``: within 3 BF16 ulps of the twin's (a last-bit ``rstd`` difference can flip the rounding of
   ``n = bf16(x*rstd)`` by 1 ulp of n, up to 2 ulps of ``n*w`` before its own rounding);
 * RMSNorm ``dx`` (given the twin's rstd): 1 ulp of the output dtype plus the FP32 summation-order bound
   ``2 * N * 2^-24 * rstd * |n_i| * mean|dn*n|`` of the row reduction ``mean(dn*n)``;
 * RMSNorm ``dw``: 1 BF16 ulp plus ``2 * R * 2^-24 * sum_rows|dy*n|`` (column sum over R rows in another order);
-* SwiGLU: forward within 3 BF16 ulps (same argument, for ``silu(g)*u``), backward within 1 (interpreter: numpy's expf vs torch-CPU's vectorised one
-  can differ by 1 FP32 ulp; on GPU both are CUDA's expf, expected exact — the GPU test prints the counts).
+* SwiGLU: forward within 3 BF16 ulps (same argument, for ``silu(g)*u``), backward within 1 (interpreter: numpy's
+  expf vs torch-CPU's vectorised one can differ by 1 FP32 ulp; on GPU both are CUDA's expf, expected exact — the GPU
+  test prints the counts).
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def check_rms(tn, device: str, rows: int, n: int, xdtype: torch.dtype, strided: 
     # same 1/rms -> same output, bit for bit (pure element-wise arithmetic in the same order)
     y_same = ((x.float() * rstd[:, None]).to(BF16) * w).to(BF16)
     assert torch.equal(y, y_same), f"{tag}: output differs from the twin's ops applied with the kernel's rstd"
-    within(rstd, rstd_ref.view(-1), 4 * ulp(rstd_ref.view(-1), F32), f"{tag}: rstd")
+    depth = (n - 1).bit_length() + 4  # both sums are blocked trees of depth <= log2(N) + a few sequential adds
+    within(rstd, rstd_ref.view(-1), depth * ulp(rstd_ref.view(-1), F32), f"{tag}: rstd")
     within(y, y_ref, 3 * ulp(y_ref, BF16), f"{tag}: y")
 
     dy = torch.randn(rows, n, generator=g).to(BF16).to(device)

@@ -5,7 +5,8 @@ residual stream is ~8 passes over a 4-byte-per-element tensor). These kernels do
 per op, in the twins' op order and with the twins' roundings:
 
 * every FP32 operation the twin does as a separate torch kernel is one separately rounded FP32 operation here
-  (kernels are launched with ``enable_fp_fusion=False``, so no multiply-add is contracted into an FMA);
+  (kernels are launched with ``enable_fp_fusion=False``, so no multiply-add is contracted into an FMA; checked in
+  the sm90 PTX: ``mul.rn`` / ``add.rn`` / ``sub.rn`` only, FMAs only inside libdevice's ``expf``);
 * ``exp`` is libdevice's ``expf`` and divisions are IEEE ``div_rn`` (PyTorch's CUDA ``silu`` / ``sigmoid`` use
   ``expf`` and ``/``; Triton's default ``exp`` / ``/`` are approximate); ``rsqrt`` is ``rsqrtf`` like ``torch.rsqrt``;
 * casts to BF16 are round-to-nearest-even.
@@ -53,8 +54,25 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_CUDA_OPTS: list = []
+
+
 def _launch_opts() -> dict:
-    return {} if interpreting() else {"enable_fp_fusion": False}
+    """No FMA contraction; non-FTZ libdevice (``expf``/``rsqrtf`` as in torch's non-FTZ CUDA build) where the
+    installed triton has that option."""
+    if interpreting():
+        return {}
+    if not _CUDA_OPTS:
+        opts = {"enable_fp_fusion": False}
+        try:
+            from triton.backends.nvidia.compiler import CUDAOptions
+
+            if "enable_reflect_ftz" in CUDAOptions.__dataclass_fields__:
+                opts["enable_reflect_ftz"] = False
+        except ImportError:
+            pass
+        _CUDA_OPTS.append(opts)
+    return _CUDA_OPTS[0]
 
 
 def _num_programs_cap(t: Tensor) -> int:
