@@ -215,7 +215,7 @@ def run_checks(tn, device: str, big: bool) -> list[dict]:
     rms_cases = ([(8192, 4096, F32, False), (8192, 4096, BF16, False), (8192 * 8, 128, BF16, True),
                   (8192 * 32, 128, BF16, False), (1000, 5120, F32, False)] if big else
                  [(37, 128, F32, False), (37, 128, BF16, True), (5, 96, F32, True), (9, 256, BF16, False),
-                  (70, 64, F32, False), (1, 80, BF16, False)])
+                  (70, 64, F32, False), (1, 80, BF16, False), (300, 128, BF16, True), (7, 4096, F32, False)])
     for rows, n, dt, strided in rms_cases:
         out.append(check_rms(tn, device, rows, n, dt, strided))
     for rows, f in ([(8192, 12288), (1000, 1536)] if big else [(9, 80), (17, 256), (1, 8)]):
