@@ -263,6 +263,26 @@ def test_cpu_tensors_keep_the_torch_twins(monkeypatch):
         N.set_elementwise_impl("cuda")
 
 
+def test_auto_mode_falls_back_to_twins_when_a_kernel_fails(monkeypatch):
+    """auto: a kernel error warns once and switches the process to the twins; triton: the error propagates."""
+    monkeypatch.setattr(N, "_TRITON_FAILED", [])
+
+    def broken(*args):
+        raise RuntimeError("cannot compile")
+
+    prev = N.set_elementwise_impl("triton")
+    try:
+        with pytest.raises(RuntimeError, match="cannot compile"):
+            N._run_triton("rms_norm", broken, 1)
+        assert N._TRITON_FAILED == []
+        N.set_elementwise_impl("auto")
+        with pytest.warns(RuntimeWarning, match="rms_norm failed"):
+            assert N._run_triton("rms_norm", broken, 1) is None
+        assert N._TRITON_FAILED and N._triton_for(torch.zeros(1)) is None
+    finally:
+        N.set_elementwise_impl(prev)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_kernels_match_twins_gpu_real_sizes():

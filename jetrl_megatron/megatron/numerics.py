@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 
@@ -55,6 +56,7 @@ __all__ = [
 ELEMENTWISE_IMPLS = ("auto", "torch", "triton")
 _ELEMENTWISE = [os.environ.get("JETRL_ELEMENTWISE", "auto")]
 _TRITON_MOD: list = []
+_TRITON_FAILED: list[str] = []  # auto mode: a kernel that failed to build/run switches this process to the twins
 
 
 def elementwise_impl() -> str:
@@ -75,7 +77,7 @@ def set_elementwise_impl(impl: str) -> str:
 def _triton_for(*tensors: Tensor) -> ModuleType | None:
     """The Triton kernel module when these tensors should use it, else None (the torch twin runs)."""
     impl = _ELEMENTWISE[0]
-    if impl == "torch":
+    if impl == "torch" or (impl == "auto" and _TRITON_FAILED):
         return None
     if impl not in ELEMENTWISE_IMPLS:
         raise ValueError(f"JETRL_ELEMENTWISE must be one of {ELEMENTWISE_IMPLS}, got {impl!r}")
@@ -92,6 +94,20 @@ def _triton_for(*tensors: Tensor) -> ModuleType | None:
             raise RuntimeError("elementwise impl 'triton' requested but triton is not importable")
         return None
     return tn
+
+
+def _run_triton(name: str, fn: Callable, *args):
+    """fn(*args); in ``auto`` mode a failure (e.g. an installed triton that cannot compile a kernel) warns once and
+    returns None so the caller runs the torch twin (and so does every later call); ``triton`` mode re-raises."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - any kernel build/launch error
+        if _ELEMENTWISE[0] != "auto":
+            raise
+        _TRITON_FAILED.append(f"{name}: {e!r}")
+        warnings.warn(f"Triton element-wise kernel {name} failed ({e!r}); falling back to the torch twins "
+                      f"(set JETRL_ELEMENTWISE=triton to make this an error)", RuntimeWarning, stacklevel=3)
+        return None
 
 
 class RolloutRMSNorm(torch.nn.Module):
@@ -111,7 +127,9 @@ class RolloutRMSNorm(torch.nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         tn = _triton_for(x, self.weight)
         if tn is not None and tn.rms_norm_supported(x, self.weight, self.out_dtype):
-            return tn.rms_norm(x, self.weight, self.eps, self.out_dtype)
+            y = _run_triton("rms_norm", tn.rms_norm, x, self.weight, self.eps, self.out_dtype)
+            if y is not None:
+                return y
         return _RMSNormFn.apply(x, self.weight, self.eps, self.out_dtype)
 
 
@@ -188,7 +206,9 @@ class SwiGLU(torch.nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         tn = _triton_for(x)
         if tn is not None and tn.swiglu_supported(x):
-            return tn.swiglu(x)
+            y = _run_triton("swiglu", tn.swiglu, x)
+            if y is not None:
+                return y
         return _SwiGLUFn.apply(x)
 
 
@@ -201,7 +221,9 @@ def fp32_residual_add(x_with_bias: tuple[Tensor, Tensor | None], residual: Tenso
         raise ValueError(f"fp32_residual_add: hidden dropout must be 0 for rollout-matched numerics (got {prob})")
     tn = _triton_for(out, residual)
     if tn is not None and tn.residual_add_supported(out, residual):
-        return tn.residual_add(out, residual)
+        s = _run_triton("residual_add", tn.residual_add, out, residual)
+        if s is not None:
+            return s
     return out.float() + residual.to(out.dtype).float()
 
 
@@ -264,7 +286,9 @@ def apply_rope_neox(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Neox RoPE in FP32 on BF16-rounded cos/sin, one rounding. x (..., seq, heads, hd); cos/sin (seq, hd/2)."""
     tn = _triton_for(x, cos, sin)
     if tn is not None and tn.rope_supported(x, cos, sin):
-        return tn.rope_neox(x, cos, sin)
+        y = _run_triton("rope", tn.rope_neox, x, cos, sin)
+        if y is not None:
+            return y
     return _RopeFn.apply(x, cos[:, None, :], sin[:, None, :])
 
 
