@@ -14,8 +14,14 @@ def test_auto_table_picks_known_backends_for_every_m():
         for m in (1, 4, 8, 9, 16, 64, 65, 1000, 8192, 16384, 10**6):
             assert auto_table.pick(form, m) in GEMM_BACKENDS
             assert auto_table.pick(form, m, batch_invariant=True) == "triton"
-    assert auto_table.pick("fprop", 1) == "triton"  # measured: swap-AB split-K beats padded cuBLAS at M=1
-    assert auto_table.pick("fprop", 8192) == "cublas"
+    # measured order: DeepGEMM first where it is installed, else Triton's swap-AB split-K at M=1, cuBLAS at 8192
+    assert auto_table.pick("fprop", 1) == "deep_gemm"
+    assert auto_table.pick("fprop", 8192) == "deep_gemm"
+    no_dg = lambda name: name != "deep_gemm"  # noqa: E731
+    assert auto_table.pick("fprop", 1, available=no_dg) == "triton"
+    assert auto_table.pick("fprop", 8192, available=no_dg) == "cublas"
+    assert auto_table.pick("dgrad", 8192, available=no_dg) == "cublas"
+    assert auto_table.pick("wgrad", 8192) == "cublas"
     with pytest.raises(ValueError, match="unknown GEMM form"):
         auto_table.pick("bprop", 4)
 

@@ -138,7 +138,7 @@ def resolve_backend(form: str, device: torch.device, m: int, requested: str | No
     batch_invariant = bool(recipe is not None and recipe.batch_invariant)
     try:
         from jetrl_megatron.fp8.backends.auto_table import pick
-        choice = pick(form, m, batch_invariant=batch_invariant)
+        choice = pick(form, m, batch_invariant=batch_invariant, available=lambda n: load_backend(n) is not None)
         if choice == "emulated" or load_backend(choice) is not None:
             return choice
     except ImportError:
