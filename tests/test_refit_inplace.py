@@ -266,3 +266,71 @@ def test_tp2_trainer_gather_equals_canonical(tmp_path):
     for r in results:
         assert r["names_equal"] and r["gathered_equal"] == [] and r["live_differs"] == []
         assert r["fp8"] == 3 * 7  # 3 FP8 layers x (q, k, v, o, gate, up, down)
+
+
+# ------------------------------------------------------------------------------------------------ without an engine
+
+
+def _stand_in_live(canonical, rollout_tp: int, rank: int, device="cpu"):
+    """Live parameters shaped like vLLM's for one rank (filled with a byte pattern, not the answer)."""
+    from jetrl_megatron.rollout.refit import LiveParam
+
+    want = {n: t.to(device) for n, t in
+            iter_vllm_rank(megatron_from_canonical(canonical, SHAPE, tp=1), rollout_tp, rank)}
+    widths = {"qkv_proj": (SHAPE.q_size // rollout_tp, SHAPE.kv_size // rollout_tp, SHAPE.kv_size // rollout_tp),
+              "gate_up_proj": (SHAPE.ffn_hidden_size // rollout_tp,) * 2}
+    live = {}
+    for n, t in want.items():
+        fill = torch.full(t.shape, 0x35, dtype=torch.uint8, device=device) if t.element_size() == 1 else \
+            torch.full_like(t, 3.0)
+        fused = widths.get(n.split(".")[-2]) if n.endswith(".weight") else None
+        live[n] = LiveParam(fill.view(t.dtype), False, fused)
+    return want, live
+
+
+@pytest.mark.parametrize("rollout_tp", [1, 2])
+def test_self_quantizing_inplace_equals_quantize_then_reshard(rollout_tp):
+    """bf16_train_fp8_rollout: BF16 slabs quantized per rank == quantizing the full HF projections, then resharding
+    (the old full-reload semantics), byte for byte; a fused layout whose 128-blocks straddle parts is refused."""
+    from jetrl_megatron.rollout.refit import InplaceRefit, LiveParam
+
+    recipe = _recipe("bf16_train_fp8_rollout")
+    bf16 = random_hf_state_dict(SHAPE, seed=51)
+    src = megatron_from_canonical(bf16, SHAPE, tp=2)
+    for rank in range(rollout_tp):
+        want, live = _stand_in_live(quantize_state_dict(bf16, SHAPE, recipe), rollout_tp, rank)
+        refit = InplaceRefit(src, rollout_tp, rank, live, self_quantizing=True, recipe=recipe)
+        assert len(refit.quantize) == 3 * 4 and refit.run() == {} and refit.verify() == []
+        for n, t in want.items():
+            assert _same_bytes(live[n].tensor, t), (rollout_tp, rank, n)
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    live[name] = LiveParam(live[name].tensor, False, (SHAPE.q_size // rollout_tp - 64, 64 + SHAPE.kv_size // rollout_tp,
+                                                      SHAPE.kv_size // rollout_tp))
+    with pytest.raises(RefitError, match="would straddle a projection or TP boundary"):
+        InplaceRefit(src, rollout_tp, rollout_tp - 1, live, self_quantizing=True, recipe=recipe)
+
+
+@pytest.mark.gpu
+def test_inplace_program_on_cuda_replays_as_cuda_graph():
+    """On CUDA the compiled copies (batched _foreach_copy_) can be captured once and replayed: new values written
+    into the same source tensors reach the live tensors through the graph."""
+    from jetrl_megatron.rollout.refit import InplaceRefit
+
+    recipe = _recipe("jetrl")
+    first, second = _trainer_weights("jetrl", seed=61), _trainer_weights("jetrl", seed=62)
+    src = megatron_from_canonical(first, SHAPE, tp=2)
+    src.states = {k: {n: t.cuda() for n, t in st.items()} for k, st in src.states.items()}
+    want, live = _stand_in_live(first, 1, 0, device="cuda")
+    refit = InplaceRefit(src, 1, 0, live, self_quantizing=False, recipe=recipe)
+    refit.run()
+    assert all(_same_bytes(live[n].tensor, t) for n, t in want.items())
+    refit.program.capture_cuda_graph()
+    nxt = megatron_from_canonical(second, SHAPE, tp=2)
+    for key, state in src.states.items():
+        for n, t in state.items():
+            t.copy_(nxt.states[key][n].cuda())
+    refit.run()
+    torch.cuda.synchronize()
+    want2, _ = _stand_in_live(second, 1, 0, device="cuda")
+    assert refit.program._graph is not None and refit.verify() == []
+    assert all(_same_bytes(live[n].tensor, t) for n, t in want2.items())

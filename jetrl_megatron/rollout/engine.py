@@ -345,6 +345,11 @@ class RolloutEngine:
         assert prog is not None
         prog.program._src = src  # same tensors (checked by the signature); look them up in the caller's object
         prog.check_finite()
+        if (not rebuilt and self.config.refit_cuda_graph and self.on_cuda and prog.program._graph is None
+                and not prog.quantize and not prog.reload):
+            # Captured on the first reuse, not at build: a source set that moves every step (the jetrl FP8 cache
+            # at trainer MP 1 is re-quantized into new tensors) would pay a capture per step for nothing.
+            prog.program.capture_cuda_graph()
         t1 = time.perf_counter()
         reload = prog.run()
         reloaded = 0
@@ -370,8 +375,6 @@ class RolloutEngine:
         prog = InplaceRefit(src, self.config.tensor_parallel_size, rank, live,
                             self_quantizing=self.mode in SELF_QUANTIZING_MODES, recipe=self.recipe,
                             checkpoint_spec=spec)
-        if self.config.refit_cuda_graph and self.on_cuda and not prog.quantize and not prog.reload:
-            prog.program.capture_cuda_graph()  # replays the same copies on the same addresses every step
         self._inplace, self._inplace_key = prog, key
         log.info("in-place refit compiled: %d copies, %.1f MiB, %d direct / %d quantized / %d re-loaded tensors",
                  prog.program.num_copies, prog.bytes / 2**20, len(prog.direct), len(prog.quantize), len(prog.reload))
