@@ -134,7 +134,11 @@ def test_exported_checkpoint_loads_in_stock_vllm_block_fp8(tmp_path):
         stock = torch.tensor([[step[t].logprob for step, t in zip(o.prompt_logprobs[1:], s[1:], strict=True)]
                               for o, s in zip(outs, seqs, strict=True)])
     finally:
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        llm.llm_engine.engine_core.shutdown()
         del llm
+        cleanup_dist_env_and_memory()
     d = (stock - ours).abs()
     print(f"stock block-FP8 ({method}) vs jetrl plugin: mean |dlogp| {d.mean():.2e}, max {d.max():.2e}, "
           f"exact {(d == 0).double().mean():.3f}")
