@@ -2,7 +2,8 @@
 
 CPU: the kernels run under the Triton interpreter (TRITON_INTERPRET=1, in a subprocess because it must be set before
 triton is imported), on tiny random shapes incl. ragged rows, non-power-of-2 widths and strided views.
-GPU (``gpu`` marker): the same checks at Qwen3-8B sizes, printing how many elements are bit-identical.
+GPU (``gpu`` marker): the same checks at Qwen3-8B sizes, printing how many elements are bit-identical, and a tiny
+Megatron layer built with the Triton kernels vs with the twins (also run under the interpreter).
 
 Exact where the math allows: RoPE (fwd/bwd), the residual add (fwd/bwd), RMSNorm's output given the same 1/rms.
 Stated bounds elsewhere (why: see the module docstring of triton_numerics):
@@ -188,8 +189,7 @@ def check_dispatch(device: str) -> dict:
             y = norm(h)
             sw = N.SwiGLU()(f1)
             qr = N.apply_rope_neox(q.transpose(0, 1), cos[:6], sin[:6])
-            fns = {type(t.grad_fn)._forward_cls.__module__ if hasattr(type(t.grad_fn), "_forward_cls") else "autograd"
-                   for t in (h, y, sw, qr)}
+            fns = {_fn_module(t) for t in (h, y, sw, qr)}
             torch.autograd.backward([y, sw, qr], [gy, gs, gq])
             return fns, [h, y, sw, qr, out.grad, res.grad, norm.weight.grad, f1.grad, q.grad]
         finally:
@@ -208,6 +208,65 @@ def check_dispatch(device: str) -> dict:
         stats[name] = exact_frac(a, b)
     assert stats["residual_sum"] == 1.0 and stats["rope"] == 1.0 and stats["d_q"] == 1.0
     return {"case": "dispatch through numerics", **stats}
+
+
+def check_megatron_layer(device: str, seq: int, batch: int = 2) -> dict:
+    """A Megatron-Core TransformerLayer from our spec (tiny Qwen3 shape: qk-norm, GQA, SwiGLU module), BF16 mode, FP32
+    residual-stream input: the layer built with the Triton kernels vs with the torch twins on the same weights and
+    input. Output and every gradient close (only the reductions' order differs); needs Megatron's parallel state."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import build_module
+
+    from jetrl_megatron.megatron.model import megatron_config, seed_everything
+    from jetrl_megatron.megatron.models import get_model_shape
+    from jetrl_megatron.megatron.spec import gpt_layer_spec
+    from jetrl_megatron.recipe import Fp8Recipe
+
+    shape = dataclasses.replace(get_model_shape("tiny"), num_layers=1, max_position_embeddings=max(seq, 128))
+    recipe = Fp8Recipe(mode="bf16")
+    g = torch.Generator().manual_seed(11)
+    x0 = torch.randn(seq, batch, shape.hidden_size, generator=g).to(device)
+    gout = torch.randn(seq, batch, shape.hidden_size, generator=g).to(device)
+    res, used = {}, {}
+    for impl in ("torch", "triton"):
+        prev = N.set_elementwise_impl(impl)
+        try:
+            seed_everything(0)
+            config = megatron_config(shape, recipe, use_te_activation_func=True)
+            attn = "fp32" if device == "cpu" else None  # CPU: FP32 SDPA (no vllm import needed)
+            layer = build_module(gpt_layer_spec(shape, recipe, 0, attn_impl=attn, lean_swiglu=True), config=config,
+                                 layer_number=1).to(device)
+            x = x0.clone().requires_grad_()
+            mods = set()
+            hooks = [m.register_forward_hook(lambda m, i, o, mods=mods: mods.add(_fn_module(o)))
+                     for m in layer.modules() if isinstance(m, (N.RolloutRMSNorm, N.SwiGLU))]
+            out, _ = layer(x, attention_mask=None)
+            out.backward(gout)
+            for h in hooks:
+                h.remove()
+            used[impl] = mods
+            res[impl] = {"out": out.detach(), "d_x": x.grad} | {f"d_{k}": p.grad for k, p in layer.named_parameters()}
+        finally:
+            N.set_elementwise_impl(prev)
+    stats = {}
+    for name, ref in res["torch"].items():
+        got = res["triton"][name]
+        assert got is not None and ref is not None and got.shape == ref.shape, name
+        rel = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert rel < 1e-2, f"layer {name}: relative difference triton vs torch {rel:.2e}"
+        stats[name] = exact_frac(got, ref)
+    from jetrl_megatron.megatron import triton_numerics
+
+    assert used["triton"] == {triton_numerics.__name__}, f"norms/SwiGLU did not run the Triton Functions: {used}"
+    assert triton_numerics.__name__ not in used["torch"]
+    return {"case": f"megatron layer seq={seq} batch={batch}", **stats}
+
+
+def _fn_module(t) -> str:
+    """Module of the autograd Function that produced t ('autograd' for built-in ops)."""
+    fwd = getattr(type(t.grad_fn), "_forward_cls", None) if torch.is_tensor(t) and t.grad_fn is not None else None
+    return fwd.__module__ if fwd is not None else "autograd"
 
 
 def run_checks(tn, device: str, big: bool) -> list[dict]:
@@ -294,6 +353,13 @@ def test_triton_kernels_match_twins_gpu_real_sizes():
         print("bit-identical fractions:", r)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_megatron_layer_triton_vs_torch_gpu(mp):
+    pytest.importorskip("megatron.core")
+    print("bit-identical fractions:", check_megatron_layer("cuda", seq=1024))
+
+
 def _interpreter_main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from jetrl_megatron.megatron import triton_numerics as tn
@@ -302,6 +368,10 @@ def _interpreter_main() -> None:
     torch.manual_seed(0)
     for r in run_checks(tn, "cpu", big=False):
         print("bit-identical fractions:", r)
+    from jetrl_megatron.megatron import cpu
+
+    cpu.init_parallel(1, 1)
+    print("bit-identical fractions:", check_megatron_layer("cpu", seq=12))
     print("INTERP-OK")
 
 
