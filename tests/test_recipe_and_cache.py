@@ -75,9 +75,14 @@ def test_cache_refresh_get_and_staleness():
     with pytest.raises(StaleFp8WeightError, match="'a' is stale"):
         cache.get(params["a"])
     cache.get(params["b"])  # untouched parameter still fresh
+    q1 = q.clone()
     cache.refresh(params.items())
-    q2, _ = cache.get(params["a"])
-    assert not torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+    q2, s2 = cache.get(params["a"])
+    assert not torch.equal(q2.view(torch.uint8), q1.view(torch.uint8))
+    q2_ref, s2_ref = quantize_128x128(params["a"].detach())
+    assert torch.equal(q2.view(torch.uint8), q2_ref.view(torch.uint8)) and torch.equal(s2, s2_ref)
+    # refreshed in place: the same storage every step (planned refit copies and CUDA graphs stay valid)
+    assert q2.data_ptr() == q.data_ptr() and s2.data_ptr() == s.data_ptr()
     assert cache.generation == 2
     cache.invalidate()
     with pytest.raises(StaleFp8WeightError):

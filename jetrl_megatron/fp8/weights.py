@@ -32,6 +32,11 @@ class _Entry:
     generation: int
 
 
+def _same_layout(a: _Entry, b: _Entry) -> bool:
+    return all(x.shape == y.shape and x.dtype == y.dtype and x.stride() == y.stride() and x.device == y.device
+               for x, y in ((a.q, b.q), (a.s, b.s)))
+
+
 class Fp8WeightCache:
     """Maps master parameters to their FP8 (q, weight_scale_inv) copies for the current optimizer step.
 
@@ -49,7 +54,11 @@ class Fp8WeightCache:
         return len(self._entries)
 
     def refresh(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Quantize every given master weight. All-or-nothing: a non-finite weight aborts before any entry changes."""
+        """Quantize every given master weight. All-or-nothing: a non-finite weight aborts before any entry changes.
+
+        An entry that exists already is overwritten in place (same tensors, same storage), so anything planned on
+        the cache's tensors - the resharder's refit program, a CUDA graph of it - stays valid across steps.
+        """
         items = list(named_params)
         for name, p in items:
             if not bool(torch.isfinite(p.detach()).all()):
@@ -62,6 +71,15 @@ class Fp8WeightCache:
             for name, p in items:
                 q, s = ops.quant_weight(p.detach(), self.recipe)
                 fresh[id(p)] = _Entry(name, weakref.ref(p), q, s, p._version, generation)
+            for key, entry in fresh.items():
+                old = self._entries.get(key)
+                if old is not None and old.param() is entry.param() and _same_layout(old, entry):
+                    # Same storage every step: consumers that planned copies from these tensors (the resharder's
+                    # refit program, a captured CUDA graph) stay valid; in-place writes bump the version counters
+                    # that derived layouts (e.g. DGrad's transposed codes) are keyed on.
+                    old.q.copy_(entry.q)
+                    old.s.copy_(entry.s)
+                    entry.q, entry.s = old.q, old.s
         self._entries.update(fresh)
         self.generation = generation
 
