@@ -342,6 +342,20 @@ def test_auto_mode_falls_back_to_twins_when_a_kernel_fails(monkeypatch):
         N.set_elementwise_impl(prev)
 
 
+def test_repeat_kv_copies_and_sums_its_gradient_once():
+    """K/V repeat for GQA: forward equals repeat_interleave; the K gradient is the FP32 sum over the copies, rounded
+    once (within 1 BF16 ulp of the FP64 sum; repeat_interleave's index_add rounds after every add)."""
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(2, 3, 5, 8, generator=g).to(BF16).requires_grad_()
+    v = torch.randn(2, 3, 5, 8, generator=g).to(BF16)
+    kr, vr = N._repeat_kv(k, v, 12)
+    assert torch.equal(kr, k.repeat_interleave(4, dim=1)) and torch.equal(vr, v.repeat_interleave(4, dim=1))
+    dk_out = (torch.randn(2, 12, 5, 8, generator=g) * torch.logspace(-3, 3, 8)).to(BF16)
+    kr.backward(dk_out)
+    exact = dk_out.double().view(2, 3, 4, 5, 8).sum(2)
+    within(k.grad, exact.to(BF16), ulp(exact, BF16), "repeat_kv dk")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_kernels_match_twins_gpu_real_sizes():

@@ -368,9 +368,16 @@ class RolloutCoreAttention(torch.nn.Module):
 
 
 def _repeat_kv(k: Tensor, v: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+    """K/V (b, groups, s, d) -> (b, heads, s, d), query head h reading group h // rep.
+
+    expand + reshape rather than ``repeat_interleave``: the same copy forward, but ``repeat_interleave`` with an int
+    is an ``index_select`` whose backward is an ``index_add`` (on CUDA: atomic adds in BF16, order-dependent, one
+    rounding per add); here the backward is a sum over the copies, accumulated in FP32 and rounded once."""
     rep = heads // k.shape[1]
     if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        b, g, s, d = k.shape
+        k = k[:, :, None].expand(b, g, rep, s, d).reshape(b, g * rep, s, d)
+        v = v[:, :, None].expand(b, g, rep, s, d).reshape(b, g * rep, s, d)
     return k, v
 
 
