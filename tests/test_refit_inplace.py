@@ -218,7 +218,7 @@ def _gather_rank(rank: int, world_size: int, out_path: str) -> None:
     from jetrl_megatron.megatron.optim import build_optimizer
     from jetrl_megatron.reshard import iter_canonical
     from jetrl_megatron.rl.loop import RefitSource, Trainer, canonical_weights
-    from jetrl_megatron.rollout.refit import LiveParam, source_signature
+    from jetrl_megatron.rollout.refit import InplaceRefit, source_signature
 
     init_parallel(2, 1)
     recipe = Fp8Recipe(mode="jetrl", bf16_last_layers=1)
@@ -227,35 +227,39 @@ def _gather_rank(rank: int, world_size: int, out_path: str) -> None:
     ddp = wrap_ddp(gpt)
     opt = build_optimizer([ddp], lr=1e-2)
     trainer = Trainer(ddp, opt, None, SHAPE, recipe)
-    source = RefitSource(trainer)
+    sources = {rtp: RefitSource(trainer, rollout_tp=rtp) for rtp in (1, 2)}
     results = []
     toks = torch.randint(0, SHAPE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    signature = None
+    signatures: dict[int, tuple] = {}
     for _step in range(2):
-        shards = source.shards()
-        assert signature in (None, source_signature(shards))  # persistent buffers: the program can be reused
-        signature = source_signature(shards)
-        gathered = dict(iter_canonical(shards))
         reference = canonical_weights(trainer)  # the object-pickling path the loop used before
-        # rollout TP 1: the in-place program into stand-in live tensors, byte-equal to the canonical weights' form
-        from jetrl_megatron.rollout.refit import InplaceRefit
-
-        want = dict(iter_vllm_rank(megatron_from_canonical(reference, SHAPE, tp=1), 1, 0))
-        live = {n: LiveParam(torch.full_like(t.view(torch.uint8) if t.element_size() == 1 else t, 7).view(t.dtype))
-                for n, t in want.items()}
-        InplaceRefit(shards, 1, 0, live, self_quantizing=False, recipe=recipe).run()
-        results.append({
-            "gathered_equal": sorted(n for n in reference if not _same_bytes(gathered[n], reference[n])),
-            "names_equal": set(gathered) == set(reference),
-            "live_differs": sorted(n for n in want if not _same_bytes(live[n].tensor, want[n])),
-            "fp8": sum(t.dtype == torch.float8_e4m3fn for t in gathered.values()),
-        })
+        row = {}
+        for rtp, source in sources.items():
+            shards = source.shards()
+            # persistent buffers: the engine's compiled program is reused from step to step
+            assert signatures.setdefault(rtp, source_signature(shards)) == source_signature(shards)
+            vllm_rank = rank % rtp
+            # the in-place program into stand-in live tensors == the canonical weights resharded for this rank
+            want, live = _stand_in_live(reference, rtp, vllm_rank)
+            refit = InplaceRefit(shards, rtp, vllm_rank, live, self_quantizing=False, recipe=recipe)
+            refit.run()
+            row[rtp] = {"live_differs": sorted(n for n in want if not _same_bytes(live[n].tensor, want[n])),
+                        "received": source.received_bytes, "verify": refit.verify()}
+            if rtp == 1:  # every shard arrives: the gathered set is the canonical checkpoint
+                gathered = dict(iter_canonical(shards))
+                row["names_equal"] = set(gathered) == set(reference)
+                row["gathered_differs"] = sorted(n for n in reference if not _same_bytes(gathered[n], reference[n]))
+                row["fp8"] = sum(t.dtype == torch.float8_e4m3fn for t in gathered.values())
+        results.append(row)
         train_step([ddp], opt, {"tokens": toks}, lambda lp, mb: (-lp.mean(), {}), micro_batch_size=1)
     if rank == 0:
         torch.save(results, out_path)
 
 
-def test_tp2_trainer_gather_equals_canonical(tmp_path):
+def test_tp2_trainer_exchange_equals_canonical(tmp_path):
+    """A real Megatron TP=2 trainer on two gloo ranks: the loop's tensor exchange feeds each vLLM rank exactly the
+    bytes of the canonical weights (rollout TP 1: every shard; rollout TP 2: only the shards its slice needs), before
+    and after an optimizer step, from persistent buffers."""
     from jetrl_megatron.megatron.cpu import spawn
 
     out = tmp_path / "gather.pt"
@@ -264,8 +268,10 @@ def test_tp2_trainer_gather_equals_canonical(tmp_path):
     results = torch.load(out)
     assert len(results) == 2
     for r in results:
-        assert r["names_equal"] and r["gathered_equal"] == [] and r["live_differs"] == []
-        assert r["fp8"] == 3 * 7  # 3 FP8 layers x (q, k, v, o, gate, up, down)
+        assert r["names_equal"] and r["gathered_differs"] == [] and r["fp8"] == 3 * 7  # 3 FP8 layers x 7 linears
+        for rtp in (1, 2):
+            assert r[rtp]["live_differs"] == [] and r[rtp]["verify"] == [], rtp
+        assert r[2]["received"] < 0.75 * r[1]["received"]  # rollout TP 2 receives about half
 
 
 # ------------------------------------------------------------------------------------------------ without an engine

@@ -12,11 +12,12 @@ program (`run()` checks the source data pointers and refuses stale ones).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from jetrl_megatron.megatron import layout
+from jetrl_megatron.megatron.models import ModelShape
 from jetrl_megatron.reshard.mover import (
     CopyPair,
     DstFactory,
@@ -141,3 +142,34 @@ class VllmRefitProgram:
         with torch.cuda.graph(graph):
             self.run(check=False)
         self._graph = graph
+
+
+def program_sources(src: MegatronShards, rollout_tp: int, rank: int) -> dict[tuple[int, int, int], set[str]]:
+    """Which Megatron tensors vLLM rank `rank`'s program copies bytes from, by (pp, vp, tp) key.
+
+    Only names, shapes and dtypes of `src` matter: pass stand-ins (see `stand_in_shards`) to plan what a rank must
+    receive before any tensor exists on it. A rank reads more tensors than it copies from (every TP rank's shard shape
+    is checked), so the answer comes from the compiled copy list, not from the names read.
+    """
+    prog = VllmRefitProgram(src, rollout_tp, rank, device="meta")
+    owner = {t.untyped_storage().data_ptr(): (key, name) for key, state in src.states.items()
+             for name, t in state.items()}
+    out: dict[tuple[int, int, int], set[str]] = {}
+    for _, s in prog.copy_pairs():
+        key, name = owner[s.untyped_storage().data_ptr()]
+        out.setdefault(key, set()).add(name)
+    return out
+
+
+def stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A tensor with `shape` and `dtype` backed by a single zero element (stride 0): a placeholder for a Megatron
+    tensor a rank never copies from, with its own storage address and finite contents."""
+    return torch.zeros(1, dtype=torch.uint8 if dtype.itemsize == 1 else dtype, device=device).view(dtype).expand(shape)
+
+
+def stand_in_shards(model: ModelShape, tp: int, pp: int,
+                    metas: Mapping[tuple[int, int, int], Sequence[tuple[str, torch.dtype, tuple[int, ...]]]],
+                    vp: int | None = None) -> MegatronShards:
+    """MegatronShards of stand-ins built from each (pp, vp, tp) key's (name, dtype, shape) list."""
+    states = {key: {name: stand_in(shape, dtype) for name, dtype, shape in meta} for key, meta in metas.items()}
+    return MegatronShards(model, tp, pp, vp, states)

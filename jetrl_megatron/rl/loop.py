@@ -231,26 +231,28 @@ class RefitSource:
     """The Megatron shards this rank's vLLM engine rank refits from, as a `reshard.MegatronShards`.
 
     Trainer TP x PP == 1: the trainer's own tensors, in place, on their device (nothing is copied here).
-    Model parallel: every member of the MP group packs its tensors into one persistent byte buffer and the group
-    all-gathers the buffers with a tensor collective on the tensors' device (NCCL on GPU, gloo on CPU; FP8 travels as
-    bytes). The names, dtypes and shapes are exchanged once, at the first call; the returned shards are views of the
-    persistent receive buffer, so the engine's compiled refit program is reused from step to step.
-    Cost of the MP path: each rank holds the whole MP group's rollout tensors once more (FP8 linears + BF16 rest).
+    Model parallel: rank r needs the tensors that vLLM rank r % rollout_tp copies from - planned once from the
+    resharder's compiled copy list over stand-ins (`reshard.program.program_sources`), after exchanging names, dtypes
+    and shapes. Every step each rank packs what each peer needs into a persistent byte buffer per peer and the MP group
+    exchanges them with point-to-point tensor sends on the tensors' device (NCCL on GPU, gloo on CPU; FP8 as bytes);
+    what a rank needs from itself is copied locally. The shards returned are views of persistent receive buffers
+    (stand-ins with a single zero element for tensors never copied from), so the engine's compiled program is reused.
     """
 
     _ALIGN = 16
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Trainer, rollout_tp: int = 1):
         from megatron.core import parallel_state
 
         self.trainer = trainer
+        self.rollout_tp = rollout_tp
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.pp = parallel_state.get_pipeline_model_parallel_world_size()
         self.key = (parallel_state.get_pipeline_model_parallel_rank(), 0,
                     parallel_state.get_tensor_model_parallel_rank())
         self._shards = None
         self.gather_seconds = 0.0
-        self.gather_bytes = 0
+        self.received_bytes = 0  # per step, into this rank (local copies included)
 
     def shards(self):
         from jetrl_megatron.reshard.mover import MegatronShards
@@ -261,7 +263,7 @@ class RefitSource:
         t0 = time.perf_counter()
         if self._shards is None:
             self._setup(local)
-        self._gather(local)
+        self._exchange(local)
         self.gather_seconds = time.perf_counter() - t0
         return self._shards
 
@@ -269,44 +271,86 @@ class RefitSource:
     def _meta(local: dict[str, torch.Tensor]) -> list[tuple[str, str, tuple[int, ...]]]:
         return [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in local.items()]
 
+    def _layout(self, names: list[str], meta: dict[str, tuple[torch.dtype, tuple[int, ...]]]):
+        """(name, dtype, shape, byte offset, bytes) of `names` packed into one buffer; total size."""
+        out, off = [], 0
+        for name in names:
+            dtype, shape = meta[name]
+            nbytes = math.prod(shape) * dtype.itemsize
+            out.append((name, dtype, shape, off, nbytes))
+            off += -(-nbytes // self._ALIGN) * self._ALIGN
+        return out, off
+
     def _setup(self, local: dict[str, torch.Tensor]) -> None:
         from jetrl_megatron.reshard.mover import MegatronShards
+        from jetrl_megatron.reshard.program import program_sources, stand_in, stand_in_shards
 
         group = _mp_group()
-        n = _dist().get_world_size(group)
-        metas: list = [None] * n
-        _dist().all_gather_object(metas, (self.key, self._meta(local)), group=group)  # names/shapes only, once
-        layouts, size = [], 0
-        for key, meta in metas:
-            offsets, off = [], 0
-            for name, dtype, shape in meta:
-                nbytes = math.prod(shape) * getattr(torch, dtype).itemsize
-                offsets.append((name, getattr(torch, dtype), shape, off, nbytes))
-                off += -(-nbytes // self._ALIGN) * self._ALIGN
-            layouts.append((key, offsets))
-            size = max(size, off)
+        members = _dist().get_process_group_ranks(group)  # global ranks, in MP-group order
+        n = len(members)
+        gathered: list = [None] * n
+        _dist().all_gather_object(gathered, (self.key, self._meta(local)), group=group)  # names/shapes, once
+        metas = {key: [(name, getattr(torch, dt), shape) for name, dt, shape in meta] for key, meta in gathered}
+        by_name = {key: {name: (dt, shape) for name, dt, shape in meta} for key, meta in metas.items()}
+        key_of = [key for key, _ in gathered]
+        plan_src = stand_in_shards(self.trainer.shape, self.tp, self.pp, metas)
+        # what every member's vLLM rank copies from (deterministic: every rank computes the same plan)
+        needs = {r: program_sources(plan_src, self.rollout_tp, r)
+                 for r in {g % self.rollout_tp for g in members}}
+        me = members.index(_rank())
         device = next(iter(local.values())).device
-        self._send = torch.zeros(size, dtype=torch.uint8, device=device)
-        self._recv = torch.zeros(n * size, dtype=torch.uint8, device=device)
-        self._recv_chunks = list(self._recv.split(size))
-        states: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
-        for m, (key, offsets) in enumerate(layouts):
-            chunk = self._recv_chunks[m]
-            states[key] = {name: chunk[off:off + nbytes].view(dtype).view(shape)
-                           for name, dtype, shape, off, nbytes in offsets}
-            if key == self.key:
-                self._send_views = [self._send[off:off + nbytes] for _, _, _, off, nbytes in offsets]
+        order = {key: [name for name, _, _ in meta] for key, meta in metas.items()}
+        self._sends: list[tuple[int, torch.Tensor, list[torch.Tensor], list[str]]] = []
+        self._recvs: list[tuple[int, torch.Tensor]] = []
+        self._local: tuple[list[torch.Tensor], list[str]] = ([], [])
+        states: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {
+            key: {name: stand_in(shape, dt, device) for name, dt, shape in meta} for key, meta in metas.items()}
+        self.received_bytes = 0
+        for peer in range(n):
+            # what I send to `peer`: my tensors its vLLM rank copies from
+            want = needs[members[peer] % self.rollout_tp].get(self.key, set())
+            names = [x for x in order[self.key] if x in want]
+            if names and peer != me:
+                lay, size = self._layout(names, by_name[self.key])
+                buf = torch.empty(size, dtype=torch.uint8, device=device)
+                self._sends.append((members[peer], buf, [buf[o:o + b] for _, _, _, o, b in lay], names))
+            # what I receive from `peer`: its tensors my vLLM rank copies from
+            src_key = key_of[peer]
+            want = needs[_rank() % self.rollout_tp].get(src_key, set())
+            names = [x for x in order[src_key] if x in want]
+            if not names:
+                continue
+            lay, size = self._layout(names, by_name[src_key])
+            buf = torch.empty(size, dtype=torch.uint8, device=device)
+            self.received_bytes += size
+            for name, dt, shape, off, nbytes in lay:
+                states[src_key][name] = buf[off:off + nbytes].view(dt).view(shape)
+            if peer == me:
+                self._local = ([buf[o:o + b] for _, _, _, o, b in lay], names)
+            else:
+                self._recvs.append((members[peer], buf))
         self._local_meta = self._meta(local)
         self._shards = MegatronShards(self.trainer.shape, self.tp, self.pp, None, states)
-        self.gather_bytes = self._recv.numel()
 
-    def _gather(self, local: dict[str, torch.Tensor]) -> None:
+    def _exchange(self, local: dict[str, torch.Tensor]) -> None:
         if self._meta(local) != self._local_meta:
             raise RuntimeError(f"rank {_rank()}: the trainer's rollout tensors changed names, dtypes or shapes since "
-                               "the refit gather was set up")
-        flat = [t.reshape(-1).view(torch.uint8) for t in local.values()]
-        torch._foreach_copy_(self._send_views, flat)
-        _dist().all_gather(self._recv_chunks, self._send, group=_mp_group())
+                               "the refit exchange was planned")
+
+        def pack(views: list[torch.Tensor], names: list[str]) -> None:
+            if views:
+                torch._foreach_copy_(views, [local[x].reshape(-1).view(torch.uint8) for x in names])
+
+        ops = []
+        for peer, buf, views, names in self._sends:
+            pack(views, names)
+            ops.append(_dist().P2POp(_dist().isend, buf, peer, group=_mp_group()))
+        for peer, buf in self._recvs:
+            ops.append(_dist().P2POp(_dist().irecv, buf, peer, group=_mp_group()))
+        pack(*self._local)
+        if ops:
+            for req in _dist().batch_isend_irecv(ops):
+                req.wait()
 
 
 def canonical_weights(trainer: Trainer, states: dict | None = None) -> dict[str, torch.Tensor]:
@@ -739,8 +783,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     # bytes: this rank is vLLM rank (rank % rollout TP) of engine (rank // rollout TP).
     model_dir = write_model_dir(cfg, trainer, log_dir / f"model_init_rank{_rank()}")
     engine = start_engine(cfg, model_dir)
-    source = RefitSource(trainer)
     vllm_rank = _rank() % cfg.policy.generation.vllm_cfg.tensor_parallel_size
+    source = RefitSource(trainer, cfg.policy.generation.vllm_cfg.tensor_parallel_size)
     t0 = time.perf_counter()
     engine.refit_from_shards(source.shards(), rank=vllm_rank)
     _say(f"rollout engine ready (arm {cfg.mode}); first refit {time.perf_counter() - t0:.2f} s")
@@ -809,6 +853,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             "refit/bytes": float(report.num_bytes), "refit/verified": float(report.verified),
             "refit/rebuilt": float(report.rebuilt), "refit/reloaded_tensors": float(report.reloaded),
             "time/refit_gather": source.gather_seconds, "time/refit_copy": report.reload_seconds,
+            "refit/received_bytes": float(source.received_bytes),
         })
         if not math.isnan(served_equal):
             metrics["refit/served_fp8_equal"] = served_equal

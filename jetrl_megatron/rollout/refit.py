@@ -317,9 +317,12 @@ class InplaceRefit:
         if problems:
             raise RefitError("refit refused, engine unchanged (still serving the previous weights):\n  - "
                              + "\n  - ".join(problems))
-        self._sources = [t for key, st in recording.items() for n, t in src.states[key].items() if n in st.read]
-        self._source_names = [f"{n} (pp, vp, tp rank {key})" for key, st in recording.items()
-                              for n in src.states[key] if n in st.read]
+        # the tensors bytes are copied from (a rank reads every TP shard's shape but may copy from few of them)
+        used = {s.untyped_storage().data_ptr() for _, s in self.program.copy_pairs()}
+        sources = [(f"{n} (pp, vp, tp rank {key})", t) for key, st in recording.items()
+                   for n, t in src.states[key].items() if n in st.read and t.untyped_storage().data_ptr() in used]
+        self._source_names = [n for n, _ in sources]
+        self._sources = [t for _, t in sources]
         self.num_tensors = len(written) + len(self.quantize)
         self.bytes = self.program.bytes
 
