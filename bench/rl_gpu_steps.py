@@ -7,9 +7,9 @@ speed-up over bf16 (steps after the first, which pays one-time warm-ups) and eac
 
 The refit is the loop's in-place path (`RolloutEngine.refit_from_shards`): the resharder's compiled copy program
 writes the trainer's GPU tensors straight into vLLM's live parameters (nothing goes through the CPU). The second table
-splits it: bytes moved, the copy/quantize time, and how often the program was rebuilt (jetrl at trainer TP 1 rebuilds
-every step because the FP8 cache is re-quantized into new tensors; the BF16 arms should rebuild only at step 1; with
-`--colocated`, a rebuild after step 1 in those arms means vLLM's wake_up moved the parameters).
+splits it: bytes moved, the copy/quantize time, and how often the program was rebuilt after the engine's first refit
+(expected 0: the FP8 cache re-quantizes into the same tensors and the BF16 weights stay put; with `--colocated`, a
+rebuild means vLLM's wake_up moved the parameters).
 
     python bench/rl_gpu_steps.py --out $OUT          # needs CUDA, vLLM (GPU) and megatron-core importable
     python bench/rl_gpu_steps.py --out $OUT --colocated --refit-cuda-graph --verify-refit
@@ -108,10 +108,10 @@ def main() -> int:
               f"{mean(rows, 'mismatch/token_mult_prob_error'):.5f} | {mean(rows, 'reward/mean'):.3f} |")
     print(f"\nrefit split (colocated={args.colocated}, cuda graph={args.refit_cuda_graph}, "
           f"verify={args.verify_refit}); times = mean of steps 2..N")
-    print("| arm | refit s | gather s | copy+quantize+reload s | refit GB | rebuilt (steps 2..N) | reloaded tensors |")
+    print("| arm | refit s | exchange s | copy+quant+reload s | refit GB | rebuilt (steps 2..N) | reloaded tensors |")
     print("|---|---|---|---|---|---|---|")
     for arm, rows in results.items():
-        later = rows[1:]  # step 1 reuses the program compiled by the engine's first refit, or rebuilds
+        later = rows[1:]
         print(f"| {arm} | {mean(rows, 'time/refit'):.3f} | {mean(rows, 'time/refit_gather'):.3f} | "
               f"{mean(rows, 'time/refit_copy'):.3f} | {mean(rows, 'refit/bytes') / 1e9:.2f} | "
               f"{sum(r.get('refit/rebuilt', 0) for r in later):.0f}/{len(later)} | "

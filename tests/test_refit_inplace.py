@@ -123,7 +123,7 @@ def _assert_serves(engine, canonical) -> None:
     live = engine.live_parameters()
     for name, want in _expected_live(canonical).items():
         if not live[name].packed:
-            assert _same_bytes(live[name].tensor, want), name
+            assert _same_bytes(live[name].tensor, want.to(live[name].tensor.device)), name
 
 
 def test_program_reused_while_sources_stay_and_rebuilt_when_reallocated(jetrl_engine):
@@ -340,3 +340,58 @@ def test_inplace_program_on_cuda_replays_as_cuda_graph():
     want2, _ = _stand_in_live(second, 1, 0, device="cuda")
     assert refit.program._graph is not None and refit.verify() == []
     assert all(_same_bytes(live[n].tensor, t) for n, t in want2.items())
+
+
+@pytest.mark.gpu
+def test_engine_inplace_refit_on_cuda_across_sleep_wake_with_graph(tmp_path):
+    """GPU vLLM: the trainer's CUDA tensors are copied into the live CUDA parameters (nothing packed, nothing
+    re-loaded); after sleep(level=1) / wake_up() the compiled program still targets the live weights (no rebuild:
+    the parameters came back at the same addresses) and later refits replay it as a CUDA graph."""
+    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
+
+    recipe = _recipe("jetrl")
+    d = write_tiny_model_dir(tmp_path / "model", seed=0, recipe=recipe)
+    engine = RolloutEngine(RolloutConfig(model_dir=d, recipe=recipe, seed=0, gpu_memory_utilization=0.2,
+                                         max_model_len=64, enable_sleep_mode=True, verify_refit=True,
+                                         refit_cuda_graph=True))
+    try:
+        weights = [_trainer_weights("jetrl", seed=s) for s in (71, 72, 73)]
+        src = megatron_from_canonical(weights[0], SHAPE, tp=2)
+        src.states = {k: {n: t.cuda() for n, t in st.items()} for k, st in src.states.items()}
+        first = engine.refit_from_shards(src, rank=0)
+        assert first.rebuilt and first.verified and first.reloaded == 0
+        _assert_serves(engine, weights[0])
+        scores = engine.score(SEQS)
+        for w in weights[1:]:
+            engine.sleep(level=1)
+            engine.wake_up()
+            nxt = megatron_from_canonical(w, SHAPE, tp=2)
+            for key, state in src.states.items():
+                for n, t in state.items():
+                    t.copy_(nxt.states[key][n])
+            report = engine.refit_from_shards(src, rank=0)
+            assert not report.rebuilt, "vLLM's wake_up moved the live parameters: the program had to be rebuilt"
+            assert report.verified
+            _assert_serves(engine, w)
+        assert engine._inplace.program._graph is not None
+        assert engine.score(SEQS) != scores
+    finally:
+        engine.shutdown()
+
+
+def test_engine_parameters_from_the_checkpoint_must_all_be_written():
+    """A live parameter that comes from the checkpoint but that no source writes is refused; one vLLM adds by itself
+    (not in the checkpoint) is left alone."""
+    from jetrl_megatron.rollout.refit import InplaceRefit, LiveParam, TensorSpec
+
+    recipe = _recipe("jetrl")
+    canonical = _trainer_weights("jetrl", seed=81)
+    spec = {n: TensorSpec(t.dtype, tuple(t.shape)) for n, t in canonical.items()}
+    src = megatron_from_canonical(canonical, SHAPE, tp=2)
+    _, live = _stand_in_live(canonical, 1, 0)
+    live["model.layers.0.self_attn.attn.k_scale"] = LiveParam(torch.ones(()))  # vLLM's own, not in the checkpoint
+    InplaceRefit(src, 1, 0, live, self_quantizing=False, recipe=recipe, checkpoint_spec=spec).run()
+    spec["model.layers.0.self_attn.attn.k_scale"] = TensorSpec(torch.float32, ())
+    with pytest.raises(RefitError, match="engine parameter\\(s\\) the trainer does not send: "
+                                         "model.layers.0.self_attn.attn.k_scale"):
+        InplaceRefit(src, 1, 0, live, self_quantizing=False, recipe=recipe, checkpoint_spec=spec)

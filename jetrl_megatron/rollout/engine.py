@@ -347,8 +347,8 @@ class RolloutEngine:
         prog.check_finite()
         if (not rebuilt and self.config.refit_cuda_graph and self.on_cuda and prog.program._graph is None
                 and not prog.quantize and not prog.reload):
-            # Captured on the first reuse, not at build: a source set that moves every step (the jetrl FP8 cache
-            # at trainer MP 1 is re-quantized into new tensors) would pay a capture per step for nothing.
+            # Captured on the first reuse, not at build: a source set that moved every step would pay a capture
+            # per step for nothing.
             prog.program.capture_cuda_graph()
         t1 = time.perf_counter()
         reload = prog.run()
