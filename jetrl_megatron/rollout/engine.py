@@ -187,6 +187,7 @@ class RolloutEngine:
         default group that existed before the engine (a colocated trainer's) must survive, so in that case only
         vLLM's own group coordinators are dropped (their small gloo subgroups are left to the process).
         """
+        self._inplace, self._inplace_key = None, None  # holds views of the live parameters and scratch buffers
         if getattr(self, "llm", None) is None:
             return
         from vllm.distributed import cleanup_dist_env_and_memory, parallel_state
