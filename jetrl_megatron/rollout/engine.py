@@ -180,6 +180,14 @@ class RolloutEngine:
                  time.perf_counter() - t0)
         return llm
 
+    @property
+    def workers_in_this_process(self) -> bool:
+        """Whether vLLM's model workers live in this process (tensors can be handed over directly): an in-process
+        engine at TP 1, or one rank of an `external_launcher` job. A TP > 1 engine started alone runs its workers
+        in child processes; tensors then travel as one safetensors blob (vLLM's RPC cannot carry FP8 tensors)."""
+        backend = self.config.llm_kwargs.get("distributed_executor_backend")
+        return self.config.in_process and (self.config.tensor_parallel_size == 1 or backend == "external_launcher")
+
     def shutdown(self) -> None:
         """Release the engine so another can start in this process.
 
@@ -277,7 +285,7 @@ class RolloutEngine:
             validate_refit(weights, self.checkpoint_spec, check_finite=False)
         weights = dict(weights)
         t1 = time.perf_counter()
-        if self.config.in_process:
+        if self.workers_in_this_process:
             self.llm.collective_rpc("reload_weights", kwargs=dict(
                 weights_iterator=list(weights.items()), is_checkpoint_format=True))
         else:
