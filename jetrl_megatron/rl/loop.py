@@ -781,7 +781,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     # One engine per rollout-TP group, started from the current policy, then refit in place with the trainer's own
     # bytes: this rank is vLLM rank (rank % rollout TP) of engine (rank // rollout TP).
-    model_dir = write_model_dir(cfg, trainer, log_dir / f"model_init_rank{_rank()}")
+    # Written by each engine's first rank and read by all of that engine's ranks (one directory per engine).
+    model_dir = write_model_dir(cfg, trainer, log_dir / f"model_init_engine{engine_groups(cfg)[1]}")
     engine = start_engine(cfg, model_dir)
     vllm_rank = _rank() % cfg.policy.generation.vllm_cfg.tensor_parallel_size
     source = RefitSource(trainer, cfg.policy.generation.vllm_cfg.tensor_parallel_size)
