@@ -143,10 +143,12 @@ class VllmCfg:
     max_model_len: int = 512
     enforce_eager: bool = True
     kv_cache_dtype: str = "auto"
-    use_deep_gemm: bool = False
+    use_deep_gemm: bool = False  # NeMo-RL key, accepted; our FP8 GEMMs follow jet_rl.gemm_backend (auto: DeepGEMM)
     num_first_layers_in_bf16: int = 0  # derived from jet_rl.bf16_first_layers
     num_last_layers_in_bf16: int = 0  # derived from jet_rl.bf16_last_layers
     kv_cache_memory_bytes: int | None = 64 << 20  # CPU engines size the KV cache in bytes
+    verify_refit: bool | None = None  # compare every refit's written bytes on the live tensors (None: CPU only)
+    refit_cuda_graph: bool = False  # CUDA: replay the in-place refit's copies as a CUDA graph
 
 
 @dataclass
