@@ -106,3 +106,24 @@ def test_tp2_trainer_with_rollout(tmp_path):
     assert all(r["refit/served_fp8_equal"] == 1.0 for r in rows)
     # the TP=2 exchange lands in persistent buffers: the program compiled at the first refit is replayed
     assert all(r["refit/rebuilt"] == 0.0 and r["refit/received_bytes"] > 0 for r in rows)
+
+
+def test_engine_groups_layout_and_cpu_rollout_tp_refused(monkeypatch):
+    """One engine per rollout-TP group of consecutive ranks; rollout TP > 1 without CUDA is refused up front."""
+    import torch
+
+    from jetrl_megatron.rl import loop
+    from jetrl_megatron.rl.config import load_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(loop, "_world", lambda: 4)
+    monkeypatch.setattr(loop, "_rank", lambda: 3)
+    assert loop.engine_groups(load_config("tiny_cpu", [])) == (4, 3)
+    cfg = load_config("tiny_cpu", ["policy.generation.vllm_cfg.tensor_parallel_size=2"])
+    with pytest.raises(ValueError, match="rollout TP > 1 needs CUDA"):
+        loop.engine_groups(cfg)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert loop.engine_groups(cfg) == (2, 1)  # ranks 2 and 3 share engine 1
+    cfg3 = load_config("tiny_cpu", ["policy.generation.vllm_cfg.tensor_parallel_size=3"])
+    with pytest.raises(ValueError, match="not a multiple of rollout TP 3"):
+        loop.engine_groups(cfg3)

