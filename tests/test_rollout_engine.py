@@ -143,6 +143,25 @@ def test_generate_and_score_bit_exact_vs_reference(setup):
     assert [s.token_ids for s in again] == [s.token_ids for s in samples]
 
 
+def test_fp8_gemm_warmup_runs_each_shape_and_changes_nothing(setup):
+    """The start-up GEMM warm-up (on by default only where DeepGEMM JIT-compiles) runs each distinct plugin linear
+    shape at every listed M through the plugin's own apply, and leaves the served outputs untouched."""
+    from jetrl_megatron.rollout.gemm_warmup import warmup_m_values
+
+    engine, sd, attention = setup
+    assert engine.warmup_report is None  # CPU: the emulated GEMM compiles nothing, so no warm-up at start
+    ms = warmup_m_values(3000)
+    assert ms[:65] == [*range(1, 65), 80] and ms[-1] == 3000 and 1040 not in ms and 1088 in ms
+    assert ms == sorted(set(ms)) and all(1 <= m <= 3000 for m in ms)
+    assert warmup_m_values(5) == [1, 2, 3, 4, 5]
+    before = engine.generate(_prompts(3), n=1, max_tokens=8, seed=9)
+    rep = engine.llm.collective_rpc("jetrl_warm_up_fp8", args=(12,))[0]
+    # tiny: qkv (1024, 256), o (256, 512), gate_up (1536, 256), down (256, 768) -> 4 shapes x M = 1..12
+    assert rep["shapes"] == 4 and rep["calls"] == 4 * 12, rep
+    after = engine.generate(_prompts(3), n=1, max_tokens=8, seed=9)
+    assert [(s.token_ids, s.logprobs) for s in after] == [(s.token_ids, s.logprobs) for s in before]
+
+
 def test_processed_logprobs_follow_temperature(setup):
     engine, sd, attention = setup
     ref = ReferenceModel(sd, SHAPE, RECIPE, attention=attention)

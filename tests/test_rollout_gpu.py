@@ -43,7 +43,7 @@ def _engine(model_dir, tp: int = 1, sleep: bool = False):
 
     return RolloutEngine(RolloutConfig(model_dir=str(model_dir), recipe=Fp8Recipe(), tensor_parallel_size=tp,
                                        gpu_memory_utilization=0.25, max_num_seqs=16, enable_sleep_mode=sleep,
-                                       max_model_len=256))
+                                       max_model_len=256, fp8_gemm_warmup=False))  # JIT on demand keeps tests short
 
 
 def _prompts(n: int = 6, length: int = 12, seed: int = 0) -> list[list[int]]:

@@ -64,6 +64,9 @@ class RolloutConfig:
     in_process: bool = True
     verify_refit: bool | None = None  # None: on for CPU engines, off on CUDA (a read-back costs a pass over the model)
     refit_cuda_graph: bool = False  # CUDA: capture the in-place refit's copies in a CUDA graph and replay it
+    # Run the plugin's FP8 linears at the scheduler's batch sizes once at start (compiles JIT GEMM kernels before the
+    # first rollout). None: on when the FProp GEMM on this machine is DeepGEMM (it JIT-compiles), off otherwise.
+    fp8_gemm_warmup: bool | None = None
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -128,6 +131,20 @@ class RolloutEngine:
         self.llm = self._start(hf_overrides)
         self._inplace: InplaceRefit | None = None
         self._inplace_key: tuple | None = None
+        self.warmup_report: dict[str, float] | None = None
+        if self._wants_gemm_warmup():
+            self.warmup_report = self.llm.collective_rpc("jetrl_warm_up_fp8")[0]
+            log.info("FP8 GEMM warm-up: %d shape(s), %d calls, %.1f s", self.warmup_report["shapes"],
+                     self.warmup_report["calls"], self.warmup_report["seconds"])
+
+    def _wants_gemm_warmup(self) -> bool:
+        if self.config.fp8_gemm_warmup is not None:
+            return self.config.fp8_gemm_warmup and self.mode in FP8_ROLLOUT_MODES
+        if not (self.on_cuda and self.mode in FP8_ROLLOUT_MODES):
+            return False
+        from jetrl_megatron.fp8.gemm import resolve_backend
+
+        return resolve_backend("fprop", torch.device("cuda"), 4096, recipe=self.recipe) == "deep_gemm"
 
     # ------------------------------------------------------------------------------------------ start / stop
     def _plugin_quant_config(self, quant_cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -91,6 +91,17 @@ def zero_kv_cache(worker) -> int:
     return total
 
 
+def warm_up_fp8(worker, max_tokens: int | None = None) -> dict[str, float]:
+    """Run the plugin's FP8 linears at the batch sizes the scheduler can produce (see rollout/gemm_warmup.py)."""
+    from jetrl_megatron.rollout.gemm_warmup import warm_up_fp8_linears, warmup_m_values
+
+    inner = getattr(worker, "worker", worker)
+    if max_tokens is None:
+        sched = getattr(getattr(inner, "vllm_config", None), "scheduler_config", None)
+        max_tokens = int(getattr(sched, "max_num_batched_tokens", None) or 8192)
+    return warm_up_fp8_linears(_model(worker), warmup_m_values(max_tokens))
+
+
 class JetRLWorkerExtension:
     """Methods added to every vLLM worker (`self` is the worker)."""
 
@@ -102,3 +113,6 @@ class JetRLWorkerExtension:
 
     def jetrl_zero_kv_cache(self) -> int:
         return zero_kv_cache(self)
+
+    def jetrl_warm_up_fp8(self, max_tokens: int | None = None) -> dict[str, float]:
+        return warm_up_fp8(self, max_tokens)
