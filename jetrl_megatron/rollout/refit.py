@@ -353,12 +353,16 @@ class InplaceRefit:
         return problems
 
     def _plan_reload(self, spec: Mapping[str, TensorSpec] | None) -> list[str]:
-        """Map each packed module's scratch onto HF checkpoint tensors (rows of the fused buffer; vocab unpadded)."""
+        """Map each packed module's scratch onto HF checkpoint tensors (rows of the fused buffer; vocab unpadded).
+
+        At rollout TP > 1 vLLM's loaders take full checkpoint tensors and cut this rank's region out of them, so each
+        HF tensor becomes a persistent full-size buffer that holds this rank's region (the rest stays zero and is
+        never read): `_plan_reload_sharded`.
+        """
         if not self.reload:
             return []
         if self.rollout_tp != 1:
-            return [f"{len(self.reload)} engine parameter(s) are packed kernel handles ({_short(sorted(self.reload))})"
-                    f": re-loading them needs full tensors, i.e. rollout TP 1 (got {self.rollout_tp})"]
+            return self._plan_reload_sharded(spec)
         problems = []
         shape = self.shape
         for name, scratch in self.reload.items():
@@ -387,6 +391,60 @@ class InplaceRefit:
                                     f"{'nothing' if want is None else f'{want.shape} {want.dtype}'}")
         return problems
 
+    def _rank_regions(self, name: str, local: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], tuple, tuple]]:
+        """(HF name, full shape, region in the full tensor, region in the scratch) for one packed live tensor of
+        this rank; the inverse of how vLLM's weight loaders cut a rank's shard out of a checkpoint tensor."""
+        from jetrl_megatron.reshard.addressing import vllm_kv_heads_per_rank
+        from jetrl_megatron.reshard.mover import vllm_vocab_rows
+
+        shape, tp, rank = self.shape, self.rollout_tp, self.rank
+        module, _, leaf = name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        rest = tuple(slice(None) for _ in local[1:])
+        if name in ("lm_head.weight", "model.embed_tokens.weight"):
+            start, _ = vllm_vocab_rows(shape.vocab_size, tp, rank)
+            n = max(0, min(local[0], shape.vocab_size - start))
+            return [(name, (shape.vocab_size, *local[1:]), (slice(start, start + n), *rest), (slice(0, n), *rest))]
+        if proj in FUSED_MEMBERS:
+            if proj == "qkv_proj":
+                q_local = shape.q_size // tp
+                kv_local = vllm_kv_heads_per_rank(shape, tp) * shape.head_dim
+                replicas = max(1, tp // shape.num_kv_heads)
+                kv_start = (rank // replicas) * kv_local
+                pieces = [(shape.q_size, rank * q_local, q_local), (shape.kv_size, kv_start, kv_local),
+                          (shape.kv_size, kv_start, kv_local)]
+            else:
+                f_local = shape.ffn_hidden_size // tp
+                pieces = [(shape.ffn_hidden_size, rank * f_local, f_local)] * 2
+            out, row = [], 0
+            for member, (full_rows, start, size) in zip(FUSED_MEMBERS[proj], pieces, strict=True):
+                out.append((f"{parent}.{member}.{leaf}", (full_rows, *local[1:]), (slice(start, start + size), *rest),
+                            (slice(row, row + size), *rest)))
+                row += size
+            return out
+        if proj in ("o_proj", "down_proj") and leaf == "weight":
+            cols = local[1]
+            return [(name, (local[0], cols * tp), (slice(None), slice(rank * cols, (rank + 1) * cols)),
+                     (slice(None), slice(None)))]
+        return [(name, tuple(local), tuple(slice(None) for _ in local), tuple(slice(None) for _ in local))]
+
+    def _plan_reload_sharded(self, spec: Mapping[str, TensorSpec] | None) -> list[str]:
+        problems = []
+        self.sharded_reload: list[tuple[torch.Tensor, tuple, torch.Tensor, tuple]] = []
+        self.reload_full: dict[str, torch.Tensor] = {}
+        for name, scratch in self.reload.items():
+            for hf, full_shape, dst_region, src_region in self._rank_regions(name, tuple(scratch.shape)):
+                want = None if spec is None else spec.get(hf)
+                if spec is not None and (want is None or tuple(want.shape) != tuple(full_shape)
+                                         or want.dtype != scratch.dtype):
+                    problems.append(f"{hf}: re-load would send {tuple(full_shape)} {scratch.dtype}, the checkpoint "
+                                    f"has {'nothing' if want is None else f'{want.shape} {want.dtype}'}")
+                    continue
+                full = self.reload_full.setdefault(
+                    hf, torch.zeros(full_shape, dtype=scratch.dtype, device=scratch.device))
+                self.sharded_reload.append((full, dst_region, scratch, src_region))
+        return problems
+
     # ---------------------------------------------------------------------------------------------- per step
     def check_sources(self) -> None:
         self.program.check_sources()
@@ -412,6 +470,10 @@ class InplaceRefit:
             q, s = ops.quant_weight(scratch, self.recipe)
             self.live[name].tensor.view(torch.uint8).copy_(q.view(torch.uint8))
             self.live[name + SCALE_SUFFIX].tensor.copy_(s)
+        if self.rollout_tp != 1:
+            for full, dst_region, scratch, src_region in getattr(self, "sharded_reload", []):
+                full[dst_region].copy_(scratch[src_region])
+            return dict(getattr(self, "reload_full", {}))
         return {hf: self.reload[name][rows] for name, parts in self.checkpoint_names.items() for hf, rows in parts}
 
     def verify(self) -> list[str]:
