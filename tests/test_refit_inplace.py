@@ -9,13 +9,12 @@ trainer and compares against the object-pickling path the loop used before.
 
 from __future__ import annotations
 
-import contextlib
-import signal
-
 import pytest
 import torch
 
 pytest.importorskip("vllm")
+
+from deadline import deadline  # noqa: E402
 
 from jetrl_megatron.megatron.models import get_model_shape  # noqa: E402
 from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
@@ -32,17 +31,6 @@ SHAPE = get_model_shape("tiny")
 SEQS = [[1, 5, 9, 13, 17, 21, 25, 29, 33], [2, 4, 6, 8, 10, 12]]
 
 
-@contextlib.contextmanager
-def deadline(seconds: int, what: str):
-    def boom(*_):
-        raise TimeoutError(f"{what} took longer than {seconds} s")
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _recipe(arm: str) -> Fp8Recipe:

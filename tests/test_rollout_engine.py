@@ -6,16 +6,15 @@ vLLM's CPU attention kernel as the attention op (see that module for why). One e
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
-import signal
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
+from deadline import deadline  # noqa: E402
 from test_rollout_reference import ReferenceModel, vllm_cpu_attention  # noqa: E402
 
 from jetrl_megatron.fp8.linear import fp8_linear_forward  # noqa: E402
@@ -33,18 +32,6 @@ RECIPE = Fp8Recipe()
 SHAPE = get_model_shape("tiny")
 
 
-@contextlib.contextmanager
-def deadline(seconds: int, what: str):
-    """vLLM can hang instead of raising (shared/VLLM_CPU.md); fail the test instead."""
-    def boom(*_):
-        raise TimeoutError(f"{what} took longer than {seconds} s")
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.fixture(autouse=True)

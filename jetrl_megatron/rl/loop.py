@@ -188,19 +188,12 @@ def _mp_group():
 
 @torch.no_grad()
 def megatron_states(trainer: Trainer) -> dict[tuple[int, int, int], dict[str, torch.Tensor]]:
-    """Every model-parallel rank's rollout tensors, keyed (pp_rank, 0, tp_rank); collective over the MP group.
-
-    jetrl: the FP8 cache's bytes + 128x128 scales (exactly what the trainer computes with) and BF16 non-GEMM tensors.
-    Other arms: the BF16 master weights (the engine of bf16_train_fp8_rollout / fake_quant quantizes them itself).
-    """
+    """Every model-parallel rank's rollout tensors (`local_rollout_tensors`, copied to CPU), keyed
+    (pp_rank, 0, tp_rank); collective over the MP group. Used for whole-model exports (initial model dir, probes);
+    the per-step refit exchanges only what each rank needs (`RefitSource`)."""
     from megatron.core import parallel_state
 
-    from jetrl_megatron.megatron.model import rollout_weights
-
-    if trainer.recipe.mode == "jetrl":
-        local = {k: v.detach().cpu().clone() for k, v in rollout_weights(trainer.model).items()}
-    else:
-        local = {k: p.detach().cpu().clone() for k, p in trainer.gpt.named_parameters()}
+    local = {k: v.cpu().clone() for k, v in local_rollout_tensors(trainer).items()}
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     key = (parallel_state.get_pipeline_model_parallel_rank(), 0, parallel_state.get_tensor_model_parallel_rank())
@@ -765,7 +758,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         (log_dir / "config.yaml").write_text(to_yaml(cfg))
     _say(f"jetrl run: recipe {cfg.name}, arm {cfg.mode}, {_world()} rank(s), log dir {log_dir}")
 
-    engine_groups(cfg)  # refuse an impossible rollout layout before any training work
+    _, engine_index = engine_groups(cfg)  # refuses an impossible rollout layout before any training work
     task = build_task(cfg)
     stream = PromptStream(task, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
     trainer = build_trainer(cfg)
@@ -785,7 +778,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     # One engine per rollout-TP group, started from the current policy, then refit in place with the trainer's own
     # bytes: this rank is vLLM rank (rank % rollout TP) of engine (rank // rollout TP).
     # Written by each engine's first rank and read by all of that engine's ranks (one directory per engine).
-    model_dir = write_model_dir(cfg, trainer, log_dir / f"model_init_engine{engine_groups(cfg)[1]}")
+    model_dir = write_model_dir(cfg, trainer, log_dir / f"model_init_engine{engine_index}")
     engine = start_engine(cfg, model_dir)
     vllm_rank = _rank() % cfg.policy.generation.vllm_cfg.tensor_parallel_size
     source = RefitSource(trainer, cfg.policy.generation.vllm_cfg.tensor_parallel_size)

@@ -302,14 +302,7 @@ class RolloutEngine:
             validate_refit(weights, self.checkpoint_spec, check_finite=False)
         weights = dict(weights)
         t1 = time.perf_counter()
-        if self.workers_in_this_process:
-            self.llm.collective_rpc("reload_weights", kwargs=dict(
-                weights_iterator=list(weights.items()), is_checkpoint_format=True))
-        else:
-            from safetensors.torch import save
-
-            blob = save({k: v.detach().cpu().contiguous() for k, v in weights.items()})
-            self.llm.collective_rpc("jetrl_reload_from_bytes", args=(blob,))
+        self._reload(weights)
         self.llm.reset_prefix_cache()
         t2 = time.perf_counter()
         verify = self._verify_default() if verify is None else verify
@@ -342,8 +335,10 @@ class RolloutEngine:
     def live_parameters(self) -> dict:
         """This process's vLLM rank's parameters by vLLM name (fused qkv_proj / gate_up_proj): `LiveParam`s holding
         the live tensors themselves. In-process engines only (the model must live in this process)."""
-        if not self.config.in_process:
-            raise RuntimeError("live_parameters needs an in-process engine (RolloutConfig.in_process=True)")
+        if not self.workers_in_this_process:
+            raise RuntimeError("live_parameters needs the model workers in this process: an in-process engine at TP "
+                               "1, or one rank of an external_launcher job (a TP > 1 engine started alone keeps its "
+                               "workers in child processes, where writes to returned tensors would be lost)")
         return self.llm.apply_model(worker_ops.live_params)[0]
 
     def refit_from_shards(self, src, rank: int | None = None, verify: bool | None = None) -> RefitReport:
@@ -380,7 +375,7 @@ class RolloutEngine:
         reload = prog.run()
         reloaded = 0
         if reload:
-            self._reload_partial(reload)
+            self._reload(reload)
             reloaded = len(reload)
         self.llm.reset_prefix_cache()
         t2 = time.perf_counter()
@@ -405,16 +400,23 @@ class RolloutEngine:
         log.info("in-place refit compiled: %d copies, %.1f MiB, %d direct / %d quantized / %d re-loaded tensors",
                  prog.program.num_copies, prog.bytes / 2**20, len(prog.direct), len(prog.quantize), len(prog.reload))
 
-    def _reload_partial(self, weights: dict[str, torch.Tensor]) -> None:
-        """Send whole packed modules through vLLM's reload. vLLM 0.32 reloads layer by layer: modules that receive
-        nothing get their own tensors put back (it warns once per such module, silenced here), so a partial reload
-        of complete modules is safe; a partial fused group is not (validated when the program is built)."""
+    def _reload(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Checkpoint-format tensors (HF names) through vLLM's `reload_weights`: handed over directly when the
+        workers live in this process, else as one safetensors blob. A partial reload of whole modules is safe:
+        vLLM 0.32 reloads layer by layer and puts their own tensors back on modules that receive nothing (it warns
+        once per such module, silenced here); a partial fused group is not (validated when the program is built)."""
         quiet = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
         level = quiet.level
         quiet.setLevel(logging.ERROR)
         try:
-            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=list(weights.items()),
-                                                                  is_checkpoint_format=True))
+            if self.workers_in_this_process:
+                self.llm.collective_rpc("reload_weights", kwargs=dict(
+                    weights_iterator=list(weights.items()), is_checkpoint_format=True))
+            else:
+                from safetensors.torch import save
+
+                blob = save({k: v.detach().cpu().contiguous() for k, v in weights.items()})
+                self.llm.collective_rpc("jetrl_reload_from_bytes", args=(blob,))
         finally:
             quiet.setLevel(level)
 
@@ -425,12 +427,7 @@ class RolloutEngine:
         if self.config.tensor_parallel_size > 1:
             # full-size tensors holding only this rank's region: their checksums do not describe the rank's shard
             return sorted(weights)
-        expected, shapes = expected_engine_checksums(weights)
-        got = self.llm.collective_rpc("jetrl_param_checksums", args=({k: list(v) for k, v in shapes.items()},))[0]
-        bad = [n for n in expected if got.get(n) not in (expected[n], worker_ops.UNREADABLE)]
-        if bad:
-            raise RefitVerificationError(f"re-loaded tensor(s) read back differently: {bad[:8]}")
-        return sorted(n for n in expected if got.get(n) == worker_ops.UNREADABLE)
+        return self._verify(weights)[1]
 
     def read_parameter(self, vllm_name: str) -> torch.Tensor:
         """A copy of one live vLLM parameter (vLLM names: fused qkv_proj / gate_up_proj)."""

@@ -34,6 +34,11 @@ _ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F32": tor
 class RefitError(ValueError):
     """A refit was refused before anything reached the engine; the message names every offending tensor."""
 
+    @classmethod
+    def refused(cls, problems: list[str]) -> RefitError:
+        return cls("refit refused, engine unchanged (still serving the previous weights):\n  - "
+                   + "\n  - ".join(problems))
+
 
 class RefitVerificationError(RuntimeError):
     """The read-back checksum of a refit did not match what was sent."""
@@ -122,8 +127,7 @@ def validate_refit(weights: Mapping[str, torch.Tensor], expected: Mapping[str, T
         elif check_finite and t.dtype == s.dtype and not bool(_finite(t)):
             problems.append(f"{name}: contains NaN/Inf")
     if problems:
-        raise RefitError("refit refused, engine unchanged (still serving the previous weights):\n  - "
-                         + "\n  - ".join(problems))
+        raise RefitError.refused(problems)
 
 
 def _finite(t: torch.Tensor) -> torch.Tensor:
@@ -300,8 +304,7 @@ class InplaceRefit:
         try:
             self.program = VllmRefitProgram(view, rollout_tp, rank, dst_factory=dst_for)
         except (KeyError, ValueError) as e:
-            raise RefitError(f"refit refused, engine unchanged (still serving the previous weights):\n  - "
-                             f"{e.args[0] if e.args else e}") from None
+            raise RefitError.refused([str(e.args[0] if e.args else e)]) from None
         self.program._src = src  # staleness is checked against the caller's tensors, not the recording view
         unread = sorted(f"{n} (pp, vp, tp rank {k})" for k, st in recording.items() for n in st if n not in st.read)
         if unread:
@@ -316,11 +319,12 @@ class InplaceRefit:
         if missing:
             problems.append(f"{len(missing)} engine parameter(s) the trainer does not send: {_short(missing)}")
         problems += self._check_quantize_alignment()
-        self.checkpoint_names: dict[str, list[tuple[str, slice]]] = {}
+        self.reload_full: dict[str, torch.Tensor] = {}  # HF name -> full-size buffer holding this rank's region
+        # (full buffer, its region, scratch, the scratch's region): the copies `run()` makes for the reload
+        self.reload_regions: list[tuple[torch.Tensor, tuple, torch.Tensor, tuple]] = []
         problems += self._plan_reload(checkpoint_spec)
         if problems:
-            raise RefitError("refit refused, engine unchanged (still serving the previous weights):\n  - "
-                             + "\n  - ".join(problems))
+            raise RefitError.refused(problems)
         # the tensors bytes are copied from (a rank reads every TP shard's shape but may copy from few of them)
         used = {s.untyped_storage().data_ptr() for _, s in self.program.copy_pairs()}
         sources = [(f"{n} (pp, vp, tp rank {key})", t) for key, st in recording.items()
@@ -353,42 +357,28 @@ class InplaceRefit:
         return problems
 
     def _plan_reload(self, spec: Mapping[str, TensorSpec] | None) -> list[str]:
-        """Map each packed module's scratch onto HF checkpoint tensors (rows of the fused buffer; vocab unpadded).
+        """Map each packed module's scratch onto the HF checkpoint tensors vLLM's `reload_weights` takes.
 
-        At rollout TP > 1 vLLM's loaders take full checkpoint tensors and cut this rank's region out of them, so each
-        HF tensor becomes a persistent full-size buffer that holds this rank's region (the rest stays zero and is
-        never read): `_plan_reload_sharded`.
+        vLLM's loaders take full checkpoint tensors and cut this rank's region out of them, so each HF tensor is a
+        persistent full-size buffer holding this rank's region (`_rank_regions`; at rollout TP 1 the whole tensor,
+        vocab unpadded; elsewhere the rest stays zero and is never read).
         """
-        if not self.reload:
-            return []
-        if self.rollout_tp != 1:
-            return self._plan_reload_sharded(spec)
         problems = []
-        shape = self.shape
         for name, scratch in self.reload.items():
-            module, _, leaf = name.rpartition(".")
-            parent, _, proj = module.rpartition(".")
-            if proj in FUSED_MEMBERS:
-                sizes = ([shape.q_size, shape.kv_size, shape.kv_size] if proj == "qkv_proj"
-                         else [shape.ffn_hidden_size, shape.ffn_hidden_size])
-                if sum(sizes) != scratch.shape[0]:
-                    problems.append(f"{name}: {scratch.shape[0]} rows != parts {sizes}")
-                    continue
-                parts, start = [], 0
-                for member, size in zip(FUSED_MEMBERS[proj], sizes, strict=True):
-                    parts.append((f"{parent}.{member}.{leaf}", slice(start, start + size)))
-                    start += size
-            elif name in ("lm_head.weight", "model.embed_tokens.weight"):
-                parts = [(name, slice(0, shape.vocab_size))]
-            else:
-                parts = [(name, slice(0, scratch.shape[0]))]
-            self.checkpoint_names[name] = parts
-            for hf, rows in parts:
-                got = (rows.stop - rows.start, *scratch.shape[1:])
+            regions = self._rank_regions(name, tuple(scratch.shape))
+            if len(regions) > 1 and regions[-1][3][0].stop != scratch.shape[0]:  # fused parts must tile the rows
+                problems.append(f"{name}: {scratch.shape[0]} rows != its parts' {regions[-1][3][0].stop}")
+                continue
+            for hf, full_shape, dst_region, src_region in regions:
                 want = None if spec is None else spec.get(hf)
-                if spec is not None and (want is None or want.shape != got or want.dtype != scratch.dtype):
-                    problems.append(f"{hf}: re-load would send {got} {scratch.dtype}, the checkpoint has "
-                                    f"{'nothing' if want is None else f'{want.shape} {want.dtype}'}")
+                if spec is not None and (want is None or tuple(want.shape) != tuple(full_shape)
+                                         or want.dtype != scratch.dtype):
+                    problems.append(f"{hf}: re-load would send {tuple(full_shape)} {scratch.dtype}, the checkpoint "
+                                    f"has {'nothing' if want is None else f'{want.shape} {want.dtype}'}")
+                    continue
+                full = self.reload_full.setdefault(
+                    hf, torch.zeros(full_shape, dtype=scratch.dtype, device=scratch.device))
+                self.reload_regions.append((full, dst_region, scratch, src_region))
         return problems
 
     def _rank_regions(self, name: str, local: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], tuple, tuple]]:
@@ -428,23 +418,6 @@ class InplaceRefit:
                      (slice(None), slice(None)))]
         return [(name, tuple(local), tuple(slice(None) for _ in local), tuple(slice(None) for _ in local))]
 
-    def _plan_reload_sharded(self, spec: Mapping[str, TensorSpec] | None) -> list[str]:
-        problems = []
-        self.sharded_reload: list[tuple[torch.Tensor, tuple, torch.Tensor, tuple]] = []
-        self.reload_full: dict[str, torch.Tensor] = {}
-        for name, scratch in self.reload.items():
-            for hf, full_shape, dst_region, src_region in self._rank_regions(name, tuple(scratch.shape)):
-                want = None if spec is None else spec.get(hf)
-                if spec is not None and (want is None or tuple(want.shape) != tuple(full_shape)
-                                         or want.dtype != scratch.dtype):
-                    problems.append(f"{hf}: re-load would send {tuple(full_shape)} {scratch.dtype}, the checkpoint "
-                                    f"has {'nothing' if want is None else f'{want.shape} {want.dtype}'}")
-                    continue
-                full = self.reload_full.setdefault(
-                    hf, torch.zeros(full_shape, dtype=scratch.dtype, device=scratch.device))
-                self.sharded_reload.append((full, dst_region, scratch, src_region))
-        return problems
-
     # ---------------------------------------------------------------------------------------------- per step
     def check_sources(self) -> None:
         self.program.check_sources()
@@ -457,8 +430,7 @@ class InplaceRefit:
         if bool(flags.all()):
             return
         bad = [n for n, ok in zip(self._source_names, flags.tolist(), strict=True) if not ok]
-        raise RefitError("refit refused, engine unchanged (still serving the previous weights):\n  - "
-                         f"{len(bad)} trainer tensor(s) contain NaN/Inf: {_short(bad)}")
+        raise RefitError.refused([f"{len(bad)} trainer tensor(s) contain NaN/Inf: {_short(bad)}"])
 
     def run(self) -> dict[str, torch.Tensor]:
         """Copy every slab, quantize the self-quantizing arm's weights into the live FP8 tensors; returns the
@@ -470,11 +442,9 @@ class InplaceRefit:
             q, s = ops.quant_weight(scratch, self.recipe)
             self.live[name].tensor.view(torch.uint8).copy_(q.view(torch.uint8))
             self.live[name + SCALE_SUFFIX].tensor.copy_(s)
-        if self.rollout_tp != 1:
-            for full, dst_region, scratch, src_region in getattr(self, "sharded_reload", []):
-                full[dst_region].copy_(scratch[src_region])
-            return dict(getattr(self, "reload_full", {}))
-        return {hf: self.reload[name][rows] for name, parts in self.checkpoint_names.items() for hf, rows in parts}
+        for full, dst_region, scratch, src_region in self.reload_regions:
+            full[dst_region].copy_(scratch[src_region])
+        return dict(self.reload_full)
 
     def verify(self) -> list[str]:
         """Compare on the live tensors, in place: every slab the program wrote equals its source slab, every
