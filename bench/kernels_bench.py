@@ -184,7 +184,7 @@ def quant_kernels() -> None:
         ms = bench_ms(lambda bm=bm, nw=nw, x=x: K.quant_act(x, recipe, block_m=bm, num_warps=nw))
         rows.append(_gbps_row(f"quant_act[bm={bm},w={nw}]", (m, k), ms, 3 * m * k + 4 * m * k // 128, copy_gbs))
         best_act = min(best_act or (ms, bm, nw), (ms, bm, nw))
-    for tm in (0, 1, 2):
+    for tm in (0, 1, 2, 3, 4):
         for nw, ft in ((4, 32), (4, 64), (8, 64), (4, 128)):
             ms = bench_ms(lambda nw=nw, xq=xq, xs=xs, tm=tm, ft=ft: K.regroup_for_wgrad(
                 xq, xs, recipe, num_warps=nw, trans_mode=tm, feats=ft))

@@ -42,6 +42,11 @@ from jetrl_megatron.megatron.models import get_model_shape  # noqa: E402
 from jetrl_megatron.megatron.spec import gpt_layer_spec  # noqa: E402
 from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
 
+try:
+    from jetrl_megatron.fp8 import kernels as fp8_kernels  # noqa: E402
+except ImportError:  # no Triton: the reference quantizers run, there is no launch mode to pick
+    fp8_kernels = None
+
 
 def build_layer(shape, recipe, device, attn_impl=None, lean_swiglu=False):
     from megatron.core.transformer.spec_utils import build_module
@@ -213,6 +218,9 @@ def main() -> None:
                     help="comma list of element-wise impls to run every mode with: auto, torch, triton")
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one fwd+bwd per arm")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per arm with --profile")
+    ap.add_argument("--regroup-modes", default=None,
+                    help="comma list of fp8.kernels transposed-store modes (REGROUP_TRANS_MODE) for the jetrl rows; "
+                         "default: the module's")
     args = ap.parse_args()
     impls = [e.strip() for e in args.elementwise.split(",") if e.strip()]
     for e in impls:
@@ -231,11 +239,15 @@ def main() -> None:
     gmlp = torch.randn(s, 1, h, device=device, dtype=torch.bfloat16)
 
     rows, outputs, ref_state, profiles = [], {}, None, []
-    arms = [(e, "bf16", "auto") for e in impls]
-    arms += [(e, "jetrl", b) for e in impls for b in args.backends.split(",")]
+    default_rmode = fp8_kernels.REGROUP_TRANS_MODE if fp8_kernels else None
+    rmodes = [int(v) for v in args.regroup_modes.split(",")] if args.regroup_modes else [default_rmode]
+    arms = [(e, "bf16", "auto", None) for e in impls]
+    arms += [(e, "jetrl", b, rm) for e in impls for b in args.backends.split(",") for rm in rmodes]
     arms.sort(key=lambda a: impls.index(a[0]))
-    for ew, mode, backend in arms:
+    for ew, mode, backend, rmode in arms:
         numerics.set_elementwise_impl(ew)
+        if fp8_kernels is not None:
+            fp8_kernels.REGROUP_TRANS_MODE = default_rmode if rmode is None else rmode
         recipe = Fp8Recipe(mode=mode, gemm_backend=backend)
         seed_everything(0)
         lean = args.lean_swiglu or ew == "triton"
@@ -260,7 +272,7 @@ def main() -> None:
             out.backward(gmlp)
 
         with torch.no_grad():
-            outputs[(ew, mode, backend)] = layer(x, attention_mask=None)[0].float()
+            outputs[(ew, mode, backend, rmode)] = layer(x, attention_mask=None)[0].float()
         t_layer = timeit(layer_step, device, args.warmup, args.iters)
         t_mlp = timeit(mlp_step, device, args.warmup, args.iters)
         t_refresh = timeit(refresh, device, 2, 5) if mode == "jetrl" else 0.0
@@ -273,20 +285,23 @@ def main() -> None:
             del out
         else:
             held = 0
-        rows.append(dict(elementwise=ew, swiglu_module=lean, mode=mode, backend=backend, layer_ms=t_layer,
+        rows.append(dict(elementwise=ew, swiglu_module=lean, mode=mode, backend=backend, regroup_mode=rmode,
+                         layer_ms=t_layer,
                          mlp_ms=t_mlp, refresh_ms=t_refresh, saved_MiB=saved / 2**20,
                          held_after_fwd_MiB=held / 2**20))
         if args.profile:
             prof = profile_step(layer_step, device, args.top) | {"device": device.type}
-            profiles.append({"arm": f"{mode} / {backend} / elementwise {ew}", **prof})
+            label = f"{mode} / {backend} / elementwise {ew}" + ("" if rmode is None else f" / regroup mode {rmode}")
+            profiles.append({"arm": label, **prof})
         del layer
         numerics.set_elementwise_impl("auto")
 
-    ref = outputs[(impls[0], "bf16", "auto")]
+    ref = outputs[(impls[0], "bf16", "auto", None)]
     for r in rows:
-        o = outputs[(r["elementwise"], r["mode"], r["backend"])]
+        o = outputs[(r["elementwise"], r["mode"], r["backend"], r["regroup_mode"])]
         r["out_rel_err_vs_bf16"] = ((o - ref).norm() / ref.norm()).item()
-        twin = None if r["elementwise"] == "torch" else outputs.get(("torch", r["mode"], r["backend"]))
+        twin_key = ("torch", r["mode"], r["backend"], r["regroup_mode"])
+        twin = None if r["elementwise"] == "torch" else outputs.get(twin_key)
         r["out_rel_diff_vs_torch_ew"] = None if twin is None else ((o - twin).norm() / twin.norm()).item()
     b = rows[0]
     for r in rows:
@@ -316,14 +331,15 @@ def main() -> None:
         info["attn_native_gqa_used"] = numerics._GQA_KERNELS_OK[0]
     if args.e2e:
         info.update(e2e_smoke())
-    head = ("| mode | gemm_backend | elementwise | layer fwd+bwd ms | speedup | MLP fwd+bwd ms | speedup "
-            "| FP8 refresh ms/step | saved for bwd MiB | ratio | held after fwd MiB | out rel err vs bf16 "
+    head = ("| mode | gemm_backend | elementwise | regroup mode | layer fwd+bwd ms | speedup | MLP fwd+bwd ms "
+            "| speedup | FP8 refresh ms/step | saved for bwd MiB | ratio | held after fwd MiB | out rel err vs bf16 "
             "| out rel diff vs torch elementwise |")
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         ew = r["elementwise"] + (" (SwiGLU module)" if r["swiglu_module"] else "")
         dtw = "-" if r["out_rel_diff_vs_torch_ew"] is None else f"{r['out_rel_diff_vs_torch_ew']:.2e}"
-        lines.append(f"| {r['mode']} | {r['backend']} | {ew} | {r['layer_ms']:.2f} | {r['layer_speedup']:.3f}x "
+        rm = "-" if r["regroup_mode"] is None else r["regroup_mode"]
+        lines.append(f"| {r['mode']} | {r['backend']} | {ew} | {rm} | {r['layer_ms']:.2f} | {r['layer_speedup']:.3f}x "
                      f"| {r['mlp_ms']:.2f} | {r['mlp_speedup']:.3f}x | {r['refresh_ms']:.2f} | {r['saved_MiB']:.1f} "
                      f"| {r['saved_ratio']:.3f} | {r['held_after_fwd_MiB']:.1f} | {r['out_rel_err_vs_bf16']:.4f} "
                      f"| {dtw} |")

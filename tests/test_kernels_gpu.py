@@ -113,7 +113,7 @@ def test_quant_weight_bit_identical_16m_and_edges(recipe):
         _assert_codes(q2, qr, "quant_weight (no transpose)")
 
 
-@pytest.mark.parametrize("trans_mode", [0, 1, 2])
+@pytest.mark.parametrize("trans_mode", [0, 1, 2, 3, 4])
 def test_launch_variants_identical(trans_mode):
     """Every launch shape (warps, transposed-store mode, regroup feature slice) gives the reference bytes."""
     k = _kernels()

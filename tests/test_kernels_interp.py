@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent(
         q, s, qt, st = K.quant_dual(x, r); qtr, str_ = Q.quantize_1x128(pad_t(x), r)
         assert same(q, qr) and same(s, sr) and same(qt, qtr) and same(st, str_), f"quant_dual {fmt}"
         ref = Q.quantize_1x128(pad_t(Q.dequantize_1x128(qr, sr)), r)
-        for tm in (0, 1, 2):
+        for tm in (0, 1, 2, 3, 4):  # 3, 4: packed 32-bit stores with the integer E4M3 rounding
             for split in (False, True):
                 q, s, qt, st = K.quant_dual(x, r, trans_mode=tm, split=split)
                 assert same(q, qr) and same(s, sr), f"quant_dual q trans_mode={tm} split={split} {fmt}"

@@ -77,6 +77,23 @@ def _scale_from_amax(amax, eps, POW2: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_bits_rne(y):
+    """E4M3 bit pattern (as uint32) of FP32 values already clamped to +-448, rounded to nearest even, in integer
+    arithmetic. Only the interpreter uses it (its own E4M3 conversion is not RNE); the GPU uses the hardware cast."""
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    af = a.to(tl.float32, bitcast=True)
+    # Subnormals (|y| < 2^-6): the code is |y| / 2^-9 rounded to nearest even (the FP32 add of 2^23 does the RNE).
+    sub = ((af * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)
+    # Normals: round the 23-bit mantissa to 3 bits (RNE; a carry moves into the exponent), rebias 127 -> 7.
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960
+    code = tl.where(af < 0.015625, sub, normal)
+    code = tl.where(a > 0x7F800000, 0x7F, code)
+    return code | sign
+
+
+@triton.jit
 def _to_fp8(y, CAST: tl.constexpr):
     """clamp to +-448 (NaN kept) then cast E4M3 with round-to-nearest-even; CAST=False keeps FP32 (interpreter)."""
     y = tl.clamp(y, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
@@ -113,7 +130,8 @@ def _transposed_group_store(xf, qt_ptr, st_ptr, tok0, feat0, mb, N, stride_qtn, 
 
     TRANS_MODE 0: transpose the FP8 register tile (tl.trans) and store rows; 1: store the untransposed tile through
     transposed addresses and let the compiler pick a coalesced layout for the token-contiguous store; 2: transpose
-    the FP32 quotients, then clamp, cast and store rows."""
+    the FP32 quotients, then clamp, cast and store rows; 3 / 4: pack four tokens' codes into 32-bit words, then store
+    as 0 / as 1 (qt_ptr and stride_qtn then address int32 words, see `_transposed_codes`)."""
     st = _scale_from_amax(_nan_aware_amax(xf, 0), eps, POW2)  # (FEATS,)
     feats = feat0 + tl.arange(0, FEATS)
     toks = tok0 + tl.arange(0, TOKENS)
@@ -127,6 +145,22 @@ def _transposed_group_store(xf, qt_ptr, st_ptr, tok0, feat0, mb, N, stride_qtn, 
                  mask=feat_ok[:, None])
     elif TRANS_MODE == 1:
         tl.store(qt_ptr + feats[None, :].to(tl.int64) * stride_qtn + toks[:, None], y, mask=feat_ok[None, :])
+    elif TRANS_MODE >= 3:
+        # Four consecutive tokens' codes packed into one 32-bit word (little-endian: token 4j in the low byte), so the
+        # token-contiguous store moves 4-byte words instead of single bytes. qt_ptr/stride_qtn address int32 words.
+        if CAST:
+            bits = y.to(tl.uint8, bitcast=True).to(tl.uint32)
+        else:
+            bits = _e4m3_bits_rne(y)
+        shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
+        packed = tl.sum(tl.reshape(bits, (TOKENS // 4, 4, FEATS)) << shifts[None, :, None], axis=1)
+        words = tok0 // 4 + tl.arange(0, TOKENS // 4)
+        if TRANS_MODE == 3:
+            tl.store(qt_ptr + feats[:, None].to(tl.int64) * stride_qtn + words[None, :], tl.trans(packed),
+                     mask=feat_ok[:, None])
+        else:
+            tl.store(qt_ptr + feats[None, :].to(tl.int64) * stride_qtn + words[:, None], packed,
+                     mask=feat_ok[None, :])
     tl.store(st_ptr + feats * stride_stn + mb * stride_stg, st, mask=feat_ok)
 
 
@@ -242,6 +276,17 @@ def padded_tokens(m: int) -> int:
     return -(-m // BLOCK) * BLOCK
 
 
+def _transposed_codes(rows: int, mp: int, device: torch.device, trans_mode: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (rows, Mp) token-grouped code buffer and the tensor the kernel stores through: the buffer itself, or for
+    the packed modes (3, 4) its int32 view (four tokens per word; real E4M3 bytes even under the interpreter)."""
+    if trans_mode >= 3:
+        qt = torch.empty((rows, mp), dtype=FP8_DTYPE, device=device)
+        return qt, qt.view(torch.int32)
+    qt = _codes_buffer((rows, mp), device)
+    return qt, qt
+
+
 def quant_act(x2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, block_m: int | None = None,
               num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 group quant of a 2-D activation/gradient: q (M,K) row-major, s (M,K/128) column-major.
@@ -276,12 +321,12 @@ def quant_dual(g2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, num_warps:
     mp = padded_tokens(m)
     if split:
         q, s = quant_act(g2d, recipe)
-        qt = _codes_buffer((n, mp), g2d.device)
+        qt, qt_arg = _transposed_codes(n, mp, g2d.device, trans_mode)
         st = _col_major(n, mp // BLOCK, g2d.device)
         if m:
             grid = (mp // BLOCK, n // REGROUP_FEATS)
-            _regroup_kernel[grid](g2d, st, qt, st, m, n, g2d.stride(0), g2d.stride(1), 0, 0,
-                                  qt.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
+            _regroup_kernel[grid](g2d, st, qt_arg, st, m, n, g2d.stride(0), g2d.stride(1), 0, 0,
+                                  qt_arg.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
                                   POW2=recipe.scale_fmt == "pow2", CAST=not _interpreting(), TOKENS=BLOCK,
                                   GROUP=BLOCK, FEATS=REGROUP_FEATS, TRANS_MODE=trans_mode, HAS_SCALE=False,
                                   num_warps=num_warps or REGROUP_WARPS)
@@ -289,12 +334,13 @@ def quant_dual(g2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, num_warps:
     num_warps = num_warps or DUAL_WARPS
     q = _codes_buffer((m, n), g2d.device)
     s = _col_major(m, n // BLOCK, g2d.device)
-    qt = _codes_buffer((n, mp), g2d.device)
+    qt, qt_arg = _transposed_codes(n, mp, g2d.device, trans_mode)
     st = _col_major(n, mp // BLOCK, g2d.device)
     if m:
         grid = (mp // BLOCK, n // BLOCK)
-        _quant_dual_kernel[grid](g2d, q, s, qt, st, m, n, g2d.stride(0), g2d.stride(1), q.stride(0), s.stride(0),
-                                 s.stride(1), qt.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
+        _quant_dual_kernel[grid](g2d, q, s, qt_arg, st, m, n, g2d.stride(0), g2d.stride(1), q.stride(0),
+                                 s.stride(0), s.stride(1), qt_arg.stride(0), st.stride(0), st.stride(1),
+                                 recipe.amax_eps,
                                  POW2=recipe.scale_fmt == "pow2", CAST=not _interpreting(), TOKENS=BLOCK,
                                  GROUP=BLOCK, TRANS_MODE=trans_mode, num_warps=num_warps)
     return _finish_codes(q), s, _finish_codes(qt), st
@@ -319,13 +365,12 @@ def regroup_for_wgrad(q: torch.Tensor, s: torch.Tensor, recipe: Fp8Recipe | None
     trans_mode = REGROUP_TRANS_MODE if trans_mode is None else trans_mode
     feats = feats or REGROUP_FEATS
     mp = padded_tokens(m)
-    qt = _codes_buffer((k, mp), q.device)
+    qt, qt_arg = _transposed_codes(k, mp, q.device, trans_mode)
     st = _col_major(k, mp // BLOCK, q.device)
     if m:
-        q_in = q
         grid = (mp // BLOCK, k // feats)
-        _regroup_kernel[grid](q_in, s, qt, st, m, k, q_in.stride(0), q_in.stride(1), s.stride(0), s.stride(1),
-                              qt.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
+        _regroup_kernel[grid](q, s, qt_arg, st, m, k, q.stride(0), q.stride(1), s.stride(0), s.stride(1),
+                              qt_arg.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
                               POW2=recipe.scale_fmt == "pow2", CAST=not _interpreting(), TOKENS=BLOCK, GROUP=BLOCK,
                               FEATS=feats, TRANS_MODE=trans_mode, HAS_SCALE=True, num_warps=num_warps)
     return _finish_codes(qt), st
