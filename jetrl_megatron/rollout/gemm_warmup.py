@@ -4,7 +4,8 @@ Why: DeepGEMM compiles a kernel the first time a (N, K) shape meets a new tile c
 depends on M (the number of tokens in the batch). Stock vLLM warms its own block-FP8 layers at start; the plugin's
 layers are ours, so nobody else does it. Measured on the H200 (bench/RESULTS.md, GRPO run 2): an arm that met
 DeepGEMM cold spent 27, 19 and 9 s in rollouts that take 0.2 s warm. Compiled kernels persist in DG_JIT_CACHE_DIR,
-so a second run on the same machine finds them there.
+so a second run on the same machine finds them there. Switch it off with `policy.generation.vllm_cfg.fp8_gemm_warmup:
+false` (or JETRL_FP8_GEMM_WARMUP=0) where a cold cache would cost more than the stalls it prevents (short smoke runs).
 
 The M values: every M up to 64 (decode batches), then every 16 up to 1024, every 64 up to the engine's token budget,
 and the budget itself. Tile boundaries between those points can still meet a cold configuration later; that costs one
@@ -42,17 +43,26 @@ def fp8_linear_layers(model: torch.nn.Module) -> dict[tuple[int, int], torch.nn.
 
 
 @torch.no_grad()
-def warm_up_fp8_linears(model: torch.nn.Module, m_values: Iterable[int]) -> dict[str, float]:
-    """Run every distinct plugin linear once at each M on random BF16 rows; returns counts and seconds."""
+def warm_up_fp8_linears(model: torch.nn.Module, m_values: Iterable[int], progress: bool = True) -> dict[str, float]:
+    """Run every distinct plugin linear once at each M on random BF16 rows; returns counts and seconds.
+
+    On a machine whose DeepGEMM cache is cold this takes minutes (one NVCC compile per new tile configuration), hence
+    the progress bar; with the cache warm it takes seconds."""
+    from tqdm import tqdm
+
     t0 = time.perf_counter()
     layers = fp8_linear_layers(model)
     calls = 0
     ms = list(m_values)
+    bar = tqdm(total=len(layers) * len(ms), desc="FP8 GEMM warm-up", unit="gemm", mininterval=5.0,
+               disable=not progress or not layers, leave=False)
     for (_, k), layer in layers.items():
         x = torch.randn(max(ms), k, dtype=torch.bfloat16, device=layer.weight.device)
         for m in ms:
             layer.quant_method.apply(layer, x[:m])
             calls += 1
+            bar.update(1)
+    bar.close()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return {"shapes": float(len(layers)), "calls": float(calls), "seconds": time.perf_counter() - t0}
