@@ -10,6 +10,9 @@ per-step FP8 weight-cache refresh (once per optimizer step, not per micro-batch)
 RoPE, FP32 residual add, SwiGLU) as the torch twins and as the Triton kernels (numerics.set_elementwise_impl), same
 weights and inputs. The Triton SwiGLU lives in numerics.SwiGLU, so ``triton`` arms always use that module (Megatron
 otherwise applies its own autograd ``silu(g) * u``); ``torch`` arms use it only with ``--lean-swiglu``.
+Besides the synced median, each arm reports the host time to issue one fwd+bwd and the time per fwd+bwd when 20 run
+back to back (no sync between them, as the layers of a model run): when the host is slower than the GPU, the synced
+median shows the host. ``--host-profile`` adds a cProfile of one step's host side per arm.
 ``--profile`` prints, per arm, the top CUDA kernels of one fwd+bwd by total time (torch.profiler) and the time per
 kernel group (GEMM, attention, FP8 quantization, our Triton element-wise kernels, other = torch element-wise/copies).
 
@@ -100,6 +103,56 @@ def timeit(fn, device, warmup: int, iters: int) -> float:
             fn()
             times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
+
+
+def host_and_pipelined(fn, device, iters: int) -> tuple[float, float]:
+    """(median host ms to issue one fn(), ms per fn() when `iters` run back to back without a sync in between).
+
+    Why both: `timeit` syncs every iteration, so a step whose Python takes longer to issue than its kernels take to
+    run shows the host time, not the GPU's. Back to back, as the layers of a model run, the GPU works while the host
+    issues the next step: that time is max(host, GPU) per step. On CPU both are the plain wall time."""
+    _sync(device)
+    host = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t) * 1e3)
+        _sync(device)
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    return statistics.median(host), (time.perf_counter() - t) * 1e3 / iters
+
+
+def host_profile(fn, top: int) -> str:
+    """cProfile of one fn() on the host: where the Python time to issue a step goes (top functions by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    import warnings
+
+    prof = cProfile.Profile()
+    syncs: dict[str, int] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("warn")  # every host<->device synchronizing call warns
+        prof.enable()
+        fn()
+        prof.disable()
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{w.filename}:{w.lineno}"
+            syncs[where] = syncs.get(where, 0) + 1
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    lines = [f"synchronizing calls in one step: {sum(syncs.values())}"]
+    lines += [f"  {n} x {where}" for where, n in sorted(syncs.items(), key=lambda kv: -kv[1])[:20]]
+    return "\n".join(lines) + "\n" + buf.getvalue()
 
 
 def saved_bytes(fn, persistent: set[int]) -> int:
@@ -218,6 +271,7 @@ def main() -> None:
                     help="comma list of element-wise impls to run every mode with: auto, torch, triton")
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one fwd+bwd per arm")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per arm with --profile")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of one fwd+bwd per arm")
     ap.add_argument("--regroup-modes", default=None,
                     help="comma list of fp8.kernels transposed-store modes (REGROUP_TRANS_MODE) for the jetrl rows; "
                          "default: the module's")
@@ -238,7 +292,7 @@ def main() -> None:
     xn = torch.randn(s, 1, h, device=device, dtype=torch.bfloat16, requires_grad=True)
     gmlp = torch.randn(s, 1, h, device=device, dtype=torch.bfloat16)
 
-    rows, outputs, ref_state, profiles = [], {}, None, []
+    rows, outputs, ref_state, profiles, host_texts = [], {}, None, [], []
     default_rmode = fp8_kernels.REGROUP_TRANS_MODE if fp8_kernels else None
     rmodes = [int(v) for v in args.regroup_modes.split(",")] if args.regroup_modes else [default_rmode]
     arms = [(e, "bf16", "auto", None) for e in impls]
@@ -275,6 +329,7 @@ def main() -> None:
             outputs[(ew, mode, backend, rmode)] = layer(x, attention_mask=None)[0].float()
         t_layer = timeit(layer_step, device, args.warmup, args.iters)
         t_mlp = timeit(mlp_step, device, args.warmup, args.iters)
+        t_host, t_pipe = host_and_pipelined(layer_step, device, args.iters)
         t_refresh = timeit(refresh, device, 2, 5) if mode == "jetrl" else 0.0
         saved = saved_bytes(lambda layer=layer: layer(x, attention_mask=None)[0], layer.persistent_storages())
         if device.type == "cuda":
@@ -286,9 +341,14 @@ def main() -> None:
         else:
             held = 0
         rows.append(dict(elementwise=ew, swiglu_module=lean, mode=mode, backend=backend, regroup_mode=rmode,
-                         layer_ms=t_layer,
+                         layer_ms=t_layer, host_issue_ms=t_host, pipelined_ms=t_pipe,
                          mlp_ms=t_mlp, refresh_ms=t_refresh, saved_MiB=saved / 2**20,
                          held_after_fwd_MiB=held / 2**20))
+        if args.host_profile:
+            _sync(device)
+            host_texts.append(f"### host profile: {mode} / {backend} / elementwise {ew}\n\n```\n"
+                              f"{host_profile(layer_step, args.top)}```")
+            _sync(device)
         if args.profile:
             prof = profile_step(layer_step, device, args.top) | {"device": device.type}
             label = f"{mode} / {backend} / elementwise {ew}" + ("" if rmode is None else f" / regroup mode {rmode}")
@@ -306,6 +366,7 @@ def main() -> None:
     b = rows[0]
     for r in rows:
         r["layer_speedup"] = b["layer_ms"] / r["layer_ms"]
+        r["pipelined_speedup"] = b["pipelined_ms"] / r["pipelined_ms"]
         r["mlp_speedup"] = b["mlp_ms"] / r["mlp_ms"]
         r["saved_ratio"] = r["saved_MiB"] / b["saved_MiB"]
 
@@ -331,20 +392,21 @@ def main() -> None:
         info["attn_native_gqa_used"] = numerics._GQA_KERNELS_OK[0]
     if args.e2e:
         info.update(e2e_smoke())
-    head = ("| mode | gemm_backend | elementwise | regroup mode | layer fwd+bwd ms | speedup | MLP fwd+bwd ms "
-            "| speedup | FP8 refresh ms/step | saved for bwd MiB | ratio | held after fwd MiB | out rel err vs bf16 "
-            "| out rel diff vs torch elementwise |")
-    lines = [head, "|" + "---|" * 14]
+    head = ("| mode | gemm_backend | elementwise | regroup mode | layer fwd+bwd ms | speedup | host issue ms "
+            "| back-to-back ms | speedup | MLP fwd+bwd ms | speedup | FP8 refresh ms/step | saved for bwd MiB "
+            "| ratio | held after fwd MiB | out rel err vs bf16 | out rel diff vs torch elementwise |")
+    lines = [head, "|" + "---|" * 17]
     for r in rows:
         ew = r["elementwise"] + (" (SwiGLU module)" if r["swiglu_module"] else "")
         dtw = "-" if r["out_rel_diff_vs_torch_ew"] is None else f"{r['out_rel_diff_vs_torch_ew']:.2e}"
         rm = "-" if r["regroup_mode"] is None else r["regroup_mode"]
         lines.append(f"| {r['mode']} | {r['backend']} | {ew} | {rm} | {r['layer_ms']:.2f} | {r['layer_speedup']:.3f}x "
+                     f"| {r['host_issue_ms']:.2f} | {r['pipelined_ms']:.2f} | {r['pipelined_speedup']:.3f}x "
                      f"| {r['mlp_ms']:.2f} | {r['mlp_speedup']:.3f}x | {r['refresh_ms']:.2f} | {r['saved_MiB']:.1f} "
                      f"| {r['saved_ratio']:.3f} | {r['held_after_fwd_MiB']:.1f} | {r['out_rel_err_vs_bf16']:.4f} "
                      f"| {dtw} |")
     table = "\n".join(lines)
-    prof_text = "\n\n".join(format_profile(p["arm"], p) for p in profiles)
+    prof_text = "\n\n".join([format_profile(p["arm"], p) for p in profiles] + host_texts)
     print(json.dumps(info))
     print(table)
     if prof_text:
