@@ -130,7 +130,6 @@ def host_profile(fn, top: int) -> str:
     import cProfile
     import io
     import pstats
-
     import warnings
 
     prof = cProfile.Profile()
