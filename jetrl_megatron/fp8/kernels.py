@@ -40,6 +40,7 @@ ACT_WARPS = 4
 DUAL_WARPS = 4
 REGROUP_WARPS = 4
 REGROUP_FEATS = 64
+REGROUP_ITERS = 1  # feature slices per regroup program (see _regroup_kernel)
 TRANS_MODE = 1
 REGROUP_TRANS_MODE = 1
 # quant_dual as two kernels (row-wise quant_act, then a token-grouped transposed pass over the same BF16 input):
@@ -190,25 +191,40 @@ def _quant_dual_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, stride_xm, str
 def _regroup_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_qm, stride_qk, stride_sm, stride_sg,
                     stride_qtn, stride_stn, stride_stg, eps,
                     POW2: tl.constexpr, CAST: tl.constexpr, TOKENS: tl.constexpr, GROUP: tl.constexpr,
-                    FEATS: tl.constexpr, TRANS_MODE: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """One program: 128 tokens x FEATS features (a slice of one 128-group) of the saved FP8 activation:
+                    FEATS: tl.constexpr, TRANS_MODE: tl.constexpr, HAS_SCALE: tl.constexpr, ITERS: tl.constexpr):
+    """One program: 128 tokens x ITERS consecutive FEATS-wide feature slices of the saved FP8 activation:
     x = q*s (FP32), requantized along tokens and stored transposed. HAS_SCALE=False: q is a BF16/FP32 input
-    quantized along tokens directly (the transposed half of quant_dual's two-kernel form)."""
+    quantized along tokens directly (the transposed half of quant_dual's two-kernel form).
+
+    ITERS > 1: the next slice's load is issued before the current slice is reduced and stored, so each program keeps
+    a load in flight while it works (the one-slice form waits on every load: measured latency-bound, ~30% of copy
+    bandwidth on the H200)."""
     mb = tl.program_id(0)
-    f = tl.program_id(1)
-    g = (f * FEATS) // GROUP
+    f0 = tl.program_id(1) * ITERS
     rows = mb * TOKENS + tl.arange(0, TOKENS)
-    cols = f * FEATS + tl.arange(0, FEATS)
     row_ok = rows < M
-    q = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :] * stride_qk,
-                mask=row_ok[:, None], other=0.0)
+    row_base = q_ptr + rows[:, None].to(tl.int64) * stride_qm
+    nxt = tl.load(row_base + (f0 * FEATS + tl.arange(0, FEATS))[None, :] * stride_qk, mask=row_ok[:, None],
+                  other=0.0)
     if HAS_SCALE:
-        s = tl.load(s_ptr + rows * stride_sm + g * stride_sg, mask=row_ok, other=0.0)
-        xf = q.to(tl.float32) * s[:, None]
-    else:
-        xf = q.to(tl.float32)
-    _transposed_group_store(xf, qt_ptr, st_ptr, mb * TOKENS, f * FEATS, mb, K, stride_qtn, stride_stn, stride_stg,
-                            eps, POW2, CAST, TOKENS, FEATS, TRANS_MODE)
+        nxt_s = tl.load(s_ptr + rows * stride_sm + ((f0 * FEATS) // GROUP) * stride_sg, mask=row_ok, other=0.0)
+    for i in tl.static_range(ITERS):
+        f = f0 + i
+        cur = nxt
+        if HAS_SCALE:
+            cur_s = nxt_s
+        if i + 1 < ITERS:
+            nxt = tl.load(row_base + ((f + 1) * FEATS + tl.arange(0, FEATS))[None, :] * stride_qk,
+                          mask=row_ok[:, None], other=0.0)
+            if HAS_SCALE:
+                nxt_s = tl.load(s_ptr + rows * stride_sm + (((f + 1) * FEATS) // GROUP) * stride_sg, mask=row_ok,
+                                other=0.0)
+        if HAS_SCALE:
+            xf = cur.to(tl.float32) * cur_s[:, None]
+        else:
+            xf = cur.to(tl.float32)
+        _transposed_group_store(xf, qt_ptr, st_ptr, mb * TOKENS, f * FEATS, mb, K, stride_qtn, stride_stn,
+                                stride_stg, eps, POW2, CAST, TOKENS, FEATS, TRANS_MODE)
 
 
 @triton.jit
@@ -276,6 +292,15 @@ def padded_tokens(m: int) -> int:
     return -(-m // BLOCK) * BLOCK
 
 
+def _slices_per_program(k: int, feats: int, iters: int) -> int:
+    """The largest count <= iters of FEATS-wide slices that tiles K's slices evenly (one program never straddles K)."""
+    slices = k // feats
+    iters = max(1, min(iters, slices))
+    while slices % iters:
+        iters -= 1
+    return iters
+
+
 def _transposed_codes(rows: int, mp: int, device: torch.device, trans_mode: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The (rows, Mp) token-grouped code buffer and the tensor the kernel stores through: the buffer itself, or for
@@ -308,7 +333,7 @@ def quant_act(x2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, block_m: in
 
 
 def quant_dual(g2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, num_warps: int | None = None,
-               trans_mode: int | None = None, split: bool | None = None
+               trans_mode: int | None = None, split: bool | None = None, iters: int | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """g (M,N) -> the 1x128 row-wise copy (q, s) and the token-grouped transposed copy qt (N,Mp) row-major with
     st (N,Mp/128) column-major (zero-padded tokens). split=False: one fused pass over g; split=True (default,
@@ -324,12 +349,13 @@ def quant_dual(g2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, num_warps:
         qt, qt_arg = _transposed_codes(n, mp, g2d.device, trans_mode)
         st = _col_major(n, mp // BLOCK, g2d.device)
         if m:
-            grid = (mp // BLOCK, n // REGROUP_FEATS)
+            iters = _slices_per_program(n, REGROUP_FEATS, REGROUP_ITERS if iters is None else iters)
+            grid = (mp // BLOCK, n // (REGROUP_FEATS * iters))
             _regroup_kernel[grid](g2d, st, qt_arg, st, m, n, g2d.stride(0), g2d.stride(1), 0, 0,
                                   qt_arg.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
                                   POW2=recipe.scale_fmt == "pow2", CAST=not _interpreting(), TOKENS=BLOCK,
                                   GROUP=BLOCK, FEATS=REGROUP_FEATS, TRANS_MODE=trans_mode, HAS_SCALE=False,
-                                  num_warps=num_warps or REGROUP_WARPS)
+                                  ITERS=iters, num_warps=num_warps or REGROUP_WARPS)
         return q, s, _finish_codes(qt), st
     num_warps = num_warps or DUAL_WARPS
     q = _codes_buffer((m, n), g2d.device)
@@ -347,8 +373,8 @@ def quant_dual(g2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, num_warps:
 
 
 def regroup_for_wgrad(q: torch.Tensor, s: torch.Tensor, recipe: Fp8Recipe | None = None, *,
-                      num_warps: int | None = None, trans_mode: int | None = None, feats: int | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      num_warps: int | None = None, trans_mode: int | None = None, feats: int | None = None,
+                      iters: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Saved 1x128 FP8 activation (q (M,K), s (M,K/128), any scale strides) -> qt (K,Mp), st (K,Mp/128) col-major.
 
     Equals quantize_1x128(pad_tokens(dequantize_1x128(q, s)).t()) bit for bit; the FP32 dequantized tile lives only
@@ -368,11 +394,12 @@ def regroup_for_wgrad(q: torch.Tensor, s: torch.Tensor, recipe: Fp8Recipe | None
     qt, qt_arg = _transposed_codes(k, mp, q.device, trans_mode)
     st = _col_major(k, mp // BLOCK, q.device)
     if m:
-        grid = (mp // BLOCK, k // feats)
+        iters = _slices_per_program(k, feats, REGROUP_ITERS if iters is None else iters)
+        grid = (mp // BLOCK, k // (feats * iters))
         _regroup_kernel[grid](q, s, qt_arg, st, m, k, q.stride(0), q.stride(1), s.stride(0), s.stride(1),
                               qt_arg.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
                               POW2=recipe.scale_fmt == "pow2", CAST=not _interpreting(), TOKENS=BLOCK, GROUP=BLOCK,
-                              FEATS=feats, TRANS_MODE=trans_mode, HAS_SCALE=True, num_warps=num_warps)
+                              FEATS=feats, TRANS_MODE=trans_mode, HAS_SCALE=True, ITERS=iters, num_warps=num_warps)
     return _finish_codes(qt), st
 
 

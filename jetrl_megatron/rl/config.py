@@ -149,7 +149,7 @@ class VllmCfg:
     kv_cache_memory_bytes: int | None = 64 << 20  # CPU engines size the KV cache in bytes
     verify_refit: bool | None = None  # compare every refit's written bytes on the live tensors (None: CPU only)
     refit_cuda_graph: bool = False  # CUDA: replay the in-place refit's copies as a CUDA graph
-    fp8_gemm_warmup: bool | None = None  # run the FP8 linears at every batch size at engine start (None: when DeepGEMM)
+    fp8_gemm_warmup: bool = False  # (jetrl) compile DeepGEMM's FP8 GEMMs at engine start (see rollout/engine.py)
 
 
 @dataclass

@@ -409,7 +409,7 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
         model_dir=model_dir, recipe=recipe or cfg.fp8_recipe(), tensor_parallel_size=v.tensor_parallel_size,
         verify_refit=_env_flag("JETRL_VERIFY_REFIT", v.verify_refit),
         refit_cuda_graph=bool(_env_flag("JETRL_REFIT_CUDA_GRAPH", v.refit_cuda_graph)),
-        fp8_gemm_warmup=_env_flag("JETRL_FP8_GEMM_WARMUP", v.fp8_gemm_warmup),
+        fp8_gemm_warmup=bool(_env_flag("JETRL_FP8_GEMM_WARMUP", v.fp8_gemm_warmup)),
         max_model_len=v.max_model_len,
         kv_cache_memory_bytes=v.kv_cache_memory_bytes if not torch.cuda.is_available() else None,
         gpu_memory_utilization=v.gpu_memory_utilization, max_num_seqs=max(1, seqs), seed=cfg.grpo.seed,
