@@ -184,18 +184,14 @@ def quant_kernels() -> None:
         ms = bench_ms(lambda bm=bm, nw=nw, x=x: K.quant_act(x, recipe, block_m=bm, num_warps=nw))
         rows.append(_gbps_row(f"quant_act[bm={bm},w={nw}]", (m, k), ms, 3 * m * k + 4 * m * k // 128, copy_gbs))
         best_act = min(best_act or (ms, bm, nw), (ms, bm, nw))
-    regroup_shapes = [(nw, ft, 1) for nw, ft in ((4, 32), (4, 64), (8, 64), (4, 128))]
-    regroup_shapes += [(4, 64, 2), (4, 64, 4), (4, 64, 8), (4, 32, 4), (4, 32, 8), (8, 64, 4), (2, 32, 4)]
-    for tm in (0, 1, 2, 3, 4):
-        for nw, ft, it in regroup_shapes:
-            if tm != 1 and it > 1:
-                continue  # slices per program are swept on the default store mode only
-            ms = bench_ms(lambda nw=nw, xq=xq, xs=xs, tm=tm, ft=ft, it=it: K.regroup_for_wgrad(
-                xq, xs, recipe, num_warps=nw, trans_mode=tm, feats=ft, iters=it))
-            rows.append(_gbps_row(f"regroup[t={tm},w={nw},f={ft},i={it}]", (m, k), ms,
-                                  2 * m * k + 8 * m * k // 128, copy_gbs))
-            best_regroup = min(best_regroup or (ms, tm, nw, ft, it), (ms, tm, nw, ft, it))
-    K.REGROUP_TRANS_MODE, K.REGROUP_WARPS, K.REGROUP_FEATS, K.REGROUP_ITERS = best_regroup[1:]
+    for tm in (0, 1, 2):
+        for nw, ft in ((4, 32), (4, 64), (8, 64), (4, 128)):
+            ms = bench_ms(lambda nw=nw, xq=xq, xs=xs, tm=tm, ft=ft: K.regroup_for_wgrad(
+                xq, xs, recipe, num_warps=nw, trans_mode=tm, feats=ft))
+            rows.append(_gbps_row(f"regroup[t={tm},w={nw},f={ft}]", (m, k), ms, 2 * m * k + 8 * m * k // 128,
+                                  copy_gbs))
+            best_regroup = min(best_regroup or (ms, tm, nw, ft), (ms, tm, nw, ft))
+    K.REGROUP_TRANS_MODE, K.REGROUP_WARPS, K.REGROUP_FEATS = best_regroup[1:]
     K.ACT_BLOCK_M, K.ACT_WARPS = best_act[1:]
     for tm in (0, 1, 2):
         for nw, split in ((4, False), (8, False), (4, True)):
@@ -209,8 +205,7 @@ def quant_kernels() -> None:
     K.TRANS_MODE, K.DUAL_WARPS, K.DUAL_SPLIT = best_dual[1], best_dual[2], best_dual[3]
     chosen = {"ACT_BLOCK_M": K.ACT_BLOCK_M, "ACT_WARPS": K.ACT_WARPS, "TRANS_MODE": K.TRANS_MODE,
               "DUAL_WARPS": K.DUAL_WARPS, "DUAL_SPLIT": K.DUAL_SPLIT, "REGROUP_TRANS_MODE": K.REGROUP_TRANS_MODE,
-              "REGROUP_WARPS": K.REGROUP_WARPS, "REGROUP_FEATS": K.REGROUP_FEATS,
-              "REGROUP_ITERS": K.REGROUP_ITERS}
+              "REGROUP_WARPS": K.REGROUP_WARPS, "REGROUP_FEATS": K.REGROUP_FEATS}
     RESULTS["quant_defaults"] = chosen
     print("quant launch defaults chosen:", chosen)
     del x, xq, xs

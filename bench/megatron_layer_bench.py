@@ -270,8 +270,6 @@ def main() -> None:
                     help="comma list of element-wise impls to run every mode with: auto, torch, triton")
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one fwd+bwd per arm")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per arm with --profile")
-    ap.add_argument("--regroup-iters", default=None,
-                    help="comma list of fp8.kernels REGROUP_ITERS values for the jetrl rows; default: the module's")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of one fwd+bwd per arm")
     ap.add_argument("--regroup-modes", default=None,
                     help="comma list of fp8.kernels transposed-store modes (REGROUP_TRANS_MODE) for the jetrl rows; "
@@ -295,17 +293,14 @@ def main() -> None:
 
     rows, outputs, ref_state, profiles, host_texts = [], {}, None, [], []
     default_rmode = fp8_kernels.REGROUP_TRANS_MODE if fp8_kernels else None
-    default_iters = fp8_kernels.REGROUP_ITERS if fp8_kernels else None
     rmodes = [int(v) for v in args.regroup_modes.split(",")] if args.regroup_modes else [default_rmode]
-    riters = [int(v) for v in args.regroup_iters.split(",")] if args.regroup_iters else [default_iters]
     arms = [(e, "bf16", "auto", None) for e in impls]
-    arms += [(e, "jetrl", b, (rm, it)) for e in impls for b in args.backends.split(",") for rm in rmodes
-             for it in riters]
+    arms += [(e, "jetrl", b, rm) for e in impls for b in args.backends.split(",") for rm in rmodes]
     arms.sort(key=lambda a: impls.index(a[0]))
     for ew, mode, backend, rmode in arms:
         numerics.set_elementwise_impl(ew)
         if fp8_kernels is not None:
-            fp8_kernels.REGROUP_TRANS_MODE, fp8_kernels.REGROUP_ITERS = rmode or (default_rmode, default_iters)
+            fp8_kernels.REGROUP_TRANS_MODE = default_rmode if rmode is None else rmode
         recipe = Fp8Recipe(mode=mode, gemm_backend=backend)
         seed_everything(0)
         lean = args.lean_swiglu or ew == "triton"
@@ -355,7 +350,7 @@ def main() -> None:
             _sync(device)
         if args.profile:
             prof = profile_step(layer_step, device, args.top) | {"device": device.type}
-            label = f"{mode} / {backend} / elementwise {ew}" + ("" if rmode is None else f" / regroup {rmode}")
+            label = f"{mode} / {backend} / elementwise {ew}" + ("" if rmode is None else f" / regroup mode {rmode}")
             profiles.append({"arm": label, **prof})
         del layer
         numerics.set_elementwise_impl("auto")
@@ -396,14 +391,14 @@ def main() -> None:
         info["attn_native_gqa_used"] = numerics._GQA_KERNELS_OK[0]
     if args.e2e:
         info.update(e2e_smoke())
-    head = ("| mode | gemm_backend | elementwise | regroup | layer fwd+bwd ms | speedup | host issue ms "
+    head = ("| mode | gemm_backend | elementwise | regroup mode | layer fwd+bwd ms | speedup | host issue ms "
             "| back-to-back ms | speedup | MLP fwd+bwd ms | speedup | FP8 refresh ms/step | saved for bwd MiB "
             "| ratio | held after fwd MiB | out rel err vs bf16 | out rel diff vs torch elementwise |")
     lines = [head, "|" + "---|" * 17]
     for r in rows:
         ew = r["elementwise"] + (" (SwiGLU module)" if r["swiglu_module"] else "")
         dtw = "-" if r["out_rel_diff_vs_torch_ew"] is None else f"{r['out_rel_diff_vs_torch_ew']:.2e}"
-        rm = "-" if r["regroup_mode"] is None else "mode {}, {} slice(s)".format(*r["regroup_mode"])
+        rm = "-" if r["regroup_mode"] is None else r["regroup_mode"]
         lines.append(f"| {r['mode']} | {r['backend']} | {ew} | {rm} | {r['layer_ms']:.2f} | {r['layer_speedup']:.3f}x "
                      f"| {r['host_issue_ms']:.2f} | {r['pipelined_ms']:.2f} | {r['pipelined_speedup']:.3f}x "
                      f"| {r['mlp_ms']:.2f} | {r['mlp_speedup']:.3f}x | {r['refresh_ms']:.2f} | {r['saved_MiB']:.1f} "

@@ -113,10 +113,9 @@ def test_quant_weight_bit_identical_16m_and_edges(recipe):
         _assert_codes(q2, qr, "quant_weight (no transpose)")
 
 
-@pytest.mark.parametrize("trans_mode", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("trans_mode", [0, 1, 2])
 def test_launch_variants_identical(trans_mode):
-    """Every launch shape (warps, transposed-store mode, regroup feature slice and slices per program) gives the
-    reference bytes."""
+    """Every launch shape (warps, transposed-store mode, regroup feature slice) gives the reference bytes."""
     k = _kernels()
     x = _rand(1000, 1024, seed=21)
     for recipe in RECIPES:
@@ -129,13 +128,10 @@ def test_launch_variants_identical(trans_mode):
             _assert_codes(q, qr, f"dual q split={split}")
             _assert_scales(s, sr, f"dual s split={split}")
         ref_q, ref_s = Q.quantize_1x128(_pad_t(Q.dequantize_1x128(qr, sr)), recipe)
-        for feats, iters in ((32, 1), (64, 1), (128, 1), (64, 2), (64, 4), (32, 8), (128, 3)):
-            qt, st = k.regroup_for_wgrad(qr, sr, recipe, trans_mode=trans_mode, feats=feats, iters=iters)
-            _assert_codes(qt, ref_q, f"regroup t={trans_mode} f={feats} i={iters}")
-            _assert_scales(st, ref_s, f"regroup st t={trans_mode} f={feats} i={iters}")
-        q, s, qt, st = k.quant_dual(x, recipe, trans_mode=trans_mode, split=True, iters=4)
-        _assert_codes(qt, qtr, f"dual t={trans_mode} split iters=4")
-        _assert_scales(st, str_, f"dual st t={trans_mode} split iters=4")
+        for feats in (32, 64, 128):
+            qt, st = k.regroup_for_wgrad(qr, sr, recipe, trans_mode=trans_mode, feats=feats)
+            _assert_codes(qt, ref_q, f"regroup t={trans_mode} f={feats}")
+            _assert_scales(st, ref_s, f"regroup st t={trans_mode} f={feats}")
         for bm, nw in ((16, 4), (64, 8), (128, 8)):
             q, s = k.quant_act(x, recipe, block_m=bm, num_warps=nw)
             _assert_codes(q, qr, f"act bm={bm}")

@@ -43,16 +43,14 @@ SCRIPT = textwrap.dedent(
         q, s, qt, st = K.quant_dual(x, r); qtr, str_ = Q.quantize_1x128(pad_t(x), r)
         assert same(q, qr) and same(s, sr) and same(qt, qtr) and same(st, str_), f"quant_dual {fmt}"
         ref = Q.quantize_1x128(pad_t(Q.dequantize_1x128(qr, sr)), r)
-        for tm in (0, 1, 2, 3, 4):  # 3, 4: packed 32-bit stores with the integer E4M3 rounding
+        for tm in (0, 1, 2):
             for split in (False, True):
                 q, s, qt, st = K.quant_dual(x, r, trans_mode=tm, split=split)
                 assert same(q, qr) and same(s, sr), f"quant_dual q trans_mode={tm} split={split} {fmt}"
                 assert same(qt, qtr) and same(st, str_), f"quant_dual trans_mode={tm} split={split} {fmt}"
-            for feats, iters in ((32, 1), (128, 1), (32, 4), (64, 3)):  # 3 slices of 64 tile K = 384 once
-                qt, st = K.regroup_for_wgrad(qr, sr.t().contiguous().t(), r, trans_mode=tm, feats=feats, iters=iters)
+            for feats in (32, 128):
+                qt, st = K.regroup_for_wgrad(qr, sr.t().contiguous().t(), r, trans_mode=tm, feats=feats)
                 assert same(qt, ref[0]) and same(st, ref[1]), f"regroup trans_mode={tm} feats={feats} {fmt}"
-            q, s, qt, st = K.quant_dual(x, r, trans_mode=tm, split=True, iters=6)
-            assert same(qt, qtr) and same(st, str_), f"quant_dual trans_mode={tm} iters=6 {fmt}"
         w = torch.randn(300, 200).bfloat16()
         qw, sw, qwt = K.quant_weight(w, r, with_transpose=True); qwr, swr = Q.quantize_128x128(w, r)
         assert same(qw, qwr) and same(sw, swr) and same(qwt, qwr.t().contiguous()), f"quant_weight {fmt}"

@@ -40,7 +40,6 @@ ACT_WARPS = 4
 DUAL_WARPS = 4
 REGROUP_WARPS = 4
 REGROUP_FEATS = 64
-REGROUP_ITERS = 1  # feature slices per regroup program (see _regroup_kernel)
 TRANS_MODE = 1
 REGROUP_TRANS_MODE = 1
 # quant_dual as two kernels (row-wise quant_act, then a token-grouped transposed pass over the same BF16 input):
@@ -75,23 +74,6 @@ def _scale_from_amax(amax, eps, POW2: tl.constexpr):
         bits = tl.where(finite & has_mantissa, up, bits)
         s = bits.to(tl.float32, bitcast=True)
     return s
-
-
-@triton.jit
-def _e4m3_bits_rne(y):
-    """E4M3 bit pattern (as uint32) of FP32 values already clamped to +-448, rounded to nearest even, in integer
-    arithmetic. Only the interpreter uses it (its own E4M3 conversion is not RNE); the GPU uses the hardware cast."""
-    bits = y.to(tl.uint32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    a = bits & 0x7FFFFFFF
-    af = a.to(tl.float32, bitcast=True)
-    # Subnormals (|y| < 2^-6): the code is |y| / 2^-9 rounded to nearest even (the FP32 add of 2^23 does the RNE).
-    sub = ((af * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)
-    # Normals: round the 23-bit mantissa to 3 bits (RNE; a carry moves into the exponent), rebias 127 -> 7.
-    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960
-    code = tl.where(af < 0.015625, sub, normal)
-    code = tl.where(a > 0x7F800000, 0x7F, code)
-    return code | sign
 
 
 @triton.jit
@@ -131,8 +113,7 @@ def _transposed_group_store(xf, qt_ptr, st_ptr, tok0, feat0, mb, N, stride_qtn, 
 
     TRANS_MODE 0: transpose the FP8 register tile (tl.trans) and store rows; 1: store the untransposed tile through
     transposed addresses and let the compiler pick a coalesced layout for the token-contiguous store; 2: transpose
-    the FP32 quotients, then clamp, cast and store rows; 3 / 4: pack four tokens' codes into 32-bit words, then store
-    as 0 / as 1 (qt_ptr and stride_qtn then address int32 words, see `_transposed_codes`)."""
+    the FP32 quotients, then clamp, cast and store rows."""
     st = _scale_from_amax(_nan_aware_amax(xf, 0), eps, POW2)  # (FEATS,)
     feats = feat0 + tl.arange(0, FEATS)
     toks = tok0 + tl.arange(0, TOKENS)
@@ -146,22 +127,6 @@ def _transposed_group_store(xf, qt_ptr, st_ptr, tok0, feat0, mb, N, stride_qtn, 
                  mask=feat_ok[:, None])
     elif TRANS_MODE == 1:
         tl.store(qt_ptr + feats[None, :].to(tl.int64) * stride_qtn + toks[:, None], y, mask=feat_ok[None, :])
-    elif TRANS_MODE >= 3:
-        # Four consecutive tokens' codes packed into one 32-bit word (little-endian: token 4j in the low byte), so the
-        # token-contiguous store moves 4-byte words instead of single bytes. qt_ptr/stride_qtn address int32 words.
-        if CAST:
-            bits = y.to(tl.uint8, bitcast=True).to(tl.uint32)
-        else:
-            bits = _e4m3_bits_rne(y)
-        shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
-        packed = tl.sum(tl.reshape(bits, (TOKENS // 4, 4, FEATS)) << shifts[None, :, None], axis=1)
-        words = tok0 // 4 + tl.arange(0, TOKENS // 4)
-        if TRANS_MODE == 3:
-            tl.store(qt_ptr + feats[:, None].to(tl.int64) * stride_qtn + words[None, :], tl.trans(packed),
-                     mask=feat_ok[:, None])
-        else:
-            tl.store(qt_ptr + feats[None, :].to(tl.int64) * stride_qtn + words[:, None], packed,
-                     mask=feat_ok[None, :])
     tl.store(st_ptr + feats * stride_stn + mb * stride_stg, st, mask=feat_ok)
 
 
@@ -191,40 +156,25 @@ def _quant_dual_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, stride_xm, str
 def _regroup_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_qm, stride_qk, stride_sm, stride_sg,
                     stride_qtn, stride_stn, stride_stg, eps,
                     POW2: tl.constexpr, CAST: tl.constexpr, TOKENS: tl.constexpr, GROUP: tl.constexpr,
-                    FEATS: tl.constexpr, TRANS_MODE: tl.constexpr, HAS_SCALE: tl.constexpr, ITERS: tl.constexpr):
-    """One program: 128 tokens x ITERS consecutive FEATS-wide feature slices of the saved FP8 activation:
+                    FEATS: tl.constexpr, TRANS_MODE: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """One program: 128 tokens x FEATS features (a slice of one 128-group) of the saved FP8 activation:
     x = q*s (FP32), requantized along tokens and stored transposed. HAS_SCALE=False: q is a BF16/FP32 input
-    quantized along tokens directly (the transposed half of quant_dual's two-kernel form).
-
-    ITERS > 1: the next slice's load is issued before the current slice is reduced and stored, so each program keeps
-    a load in flight while it works (the one-slice form waits on every load: measured latency-bound, ~30% of copy
-    bandwidth on the H200)."""
+    quantized along tokens directly (the transposed half of quant_dual's two-kernel form)."""
     mb = tl.program_id(0)
-    f0 = tl.program_id(1) * ITERS
+    f = tl.program_id(1)
+    g = (f * FEATS) // GROUP
     rows = mb * TOKENS + tl.arange(0, TOKENS)
+    cols = f * FEATS + tl.arange(0, FEATS)
     row_ok = rows < M
-    row_base = q_ptr + rows[:, None].to(tl.int64) * stride_qm
-    nxt = tl.load(row_base + (f0 * FEATS + tl.arange(0, FEATS))[None, :] * stride_qk, mask=row_ok[:, None],
-                  other=0.0)
+    q = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :] * stride_qk,
+                mask=row_ok[:, None], other=0.0)
     if HAS_SCALE:
-        nxt_s = tl.load(s_ptr + rows * stride_sm + ((f0 * FEATS) // GROUP) * stride_sg, mask=row_ok, other=0.0)
-    for i in tl.static_range(ITERS):
-        f = f0 + i
-        cur = nxt
-        if HAS_SCALE:
-            cur_s = nxt_s
-        if i + 1 < ITERS:
-            nxt = tl.load(row_base + ((f + 1) * FEATS + tl.arange(0, FEATS))[None, :] * stride_qk,
-                          mask=row_ok[:, None], other=0.0)
-            if HAS_SCALE:
-                nxt_s = tl.load(s_ptr + rows * stride_sm + (((f + 1) * FEATS) // GROUP) * stride_sg, mask=row_ok,
-                                other=0.0)
-        if HAS_SCALE:
-            xf = cur.to(tl.float32) * cur_s[:, None]
-        else:
-            xf = cur.to(tl.float32)
-        _transposed_group_store(xf, qt_ptr, st_ptr, mb * TOKENS, f * FEATS, mb, K, stride_qtn, stride_stn,
-                                stride_stg, eps, POW2, CAST, TOKENS, FEATS, TRANS_MODE)
+        s = tl.load(s_ptr + rows * stride_sm + g * stride_sg, mask=row_ok, other=0.0)
+        xf = q.to(tl.float32) * s[:, None]
+    else:
+        xf = q.to(tl.float32)
+    _transposed_group_store(xf, qt_ptr, st_ptr, mb * TOKENS, f * FEATS, mb, K, stride_qtn, stride_stn, stride_stg,
+                            eps, POW2, CAST, TOKENS, FEATS, TRANS_MODE)
 
 
 @triton.jit
@@ -292,26 +242,6 @@ def padded_tokens(m: int) -> int:
     return -(-m // BLOCK) * BLOCK
 
 
-def _slices_per_program(k: int, feats: int, iters: int) -> int:
-    """The largest count <= iters of FEATS-wide slices that tiles K's slices evenly (one program never straddles K)."""
-    slices = k // feats
-    iters = max(1, min(iters, slices))
-    while slices % iters:
-        iters -= 1
-    return iters
-
-
-def _transposed_codes(rows: int, mp: int, device: torch.device, trans_mode: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (rows, Mp) token-grouped code buffer and the tensor the kernel stores through: the buffer itself, or for
-    the packed modes (3, 4) its int32 view (four tokens per word; real E4M3 bytes even under the interpreter)."""
-    if trans_mode >= 3:
-        qt = torch.empty((rows, mp), dtype=FP8_DTYPE, device=device)
-        return qt, qt.view(torch.int32)
-    qt = _codes_buffer((rows, mp), device)
-    return qt, qt
-
-
 def quant_act(x2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, block_m: int | None = None,
               num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 group quant of a 2-D activation/gradient: q (M,K) row-major, s (M,K/128) column-major.
@@ -333,7 +263,7 @@ def quant_act(x2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, block_m: in
 
 
 def quant_dual(g2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, num_warps: int | None = None,
-               trans_mode: int | None = None, split: bool | None = None, iters: int | None = None
+               trans_mode: int | None = None, split: bool | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """g (M,N) -> the 1x128 row-wise copy (q, s) and the token-grouped transposed copy qt (N,Mp) row-major with
     st (N,Mp/128) column-major (zero-padded tokens). split=False: one fused pass over g; split=True (default,
@@ -346,35 +276,33 @@ def quant_dual(g2d: torch.Tensor, recipe: Fp8Recipe | None = None, *, num_warps:
     mp = padded_tokens(m)
     if split:
         q, s = quant_act(g2d, recipe)
-        qt, qt_arg = _transposed_codes(n, mp, g2d.device, trans_mode)
+        qt = _codes_buffer((n, mp), g2d.device)
         st = _col_major(n, mp // BLOCK, g2d.device)
         if m:
-            iters = _slices_per_program(n, REGROUP_FEATS, REGROUP_ITERS if iters is None else iters)
-            grid = (mp // BLOCK, n // (REGROUP_FEATS * iters))
-            _regroup_kernel[grid](g2d, st, qt_arg, st, m, n, g2d.stride(0), g2d.stride(1), 0, 0,
-                                  qt_arg.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
+            grid = (mp // BLOCK, n // REGROUP_FEATS)
+            _regroup_kernel[grid](g2d, st, qt, st, m, n, g2d.stride(0), g2d.stride(1), 0, 0,
+                                  qt.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
                                   POW2=recipe.scale_fmt == "pow2", CAST=not _interpreting(), TOKENS=BLOCK,
                                   GROUP=BLOCK, FEATS=REGROUP_FEATS, TRANS_MODE=trans_mode, HAS_SCALE=False,
-                                  ITERS=iters, num_warps=num_warps or REGROUP_WARPS)
+                                  num_warps=num_warps or REGROUP_WARPS)
         return q, s, _finish_codes(qt), st
     num_warps = num_warps or DUAL_WARPS
     q = _codes_buffer((m, n), g2d.device)
     s = _col_major(m, n // BLOCK, g2d.device)
-    qt, qt_arg = _transposed_codes(n, mp, g2d.device, trans_mode)
+    qt = _codes_buffer((n, mp), g2d.device)
     st = _col_major(n, mp // BLOCK, g2d.device)
     if m:
         grid = (mp // BLOCK, n // BLOCK)
-        _quant_dual_kernel[grid](g2d, q, s, qt_arg, st, m, n, g2d.stride(0), g2d.stride(1), q.stride(0),
-                                 s.stride(0), s.stride(1), qt_arg.stride(0), st.stride(0), st.stride(1),
-                                 recipe.amax_eps,
+        _quant_dual_kernel[grid](g2d, q, s, qt, st, m, n, g2d.stride(0), g2d.stride(1), q.stride(0), s.stride(0),
+                                 s.stride(1), qt.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
                                  POW2=recipe.scale_fmt == "pow2", CAST=not _interpreting(), TOKENS=BLOCK,
                                  GROUP=BLOCK, TRANS_MODE=trans_mode, num_warps=num_warps)
     return _finish_codes(q), s, _finish_codes(qt), st
 
 
 def regroup_for_wgrad(q: torch.Tensor, s: torch.Tensor, recipe: Fp8Recipe | None = None, *,
-                      num_warps: int | None = None, trans_mode: int | None = None, feats: int | None = None,
-                      iters: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      num_warps: int | None = None, trans_mode: int | None = None, feats: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Saved 1x128 FP8 activation (q (M,K), s (M,K/128), any scale strides) -> qt (K,Mp), st (K,Mp/128) col-major.
 
     Equals quantize_1x128(pad_tokens(dequantize_1x128(q, s)).t()) bit for bit; the FP32 dequantized tile lives only
@@ -391,15 +319,15 @@ def regroup_for_wgrad(q: torch.Tensor, s: torch.Tensor, recipe: Fp8Recipe | None
     trans_mode = REGROUP_TRANS_MODE if trans_mode is None else trans_mode
     feats = feats or REGROUP_FEATS
     mp = padded_tokens(m)
-    qt, qt_arg = _transposed_codes(k, mp, q.device, trans_mode)
+    qt = _codes_buffer((k, mp), q.device)
     st = _col_major(k, mp // BLOCK, q.device)
     if m:
-        iters = _slices_per_program(k, feats, REGROUP_ITERS if iters is None else iters)
-        grid = (mp // BLOCK, k // (feats * iters))
-        _regroup_kernel[grid](q, s, qt_arg, st, m, k, q.stride(0), q.stride(1), s.stride(0), s.stride(1),
-                              qt_arg.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
+        q_in = q
+        grid = (mp // BLOCK, k // feats)
+        _regroup_kernel[grid](q_in, s, qt, st, m, k, q_in.stride(0), q_in.stride(1), s.stride(0), s.stride(1),
+                              qt.stride(0), st.stride(0), st.stride(1), recipe.amax_eps,
                               POW2=recipe.scale_fmt == "pow2", CAST=not _interpreting(), TOKENS=BLOCK, GROUP=BLOCK,
-                              FEATS=feats, TRANS_MODE=trans_mode, HAS_SCALE=True, ITERS=iters, num_warps=num_warps)
+                              FEATS=feats, TRANS_MODE=trans_mode, HAS_SCALE=True, num_warps=num_warps)
     return _finish_codes(qt), st
 
 
