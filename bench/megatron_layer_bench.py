@@ -138,11 +138,13 @@ def host_profile(fn, top: int) -> str:
         warnings.simplefilter("always")
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode("warn")  # every host<->device synchronizing call warns
-        prof.enable()
-        fn()
-        prof.disable()
-        if torch.cuda.is_available():
-            torch.cuda.set_sync_debug_mode("default")
+        try:
+            prof.enable()
+            fn()
+        finally:
+            prof.disable()
+            if torch.cuda.is_available():
+                torch.cuda.set_sync_debug_mode("default")
     for w in caught:
         if "synchroniz" in str(w.message):
             where = f"{w.filename}:{w.lineno}"

@@ -339,13 +339,13 @@ def test_engine_inplace_refit_on_cuda_across_sleep_wake_with_graph(tmp_path):
     the parameters came back at the same addresses) and later refits replay it as a CUDA graph."""
     from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
 
-    # cuBLAS FProp and no warm-up: this test is about the refit path, and DeepGEMM's first-use compiles on a cold
-    # machine take minutes (bench/RESULTS.md).
+    # cuBLAS FProp: this test is about the refit path, and DeepGEMM's first-use compiles on a cold machine take
+    # minutes (bench/RESULTS.md).
     recipe = dataclasses.replace(_recipe("jetrl"), gemm_backend="cublas")
     d = write_tiny_model_dir(tmp_path / "model", seed=0, recipe=recipe)
     engine = RolloutEngine(RolloutConfig(model_dir=d, recipe=recipe, seed=0, gpu_memory_utilization=0.2,
                                          max_model_len=64, enable_sleep_mode=True, verify_refit=True,
-                                         refit_cuda_graph=True, fp8_gemm_warmup=False))
+                                         refit_cuda_graph=True))
     try:
         weights = [_trainer_weights("jetrl", seed=s) for s in (71, 72, 73)]
         src = megatron_from_canonical(weights[0], SHAPE, tp=2)

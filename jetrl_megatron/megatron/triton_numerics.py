@@ -178,14 +178,20 @@ if triton is not None:
 
     # ------------------------------------------------------------------------------------------------ SwiGLU
     @triton.jit
-    def _swiglu_fwd_kernel(X, Y, n_rows, F, stride_x, stride_y,
-                           BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, EMU_BF16: tl.constexpr):
+    def _swiglu_tile(X, n_rows, F, stride_x, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+        """This program's (rows, cols) tile: its row offsets, column indices, mask, and gate / up in FP32."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         mask = (rows < n_rows)[:, None] & (cols < F)[None, :]
         r64 = rows.to(tl.int64)[:, None]
         g = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(X + r64 * stride_x + F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        return r64, cols, mask, g, u
+
+    @triton.jit
+    def _swiglu_fwd_kernel(X, Y, n_rows, F, stride_x, stride_y,
+                           BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, EMU_BF16: tl.constexpr):
+        r64, cols, mask, g, u = _swiglu_tile(X, n_rows, F, stride_x, BLOCK_M, BLOCK_F)
         s = _round_bf16(tl.math.div_rn(g, 1.0 + _exp(-g, EMU_BF16)), EMU_BF16)  # F.silu on BF16
         y = _round_bf16(s * u, EMU_BF16)  # BF16 * BF16
         tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -193,12 +199,7 @@ if triton is not None:
     @triton.jit
     def _swiglu_bwd_kernel(X, DY, DX, n_rows, F, stride_x, stride_dy, stride_dx,
                            BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, EMU_BF16: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-        mask = (rows < n_rows)[:, None] & (cols < F)[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        g = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(X + r64 * stride_x + F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r64, cols, mask, g, u = _swiglu_tile(X, n_rows, F, stride_x, BLOCK_M, BLOCK_F)
         dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         sig = tl.math.div_rn(1.0, 1.0 + _exp(-g, EMU_BF16))
         dg = dy * u * sig * (1.0 + g * (1.0 - sig))
@@ -386,6 +387,7 @@ class _SwiGLUFn(torch.autograd.Function):
 
 def swiglu(x: Tensor) -> Tensor:
     return _SwiGLUFn.apply(x)
+
 
 
 # -------------------------------------------------------------------------------------------------------- RoPE

@@ -134,13 +134,10 @@ class RolloutEngine:
         self._inplace: InplaceRefit | None = None
         self._inplace_key: tuple | None = None
         self.warmup_report: dict[str, float] | None = None
-        if self._wants_gemm_warmup():
+        if self.config.fp8_gemm_warmup and self.mode in FP8_ROLLOUT_MODES:
             self.warmup_report = self.llm.collective_rpc("jetrl_warm_up_fp8")[0]
             log.info("FP8 GEMM warm-up: %d shape(s), %d calls, %.1f s", self.warmup_report["shapes"],
                      self.warmup_report["calls"], self.warmup_report["seconds"])
-
-    def _wants_gemm_warmup(self) -> bool:
-        return bool(self.config.fp8_gemm_warmup) and self.mode in FP8_ROLLOUT_MODES
 
     # ------------------------------------------------------------------------------------------ start / stop
     def _plugin_quant_config(self, quant_cfg: Mapping[str, Any]) -> dict[str, Any]:

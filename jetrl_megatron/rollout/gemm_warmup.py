@@ -45,7 +45,7 @@ def fp8_linear_layers(model: torch.nn.Module) -> dict[tuple[int, int], torch.nn.
 
 
 @torch.no_grad()
-def warm_up_fp8_linears(model: torch.nn.Module, m_values: Iterable[int], progress: bool = True) -> dict[str, float]:
+def warm_up_fp8_linears(model: torch.nn.Module, m_values: Iterable[int]) -> dict[str, float]:
     """Run every distinct plugin linear once at each M on random BF16 rows; returns counts and seconds.
 
     On a machine whose DeepGEMM cache is cold this takes minutes (one NVCC compile per new tile configuration), hence
@@ -57,7 +57,7 @@ def warm_up_fp8_linears(model: torch.nn.Module, m_values: Iterable[int], progres
     calls = 0
     ms = list(m_values)
     bar = tqdm(total=len(layers) * len(ms), desc="FP8 GEMM warm-up", unit="gemm", mininterval=5.0,
-               disable=not progress or not layers, leave=False)
+               disable=not layers, leave=False)
     for (_, k), layer in layers.items():
         x = torch.randn(max(ms), k, dtype=torch.bfloat16, device=layer.weight.device)
         for m in ms:
