@@ -333,6 +333,7 @@ def test_inplace_program_on_cuda_replays_as_cuda_graph():
 
 
 @pytest.mark.gpu
+@pytest.mark.own_process
 def test_engine_inplace_refit_on_cuda_across_sleep_wake_with_graph(tmp_path):
     """GPU vLLM: the trainer's CUDA tensors are copied into the live CUDA parameters (nothing packed, nothing
     re-loaded); after sleep(level=1) / wake_up() the compiled program still targets the live weights (no rebuild:

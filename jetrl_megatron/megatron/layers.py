@@ -119,16 +119,43 @@ class Fp8RowParallelLinear(_Fp8Gemm, RowParallelLinear):
         return self._fp8_forward_impl(input, weight, *args, **kwargs)
 
 
-def bf16_output_forward_impl(module: torch.nn.Module):
-    """A ``_forward_impl`` for the (BF16) output layer computing ``F.linear(x, W)`` like vLLM's lm_head.
+def bf16_output_forward_impl(module: torch.nn.Module, *, vllm_cpu_gemm: bool = False):
+    """A ``_forward_impl`` for the (BF16) output layer computing the logits like vLLM's lm_head.
 
-    Megatron's own path uses ``torch.matmul(x, W.t())``; F.linear is what the rollout reference uses, so the BF16
-    logits agree bit for bit on CPU. TP comms as Megatron: DGrad all-reduce (or SP all-gather) in BF16.
+    Megatron's own path uses ``torch.matmul(x, W.t())``. ``vllm_cpu_gemm=False``: ``F.linear(x, W)``, what the
+    rollout reference uses. ``vllm_cpu_gemm=True`` (CPU with vllm-cpu): the forward runs vLLM's own CPU lm_head GEMM
+    (AMX micro-kernel, oneDNN or torch, as vLLM dispatches on this CPU), the backward F.linear's exact gradients.
+    TP comms as Megatron: DGrad all-reduce (or SP all-gather) in BF16.
     """
+    gemm = None
+    if vllm_cpu_gemm:
+        from jetrl_megatron.megatron.vllm_cpu_ops import LmHeadGemm
+
+        gemm = LmHeadGemm()
 
     def impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
              sequence_parallel=False, tp_group=None, **_unused):
         x = _gemm_input(input, allreduce_dgrad, sequence_parallel, tp_group)
-        return torch.nn.functional.linear(x, weight, bias)
+        if gemm is None or bias is not None or x.is_cuda or x.dtype != torch.bfloat16:
+            return torch.nn.functional.linear(x, weight, bias)
+        return _ForeignForwardLinearFn.apply(x, weight, gemm)
 
     return impl
+
+
+class _ForeignForwardLinearFn(torch.autograd.Function):
+    """``y = gemm(x, W)`` from another library's kernel; gradients of ``F.linear(x, W)`` (BF16, as autograd's)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, gemm):
+        ctx.save_for_backward(x, weight)
+        return gemm(x, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return dx, dw, None

