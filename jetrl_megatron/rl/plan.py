@@ -8,9 +8,10 @@ measurement; its formulas are in :func:`memory_estimate` so a reader can check t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
-from jetrl_megatron.rl.config import RunConfig, to_yaml
+from jetrl_megatron.rl.config import ConfigError, RunConfig, to_yaml
 
 GiB = 1024**3
 
@@ -19,6 +20,64 @@ def model_shape(cfg: RunConfig):
     from jetrl_megatron.megatron.models import get_model_shape
 
     return get_model_shape(cfg.policy.model_preset or cfg.policy.model_name)
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """How the trainer's DDP wrapper and optimizer are built. ``build_trainer`` builds them from this object and
+    :func:`memory_estimate` reads the same object, so the plan cannot assume a setting the trainer does not use."""
+
+    use_distributed_optimizer: bool
+    use_precision_aware_optimizer: bool
+    grad_reduce_in_fp32: bool
+    lr: float
+    weight_decay: float
+    clip_grad: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``megatron.model.wrap_ddp``."""
+        return {"grad_reduce_in_fp32": self.grad_reduce_in_fp32,
+                "use_distributed_optimizer": self.use_distributed_optimizer}
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``megatron.optim.build_optimizer``."""
+        out = asdict(self)
+        out.pop("grad_reduce_in_fp32")
+        return out
+
+    def describe(self, dp: int) -> str:
+        """One line for `jetrl plan`: which optimizer layout the memory estimate assumed, and the keys behind it."""
+        if self.use_distributed_optimizer:
+            how = f"Megatron distributed optimizer: FP32 master + Adam moments sharded over DP={dp}"
+        else:
+            how = "Megatron Float16 optimizer: FP32 master + Adam moments replicated on every DP rank"
+        return (f"{how} (policy.megatron_cfg.optimizer.use_distributed_optimizer="
+                f"{str(self.use_distributed_optimizer).lower()}, use_precision_aware_optimizer="
+                f"{str(self.use_precision_aware_optimizer).lower()}); "
+                f"grads reduced in {'FP32' if self.grad_reduce_in_fp32 else 'BF16'}")
+
+
+def trainer_settings(cfg: RunConfig) -> TrainerSettings:
+    """The trainer's DDP/optimizer settings from ``policy.megatron_cfg.optimizer`` (refusals name the key)."""
+    o = cfg.policy.megatron_cfg.optimizer
+    key = "policy.megatron_cfg.optimizer"
+    if o.use_precision_aware_optimizer:
+        from jetrl_megatron.megatron.optim import te_fused_adam_available
+
+        if not o.use_distributed_optimizer:
+            raise ConfigError(f"{key}.use_precision_aware_optimizer needs {key}.use_distributed_optimizer=true")
+        if not te_fused_adam_available():
+            raise ConfigError(f"{key}.use_precision_aware_optimizer: Megatron's precision-aware optimizer needs "
+                              "TransformerEngine's FusedAdam, which is not installed (not a dependency of "
+                              "jetrl_megatron); set it to false (NeMo-RL's FP8 recipes do)")
+    # grad_reduce_in_fp32 off: BF16 grad buffers, NeMo-RL's default (distributed_data_parallel_config)
+    return TrainerSettings(use_distributed_optimizer=o.use_distributed_optimizer,
+                           use_precision_aware_optimizer=o.use_precision_aware_optimizer, grad_reduce_in_fp32=False,
+                           lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad, adam_beta1=o.adam_beta1,
+                           adam_beta2=o.adam_beta2, adam_eps=o.adam_eps)
 
 
 @dataclass
@@ -81,10 +140,16 @@ def _param_counts(shape) -> dict[str, int]:
 def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 80.0) -> dict[str, float]:
     """Per-GPU GiB for the busiest pipeline stage. Assumptions (stated so they can be argued with):
 
+    The optimizer and DDP settings are :func:`trainer_settings` of ``cfg`` — the object ``build_trainer`` builds
+    the trainer from.
+
     - BF16 model weights (2 B/param); the jetrl arm adds its per-step FP8 copy of every FP8 linear (1 B/param +
-      FP32 scale per 128x128 block); gradients in BF16 grad buffers (2 B/param; Megatron DDP with
-      grad_reduce_in_fp32 off, NeMo-RL's default);
+      FP32 scale per 128x128 block); gradients in the DDP grad buffers (2 B/param in BF16, 4 with
+      grad_reduce_in_fp32; the buffers are full-size under the distributed optimizer too);
     - Adam: FP32 master + 2 moments = 12 B/param, divided by DP under the distributed optimizer;
+    - during the optimizer step: FP32 copies of the gradients (4 B/param, /DP distributed), released right after
+      the step by the optimizer wrapper; they coexist with the weights/grads/Adam state but not with the
+      activations, so the train phase counts max(activations, main_grads_fp32);
     - activations of one micro-batch (S = max_total_sequence_length tokens x micro-batch): without recompute
       34 x S x h bytes per layer / TP (flash attention, no S^2 term; Korthikanti et al.), the jetrl arm saving its
       linear inputs in FP8 instead of BF16 (-(2h + q + f) bytes per token per layer / TP); with full activation
@@ -110,16 +175,19 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     else:
         acts = layers_per_stage * full_layer
     acts += tokens * shape.vocab_size / tp * 4
-    dist = cfg.policy.megatron_cfg.optimizer.use_distributed_optimizer
+    settings = trainer_settings(cfg)
+    shard = layout.dp if settings.use_distributed_optimizer else 1
     out = {
         "weights_bf16": 2 * params,
         "fp8_weight_copies": (lin * (1 + 4 / (128 * 128))) if fp8_train else 0.0,
-        "grads_bf16": 2 * params,
-        "optimizer_adam": 12 * params / (layout.dp if dist else 1),
+        "grads_bf16": (4 if settings.grad_reduce_in_fp32 else 2) * params,
+        "optimizer_adam": 12 * params / shard,
+        "main_grads_fp32": 4 * params / shard,
         "activations": acts,
     }
     out = {k: v / GiB for k, v in out.items()}
-    out["train_phase_total"] = sum(out.values())
+    out["train_phase_total"] = (out["weights_bf16"] + out["fp8_weight_copies"] + out["grads_bf16"]
+                                + out["optimizer_adam"] + max(out["activations"], out["main_grads_fp32"]))
     # Rollout phase: the trainer's weights, FP8 copies and optimizer stay resident; grads/activations are freed.
     rtp = layout.rollout_tp
     kv_heads_rank = max(1, shape.num_kv_heads // rtp)
@@ -161,6 +229,7 @@ def plan_report(cfg: RunConfig, gpu_mem_gib: float = 80.0, show_config: bool = T
     mem = memory_estimate(cfg, shape, layout, gpu_mem_gib)
     unit = "GPU" if cfg.is_gpu else "process (CPU RAM)"
     lines.append(f"# memory estimate per {unit}, GiB (busiest pipeline stage; assumptions in rl/plan.py)")
+    lines.append(f"  optimizer: {trainer_settings(cfg).describe(layout.dp)}")
     for k, v in mem.items():
         lines.append(f"  {k:22s} {v:10.3f}")
     if cfg.is_gpu:
