@@ -91,3 +91,20 @@ def test_forced_build_env_names_torch_and_onednn_levels():
                    ATTN_ISA_ENV: "vec16"}
     with pytest.raises(ValueError, match="build must be one of"):
         forced_build_env("avx9")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", ["avx512", "avx2"])
+def test_tp2_loop_exact_under_forced_build(build):
+    """Trainer TP=2 + one TP=2 vLLM engine across both ranks (row-parallel outputs summed by vLLM's shared-memory
+    all-reduce, whose FP32 -> BF16 conversion is the build's) stays exactly on-policy on the builds without
+    AVX512-BF16. The default build is covered by tests/test_rl_loop.py itself."""
+    if build not in host_builds():
+        pytest.skip(f"this CPU cannot execute the {build} build (it runs {host_builds()})")
+    node = "tests/test_rl_loop.py::test_tp2_trainer_with_one_tp2_rollout_engine_across_both_ranks[jetrl]"
+    env = {**os.environ, **forced_build_env(build)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node], cwd=TESTS.parent,
+                          env=env, capture_output=True, text=True, timeout=900)
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    print(f"\nforced {build}: {tail.strip().splitlines()[-1] if tail.strip() else ''}")
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, tail

