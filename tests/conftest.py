@@ -34,7 +34,8 @@ def pytest_pyfunc_call(pyfuncitem):
                           timeout=1200)
     out = proc.stdout + proc.stderr
     print(out[-6000:])
-    summary = out.strip().splitlines()[-1] if out.strip() else ""
+    lines = [ln.strip("= ") for ln in proc.stdout.splitlines() if ln.strip()]  # pytest's summary is stdout's last
+    summary = lines[-1] if lines else ""
     if proc.returncode == 0 and " passed" in summary:
         return True
     if proc.returncode == 0 and "skipped" in summary:

@@ -9,7 +9,25 @@ import sys
 import pytest
 from conftest import OWN_PROCESS_ENV
 
-FAILING_TEST = "import pytest\n\n\n@pytest.mark.own_process\ndef test_fails():\n    assert False\n"
+CHILD_TESTS = '''import sys
+
+import pytest
+
+
+@pytest.mark.own_process
+def test_fails():
+    assert False
+
+
+@pytest.mark.own_process
+def test_passes_with_stderr_noise():
+    print("engine log line", file=sys.stderr)
+
+
+@pytest.mark.own_process
+def test_skips():
+    pytest.skip("no such device")
+'''
 
 
 @pytest.mark.own_process
@@ -17,10 +35,13 @@ def test_body_runs_in_a_child_process():
     assert os.environ.get(OWN_PROCESS_ENV) == "1", "the body ran in the parent pytest process"
 
 
-def test_child_failure_fails_the_parent(tmp_path):
-    (tmp_path / "test_x.py").write_text(FAILING_TEST)
+def test_child_outcomes_become_the_parents(tmp_path):
+    (tmp_path / "test_x.py").write_text(CHILD_TESTS)
     env = {k: v for k, v in os.environ.items() if k != OWN_PROCESS_ENV}
     env["PYTHONPATH"] = os.path.dirname(__file__) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", str(tmp_path)]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "conftest", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1 and "in its own process (rc=1)" in proc.stdout, proc.stdout[-2000:]
+    out = proc.stdout
+    assert proc.returncode == 1, out[-2000:]
+    assert "1 failed, 1 passed, 1 skipped" in out and "in its own process (rc=1)" in out, out[-2000:]
+    assert "no such device" in out, out[-2000:]
