@@ -87,8 +87,10 @@ def test_forced_build_refuses_what_the_host_cannot_run_or_comes_too_late(monkeyp
 
 def test_forced_build_env_names_torch_and_onednn_levels():
     env = forced_build_env("avx2", "vec16")
+    cache = env.pop("TORCHINDUCTOR_CACHE_DIR")
     assert env == {BUILD_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
                    ATTN_ISA_ENV: "vec16"}
+    assert cache.endswith("_avx2") and cache != forced_build_env("avx512")["TORCHINDUCTOR_CACHE_DIR"]
     with pytest.raises(ValueError, match="build must be one of"):
         forced_build_env("avx9")
 

@@ -141,3 +141,26 @@ def test_engine_groups_layout(monkeypatch):
     cfg3 = load_config("tiny_cpu", ["policy.generation.vllm_cfg.tensor_parallel_size=3"])
     with pytest.raises(ValueError, match="not a multiple of rollout TP 3"):
         loop.engine_groups(cfg3)
+
+
+def test_stale_vllm_shm_segment_gets_one_actionable_line(tmp_path):
+    """A crashed TP=2 CPU run leaves vLLM's fixed-name shared-memory segments; the next run says how to clear them."""
+    import glob
+
+    stale = ["/dev/shm/-tp:0-[0-1]-cpushm_0", "/dev/shm/-tp:0-[0-1]-cpushm_1"]
+    if glob.glob("/dev/shm/-tp:*"):
+        pytest.skip("a TP>1 vLLM job's segments exist on this host; not touching them")
+    for f in stale:
+        Path(f).write_bytes(b"\0" * 4096)
+    try:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+               "jetrl_megatron.cli", "run", "--recipe", "tiny_cpu", "grpo.max_num_steps=1",
+               "grpo.sft_warmstart.steps=0", "grpo.final_arm_probe=false", "grpo.val_period=0",
+               f"logger.log_dir={tmp_path / 'run'}",
+               "policy.megatron_cfg.tensor_model_parallel_size=2", "policy.generation.vllm_cfg.tensor_parallel_size=2"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert r.returncode != 0
+        assert "rm -f '/dev/shm/-tp:'*-cpushm_*" in r.stderr, r.stderr[-3000:]
+    finally:
+        for f in stale:
+            Path(f).unlink(missing_ok=True)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 __all__ = ["BUILDS", "ATTN_ISAS", "BUILD_ENV", "ATTN_ISA_ENV", "loaded_build", "host_builds", "apply_forced_build",
-           "forced_build_env", "ForcedBuildError"]
+           "forced_build_env", "inductor_cache_dir", "ForcedBuildError"]
 
 BUILD_ENV = "JETRL_VLLM_CPU_BUILD"
 ATTN_ISA_ENV = "JETRL_VLLM_CPU_ATTN_ISA"
@@ -116,6 +116,7 @@ def apply_forced_build(build: str | None = None, attn_isa: str | None = None) ->
             _force_false("_is_avx512_bf16_supported")
         if build == "avx2":
             _force_false("_is_avx512_supported")
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir(build))
     if attn_isa is not None:
         if attn_isa not in ATTN_ISAS:
             raise ForcedBuildError(f"{ATTN_ISA_ENV}={attn_isa!r}: must be one of {ATTN_ISAS}")
@@ -138,12 +139,24 @@ def _force_attn_isa(isa: str) -> None:
     cpu_attn._get_attn_isa = forced
 
 
+def inductor_cache_dir(build: str) -> str:
+    """A torch.compile cache of its own per forced build. Why: vLLM compiles small helpers with inductor (e.g. the
+    vocab-parallel embedding's masking) and inductor's cache key does not see a forced ISA level, so a kernel compiled
+    for the host's AVX-512 and reused under a forced AVX2 build gave wrong indices (a TP=2 engine's embedding failed
+    with IndexError); a fresh cache per build passes."""
+    import getpass
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_jetrl_{build}")
+
+
 def forced_build_env(build: str, attn_isa: str | None = None) -> dict[str, str]:
     """Environment for a child process that should run as a CPU of ``build``'s level (torch, oneDNN and vLLM)."""
     if build not in BUILDS:
         raise ValueError(f"build must be one of {sorted(BUILDS)}, got {build!r}")
     _, aten, onednn = BUILDS[build]
-    env = {BUILD_ENV: build, "ATEN_CPU_CAPABILITY": aten, "ONEDNN_MAX_CPU_ISA": onednn}
+    env = {BUILD_ENV: build, "ATEN_CPU_CAPABILITY": aten, "ONEDNN_MAX_CPU_ISA": onednn,
+           "TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir(build)}
     if attn_isa is not None:
         env[ATTN_ISA_ENV] = attn_isa
     return env

@@ -122,6 +122,10 @@ class Fp8RowParallelLinear(_Fp8Gemm, RowParallelLinear):
         super().__init__(*args, **kwargs)
         tp = self.tp_group.size() if self.tp_group else 1
         self._init_fp8(jetrl_name, jetrl_mode, jetrl_recipe, tp)
+        if jetrl_vllm_all_reduce and tp > 1:
+            from jetrl_megatron.megatron.vllm_cpu_ops import shm_all_reduce_available
+
+            jetrl_vllm_all_reduce = shm_all_reduce_available()  # else vLLM uses torch.distributed too
         self.jetrl_vllm_all_reduce = bool(jetrl_vllm_all_reduce) and tp > 1
 
     def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002

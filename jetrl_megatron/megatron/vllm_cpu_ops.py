@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["available", "attn_isa", "attention", "rope_neox_", "LmHeadGemm", "KV_BLOCK", "cpu_kernels_in_use",
-           "all_reduce_"]
+           "all_reduce_", "shm_all_reduce_available"]
 
 KV_BLOCK = 128  # KV-cache block size of the cache layout handed to the attention kernel (vLLM's CPU default)
 _STATE: dict = {}
@@ -129,6 +129,13 @@ class LmHeadGemm:
         lead = x.shape[:-1]
         y = holder.cpu_linear(x.reshape(-1, x.shape[-1]).contiguous(), holder.weight, None)
         return y.reshape(*lead, y.shape[-1])
+
+
+def shm_all_reduce_available() -> bool:
+    """Whether the loaded build has vLLM's shared-memory all-reduce. Builds without it (``_C_AVX2``) make vLLM's TP
+    engine fall back to a torch.distributed all-reduce, which is what Megatron's own path already does."""
+    return available() and all(hasattr(torch.ops._C, n) for n in ("init_shm_manager", "join_shm_manager",
+                                                                   "shm_allreduce"))
 
 
 def _shm_handle(group) -> int:

