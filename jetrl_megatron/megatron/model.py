@@ -313,15 +313,20 @@ def wrap_ddp(model: GPTModel, *, grad_reduce_in_fp32: bool = True, use_distribut
     reduced gradient of its optimizer shard, and the BF16 params live in a contiguous buffer that the optimizer
     all-gathers after its step (lazily in the next forward's pre-hooks when ``overlap_param_gather``; the
     optimizer wrapper then forces the gather before re-quantizing the FP8 cache).
+
+    The wrapper is Megatron's DDP with releasable grad buffers (:mod:`jetrl_megatron.megatron.grad_buffers`): the
+    GRPO loop frees them after each update so the colocated rollout engine can use the memory.
     """
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from jetrl_megatron.megatron.grad_buffers import ReleasableGradDDP
 
     if overlap_param_gather and not use_distributed_optimizer:
         raise ValueError("wrap_ddp: overlap_param_gather needs use_distributed_optimizer=True")
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=False,
                                                use_distributed_optimizer=use_distributed_optimizer,
                                                overlap_param_gather=overlap_param_gather, check_for_nan_in_grad=False)
-    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    ddp = ReleasableGradDDP(config=model.config, ddp_config=ddp_config, module=model)
     refresh_fp8_cache(ddp)  # params were moved into the contiguous grad/param buffers
     return ddp
 
@@ -346,8 +351,9 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
     """Forward+backward over micro-batches through ``get_forward_backward_func`` (no optimizer step).
 
     Gradients end up in the DDP grad buffers (``param.main_grad``), reduced over DP / TP (sequence-parallel
-    norms) / PP (tied embeddings) by Megatron's ``finalize_model_grads``. Returns (mean loss, mean metrics),
-    valid on every rank. See :func:`train_step` for ``batch`` and ``loss_fn``.
+    norms) / PP (tied embeddings) by Megatron's ``finalize_model_grads``; grad buffers released between updates are
+    re-allocated (zeroed) by the ``zero_grad_buffer()`` here. Returns (mean loss, mean metrics), valid on every rank.
+    See :func:`train_step` for ``batch`` and ``loss_fn``.
     """
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 

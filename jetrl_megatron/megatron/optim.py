@@ -9,8 +9,8 @@ is touched, and the wrapper leaves the FP8 cache untouched and records the skip.
 Staleness: Megatron copies the updated FP32 main params into the BF16 model params through ``param.data`` (or
 all-gathers them into the param buffer), which does not bump ``param._version``, so the cache's version check alone
 would not notice the update. After a successful step the wrapper bumps every parameter's version
-(``torch.autograd.graph.increment_version``; anything else keyed on a weight's version, such as the packed CPU
-lm_head weight, is rebuilt too) and then refreshes the cache; any FP8 forward between Megatron's copy and the refresh
+(``torch.autograd.graph.increment_version``, so anything keyed on a weight's version notices) and then refreshes
+the cache; any FP8 forward between Megatron's copy and the refresh
 would raise ``StaleFp8WeightError`` rather than silently use old bytes.
 
 Distributed optimizer (``use_distributed_optimizer=True`` in both :func:`wrap_ddp` and here): FP32 main params and
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from jetrl_megatron.megatron.grad_buffers import GradBuffersReleasedError
 from jetrl_megatron.megatron.model import refresh_fp8_cache, unwrap
 
 __all__ = ["Fp8RefreshingOptimizer", "build_optimizer", "OptimizerStats", "te_fused_adam_available"]
@@ -69,6 +70,10 @@ class Fp8RefreshingOptimizer:
         return any(_is_distributed(o) for o in _inner_optimizers(self.optimizer))
 
     def step(self) -> tuple[bool, Any, Any]:
+        for chunk in self.model_chunks:
+            if getattr(chunk, "grad_buffers_released", False):
+                raise GradBuffersReleasedError("optimizer step while the DDP grad buffers are released: there are no "
+                                               "gradients to apply (run forward/backward after zero_grad_buffer())")
         ok, grad_norm, num_zeros = self.optimizer.step()
         self.stats.steps += 1
         # Megatron keeps the FP32 copies of the gradients (main_param.grad: 4 B/param, /DP when distributed) until

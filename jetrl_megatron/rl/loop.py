@@ -780,6 +780,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     sft_losses = sft_warmstart(cfg, trainer, task, logger) if ckpt is None else []
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         trainer.ref_model = make_reference(cfg, trainer)
+    # Colocated memory: the DDP grad buffers are held only during policy updates, not while the engine starts, nor
+    # during the logprob pass, refit or rollout (megatron/grad_buffers.py); `jetrl plan` reads the same setting.
+    from jetrl_megatron.megatron.grad_buffers import release_grad_buffers, restore_grad_buffers
+    from jetrl_megatron.rl.plan import trainer_settings
+
+    release_grads = trainer_settings(cfg).release_grad_buffers
+    if release_grads:
+        release_grad_buffers(trainer.model)
 
     # One engine per rollout-TP group, started from the current policy, then refit in place with the trainer's own
     # bytes: this rank is vLLM rank (rank % rollout TP) of engine (rank // rollout TP).
@@ -831,7 +839,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                                                  ratio_max=lf.truncated_importance_sampling_ratio,
                                                  ratio_min=lf.truncated_importance_sampling_ratio_min)
         t0 = time.perf_counter()
+        if release_grads:
+            restore_grad_buffers(trainer.model)  # zeroed
         metrics.update(policy_update(cfg, trainer, batch, adv, logp_old, logp_ref, is_w, keep, step, logger))
+        if release_grads:
+            release_grad_buffers(trainer.model)  # before vLLM wakes up
         t_update = time.perf_counter() - t0
         # 6. refit: the optimizer re-quantized the FP8 cache once; reshard and load it into vLLM in place
         t0 = time.perf_counter()

@@ -36,6 +36,9 @@ class TrainerSettings:
     adam_beta1: float
     adam_beta2: float
     adam_eps: float
+    # The GRPO loop frees the DDP grad buffers after each update and re-allocates them (zeroed) before the next
+    # (megatron/grad_buffers.py). Not a recipe key: NeMo-RL's Megatron worker frees them unconditionally too.
+    release_grad_buffers: bool = True
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``megatron.model.wrap_ddp``."""
@@ -46,6 +49,7 @@ class TrainerSettings:
         """Keyword arguments of ``megatron.optim.build_optimizer``."""
         out = asdict(self)
         out.pop("grad_reduce_in_fp32")
+        out.pop("release_grad_buffers")
         return out
 
     def describe(self, dp: int) -> str:
@@ -58,6 +62,14 @@ class TrainerSettings:
                 f"{str(self.use_distributed_optimizer).lower()}, use_precision_aware_optimizer="
                 f"{str(self.use_precision_aware_optimizer).lower()}); "
                 f"grads reduced in {'FP32' if self.grad_reduce_in_fp32 else 'BF16'}")
+
+    def describe_grad_buffers(self) -> str:
+        """One line for `jetrl plan`: what the DDP grad buffers hold in which phase."""
+        dtype, nbytes = ("FP32", 4) if self.grad_reduce_in_fp32 else ("BF16", 2)
+        when = ("held in the train phase only: freed after each update, re-allocated zeroed before the next (not "
+                "during the logprob pass, refit or rollout)" if self.release_grad_buffers else "held in all phases")
+        return (f"{dtype} ({nbytes} B/param, grad_reduce_in_fp32={str(self.grad_reduce_in_fp32).lower()}), this "
+                f"rank's whole shard (not divided by DP); {when}")
 
 
 def trainer_settings(cfg: RunConfig) -> TrainerSettings:
@@ -145,7 +157,8 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
 
     - BF16 model weights (2 B/param); the jetrl arm adds its per-step FP8 copy of every FP8 linear (1 B/param +
       FP32 scale per 128x128 block); gradients in the DDP grad buffers (2 B/param in BF16, 4 with
-      grad_reduce_in_fp32; the buffers are full-size under the distributed optimizer too);
+      grad_reduce_in_fp32; the buffers are full-size under the distributed optimizer too), held in the train phase
+      only when ``release_grad_buffers`` (the loop frees them after each update: megatron/grad_buffers.py);
     - Adam: FP32 master + 2 moments = 12 B/param, divided by DP under the distributed optimizer;
     - during the optimizer step: FP32 copies of the gradients (4 B/param, /DP distributed), released right after
       the step by the optimizer wrapper; they coexist with the weights/grads/Adam state but not with the
@@ -155,7 +168,10 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
       linear inputs in FP8 instead of BF16 (-(2h + q + f) bytes per token per layer / TP); with full activation
       checkpointing 2 x S x h per layer plus one layer's full set; plus FP32 logits S x vocab / TP x 4 bytes;
     - KV cache: vLLM may use gpu_memory_utilization of the GPU for its weights + KV (colocated; freed while training);
-      the batch needs 2 x layers x kv_heads/rollout_TP x head_dim x 2 B per token for all sequences of one engine.
+      the batch needs 2 x layers x kv_heads/rollout_TP x head_dim x 2 B per token for all sequences of one engine;
+    - rollout phase: the trainer's weights, FP8 copies and Adam state stay resident next to vLLM's budget; the
+      activations and FP32 gradient copies are gone, the grad buffers too when released. The logprob pass (engine
+      asleep, forward only) needs less than the train phase and is not listed.
     """
     pc = _param_counts(shape)
     tp, pp = layout.tp, layout.pp
@@ -180,15 +196,16 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     out = {
         "weights_bf16": 2 * params,
         "fp8_weight_copies": (lin * (1 + 4 / (128 * 128))) if fp8_train else 0.0,
-        "grads_bf16": (4 if settings.grad_reduce_in_fp32 else 2) * params,
+        "grad_buffers": (4 if settings.grad_reduce_in_fp32 else 2) * params,
         "optimizer_adam": 12 * params / shard,
         "main_grads_fp32": 4 * params / shard,
         "activations": acts,
     }
     out = {k: v / GiB for k, v in out.items()}
-    out["train_phase_total"] = (out["weights_bf16"] + out["fp8_weight_copies"] + out["grads_bf16"]
+    out["train_phase_total"] = (out["weights_bf16"] + out["fp8_weight_copies"] + out["grad_buffers"]
                                 + out["optimizer_adam"] + max(out["activations"], out["main_grads_fp32"]))
-    # Rollout phase: the trainer's weights, FP8 copies and optimizer stay resident; grads/activations are freed.
+    # Rollout phase: the trainer's weights, FP8 copies and optimizer stay resident; activations and FP32 gradient
+    # copies are freed, and the grad buffers unless the loop keeps them.
     rtp = layout.rollout_tp
     kv_heads_rank = max(1, shape.num_kv_heads // rtp)
     kv_per_token = 2 * shape.num_layers * kv_heads_rank * shape.head_dim * 2
@@ -200,6 +217,8 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     out["vllm_weights"] = rollout_w
     out["kv_cache_budget"] = max(0.0, vllm_budget - rollout_w)
     resident = out["weights_bf16"] + out["fp8_weight_copies"] + out["optimizer_adam"]
+    if not settings.release_grad_buffers:
+        resident += out["grad_buffers"]
     out["rollout_phase_total"] = resident + vllm_budget
     return out
 
@@ -229,7 +248,9 @@ def plan_report(cfg: RunConfig, gpu_mem_gib: float = 80.0, show_config: bool = T
     mem = memory_estimate(cfg, shape, layout, gpu_mem_gib)
     unit = "GPU" if cfg.is_gpu else "process (CPU RAM)"
     lines.append(f"# memory estimate per {unit}, GiB (busiest pipeline stage; assumptions in rl/plan.py)")
-    lines.append(f"  optimizer: {trainer_settings(cfg).describe(layout.dp)}")
+    settings = trainer_settings(cfg)
+    lines.append(f"  optimizer: {settings.describe(layout.dp)}")
+    lines.append(f"  grad buffers: {settings.describe_grad_buffers()}")
     for k, v in mem.items():
         lines.append(f"  {k:22s} {v:10.3f}")
     if cfg.is_gpu:
