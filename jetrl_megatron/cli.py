@@ -3,7 +3,7 @@
   jetrl run     --recipe NAME|PATH [a.b=c ...]    train with GRPO (tiny_cpu by default: CPU, a few minutes)
   jetrl compare --recipe NAME [--arms a,b,c]      run several jet_rl.mode arms and tabulate mismatch + reward
   jetrl plan    --recipe NAME [a.b=c ...]          resolved config, parallel layout, resharder preflight, memory
-  jetrl sbatch  --recipe NAME --nodes N [--submit] the SLURM command for slurm/jetrl.sbatch (printed or submitted)
+  jetrl sbatch  --recipe NAME --nodes N [--submit] the SLURM command for slurm/jetrl.sbatch (GPU or CPU recipe)
   jetrl reshard-check ... / jetrl export ...       the resharder's commands (see docs/reshard.md)
 """
 
@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     _recipe_args(p)
     p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory to check the estimate against")
     p.add_argument("--no-config", action="store_true", help="do not print the resolved config")
-    s = sub.add_parser("sbatch", help="print (or submit) the SLURM command for a recipe")
+    s = sub.add_parser("sbatch", help="print (or submit) the SLURM command for a GPU or CPU recipe")
     _recipe_args(s)
     s.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the recipe's cluster.num_nodes)")
     s.add_argument("--submit", action="store_true", help="run sbatch instead of printing the command")
@@ -173,37 +173,54 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def sbatch_command(recipe: str, nodes: int, overrides: list[str], gpus_per_node: int) -> list[str]:
-    env = [f"RECIPE={recipe}", f"GPUS_PER_NODE={gpus_per_node}"]
+def sbatch_command(recipe: str, nodes: int, overrides: list[str], gres: str, parsable: bool = False) -> list[str]:
+    """The sbatch line for slurm/jetrl.sbatch; ``gres`` is ``gpu:N`` or ``none`` (a CPU recipe: see slurm.gres)."""
+    env = [f"RECIPE={recipe}"]
     if overrides:
         env.append(f"OVERRIDES={' '.join(overrides)}")
     script = str(REPO_ROOT / "slurm" / "jetrl.sbatch")
-    return ["env", *env, "sbatch", f"--nodes={nodes}", f"--gres=gpu:{gpus_per_node}", f"--chdir={REPO_ROOT}",
-            script]
+    return ["env", *env, "sbatch", *(["--parsable"] if parsable else []), f"--nodes={nodes}", f"--gres={gres}",
+            f"--chdir={REPO_ROOT}", script]
 
 
 def cmd_sbatch(args: argparse.Namespace) -> int:
-    cfg = load_config(args.recipe, args.overrides)
-    if not cfg.is_gpu:
-        print(f"jetrl sbatch: recipe {cfg.name!r} is a CPU recipe (cluster.gpus_per_node = 0); run it with "
-              "`make run` instead", file=sys.stderr)
-        return 2
+    from jetrl_megatron import slurm
+
     if args.nodes is not None and args.nodes < 1:
         raise ConfigError(f"--nodes: must be >= 1, got {args.nodes}")
+    cfg = load_config(args.recipe, args.overrides)
     nodes = cfg.cluster.num_nodes if args.nodes is None else args.nodes
     overrides = list(args.overrides)
     if nodes != cfg.cluster.num_nodes:
         overrides.append(f"cluster.num_nodes={nodes}")
-        load_config(args.recipe, overrides)  # the layout must still be valid at this node count
-    cmd = sbatch_command(args.recipe, nodes, overrides, cfg.cluster.gpus_per_node)
+        cfg = load_config(args.recipe, overrides)  # the layout must still be valid at this node count
+    problem = slurm.login_venv_problem(cfg, slurm.torch_version())
     if not args.submit:
-        print(shlex.join(cmd))
+        print(shlex.join(sbatch_command(args.recipe, nodes, overrides, slurm.gres(cfg))))
+        if problem:
+            print(f"jetrl sbatch: warning: {problem}", file=sys.stderr)
         return 0
+    if problem:
+        print(f"jetrl sbatch: {problem}", file=sys.stderr)
+        return 2
     if shutil.which("sbatch") is None:
         print("jetrl sbatch --submit: `sbatch` is not on PATH (not a SLURM login node)", file=sys.stderr)
         return 2
     (REPO_ROOT / "logs").mkdir(exist_ok=True)
-    return subprocess.call(cmd)
+    r = subprocess.run(sbatch_command(args.recipe, nodes, overrides, slurm.gres(cfg), parsable=True),
+                       stdout=subprocess.PIPE, text=True)
+    if r.returncode:
+        return r.returncode
+    job_id = r.stdout.strip().split(";")[0]
+    why = slurm.never_starts(job_id)
+    if why:
+        subprocess.run(["scancel", job_id])
+        print(f"jetrl sbatch: {why}; cancelled it", file=sys.stderr)
+        return 2
+    print(f"Submitted batch job {job_id}")
+    print(f"jetrl sbatch: {slurm.ranks_per_node(cfg)} rank(s) per node on {nodes} node(s); batch log "
+          f"{REPO_ROOT / 'logs' / f'jetrl-{job_id}.out'}, run logs {REPO_ROOT / 'logs' / f'jetrl-{job_id}'}/")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,8 @@ def test_sbatch_prints_command(capsys):
     assert main(["sbatch", "--recipe", "qwen3_32b_tp2", "--nodes", "8", "jet_rl.mode=bf16"]) == 0
     out = capsys.readouterr().out
     assert "sbatch --nodes=8" in out and "RECIPE=qwen3_32b_tp2" in out and "jet_rl.mode=bf16" in out
-    assert main(["sbatch", "--recipe", "tiny_cpu"]) == 2
+    assert main(["sbatch", "--recipe", "tiny_cpu"]) == 0  # the CPU path (tests/test_slurm.py)
+    assert "--gres=none" in capsys.readouterr().out
 
 
 def test_sbatch_template_contents():
