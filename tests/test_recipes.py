@@ -26,6 +26,25 @@ def test_recipe_loads_and_passes_plan(name):
         assert c.policy.generation.vllm_cfg.precision == ("bfloat16" if arm == "bf16" else "fp8")
 
 
+GPU_RECIPES = [n for n in RECIPES if load_config(n).is_gpu]
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_gpu_recipe_fits_80gib_counting_refit_buffers(name):
+    """Both colocated phases fit an 80 GiB GPU, with the refit exchange's persistent buffers counted in each
+    (present exactly when the trainer is model-parallel)."""
+    from jetrl_megatron.rl.plan import memory_estimate, model_shape, parallel_layout
+
+    cfg = load_config(name)
+    layout = parallel_layout(cfg)
+    mem = memory_estimate(cfg, model_shape(cfg), layout, gpu_mem_gib=80.0)
+    assert (mem["refit_buffers"] > 0) == (layout.tp * layout.pp > 1), mem
+    assert mem["train_phase_total"] >= mem["refit_buffers"] + mem["weights_bf16"] + mem["optimizer_adam"]
+    assert mem["rollout_phase_total"] >= mem["refit_buffers"] + mem["weights_bf16"] + mem["optimizer_adam"]
+    peak = max(mem["train_phase_total"], mem["rollout_phase_total"])
+    assert peak <= 80.0, f"{name}: peak {peak:.1f} GiB of 80\n{mem}"
+
+
 def test_nemo_rl_hyperparameters():
     q8, q32, ll = load_config("qwen3_8b_tp1"), load_config("qwen3_32b_tp2"), load_config("llama31_8b_tp1")
     assert q8.policy.megatron_cfg.optimizer.lr == 1e-6 and q8.policy.megatron_cfg.optimizer.weight_decay == 0.1

@@ -222,15 +222,16 @@ class RefitSource:
     """The Megatron shards this rank's vLLM engine rank refits from, as a `reshard.MegatronShards`.
 
     Trainer TP x PP == 1: the trainer's own tensors, in place, on their device (nothing is copied here).
-    Model parallel: rank r needs the tensors that vLLM rank r % rollout_tp copies from - planned once from the
-    resharder's compiled copy list over stand-ins (`reshard.program.program_sources`), after exchanging names, dtypes
-    and shapes. Every step each rank packs what each peer needs into a persistent byte buffer per peer and the MP group
-    exchanges them with point-to-point tensor sends on the tensors' device (NCCL on GPU, gloo on CPU; FP8 as bytes);
-    what a rank needs from itself is copied locally. The shards returned are views of persistent receive buffers
-    (stand-ins with a single zero element for tensors never copied from), so the engine's compiled program is reused.
+    Model parallel: rank r needs the tensors that vLLM rank r % rollout_tp copies from - planned once by
+    `reshard.exchange` (the resharder's compiled copy list over stand-ins) after exchanging names, dtypes and
+    shapes; `jetrl plan` counts the same buffers. Every step each rank packs what each peer needs into a persistent
+    byte buffer per peer and the MP group exchanges them with point-to-point tensor sends on the tensors' device
+    (NCCL on GPU, gloo on CPU; FP8 as bytes). What a rank needs from itself is not copied: the shards hold the
+    trainer's own tensors there, which stay at fixed addresses (the FP8 cache re-quantizes into the same tensors;
+    parameters keep the storage DDP's param buffer gave them), so the engine's compiled program stays valid, and a
+    moved tensor changes the source signature and rebuilds it. Received tensors are views of persistent receive
+    buffers; tensors never copied from are stand-ins with a single zero element.
     """
-
-    _ALIGN = 16
 
     def __init__(self, trainer: Trainer, rollout_tp: int = 1):
         from megatron.core import parallel_state
@@ -242,8 +243,11 @@ class RefitSource:
         self.key = (parallel_state.get_pipeline_model_parallel_rank(), 0,
                     parallel_state.get_tensor_model_parallel_rank())
         self._shards = None
+        self._sends: list[tuple[int, torch.Tensor, list[torch.Tensor], list[str]]] = []
+        self._recvs: list[tuple[int, torch.Tensor]] = []
+        self._own: list[str] = []
         self.gather_seconds = 0.0
-        self.received_bytes = 0  # per step, into this rank (local copies included)
+        self.received_bytes = 0  # per step: what this rank's vLLM rank takes from trainer shards, its own included
 
     def shards(self):
         from jetrl_megatron.reshard.mover import MegatronShards
@@ -258,23 +262,19 @@ class RefitSource:
         self.gather_seconds = time.perf_counter() - t0
         return self._shards
 
+    def buffer_bytes(self) -> tuple[int, int]:
+        """(send, receive) bytes of the persistent exchange buffers allocated on this rank (the storage itself)."""
+        return (sum(buf.untyped_storage().nbytes() for _, buf, _, _ in self._sends),
+                sum(buf.untyped_storage().nbytes() for _, buf in self._recvs))
+
     @staticmethod
     def _meta(local: dict[str, torch.Tensor]) -> list[tuple[str, str, tuple[int, ...]]]:
         return [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in local.items()]
 
-    def _layout(self, names: list[str], meta: dict[str, tuple[torch.dtype, tuple[int, ...]]]):
-        """(name, dtype, shape, byte offset, bytes) of `names` packed into one buffer; total size."""
-        out, off = [], 0
-        for name in names:
-            dtype, shape = meta[name]
-            nbytes = math.prod(shape) * dtype.itemsize
-            out.append((name, dtype, shape, off, nbytes))
-            off += -(-nbytes // self._ALIGN) * self._ALIGN
-        return out, off
-
     def _setup(self, local: dict[str, torch.Tensor]) -> None:
+        from jetrl_megatron.reshard.exchange import copy_sources, exchange_names, packed_layout
         from jetrl_megatron.reshard.mover import MegatronShards
-        from jetrl_megatron.reshard.program import program_sources, stand_in, stand_in_shards
+        from jetrl_megatron.reshard.program import stand_in
 
         group = _mp_group()
         members = _dist().get_process_group_ranks(group)  # global ranks, in MP-group order
@@ -283,43 +283,34 @@ class RefitSource:
         _dist().all_gather_object(gathered, (self.key, self._meta(local)), group=group)  # names/shapes, once
         metas = {key: [(name, getattr(torch, dt), shape) for name, dt, shape in meta] for key, meta in gathered}
         by_name = {key: {name: (dt, shape) for name, dt, shape in meta} for key, meta in metas.items()}
-        key_of = [key for key, _ in gathered]
-        plan_src = stand_in_shards(self.trainer.shape, self.tp, self.pp, metas)
-        # what every member's vLLM rank copies from (deterministic: every rank computes the same plan)
-        needs = {r: program_sources(plan_src, self.rollout_tp, r)
-                 for r in {g % self.rollout_tp for g in members}}
+        roles = [(key, g % self.rollout_tp) for (key, _), g in zip(gathered, members, strict=True)]
+        # deterministic: every rank computes the same plan (and `jetrl plan` the same bytes)
+        sources = copy_sources(self.trainer.shape, self.tp, self.pp, self.rollout_tp, metas, [v for _, v in roles])
+        names = exchange_names(metas, roles, sources)
         me = members.index(_rank())
         device = next(iter(local.values())).device
-        order = {key: [name for name, _, _ in meta] for key, meta in metas.items()}
-        self._sends: list[tuple[int, torch.Tensor, list[torch.Tensor], list[str]]] = []
-        self._recvs: list[tuple[int, torch.Tensor]] = []
-        self._local: tuple[list[torch.Tensor], list[str]] = ([], [])
         states: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {
             key: {name: stand_in(shape, dt, device) for name, dt, shape in meta} for key, meta in metas.items()}
-        self.received_bytes = 0
+        self._sends, self._recvs = [], []
         for peer in range(n):
-            # what I send to `peer`: my tensors its vLLM rank copies from
-            want = needs[members[peer] % self.rollout_tp].get(self.key, set())
-            names = [x for x in order[self.key] if x in want]
-            if names and peer != me:
-                lay, size = self._layout(names, by_name[self.key])
-                buf = torch.empty(size, dtype=torch.uint8, device=device)
-                self._sends.append((members[peer], buf, [buf[o:o + b] for _, _, _, o, b in lay], names))
-            # what I receive from `peer`: its tensors my vLLM rank copies from
-            src_key = key_of[peer]
-            want = needs[_rank() % self.rollout_tp].get(src_key, set())
-            names = [x for x in order[src_key] if x in want]
-            if not names:
-                continue
-            lay, size = self._layout(names, by_name[src_key])
-            buf = torch.empty(size, dtype=torch.uint8, device=device)
-            self.received_bytes += size
-            for name, dt, shape, off, nbytes in lay:
-                states[src_key][name] = buf[off:off + nbytes].view(dt).view(shape)
             if peer == me:
-                self._local = ([buf[o:o + b] for _, _, _, o, b in lay], names)
-            else:
+                continue
+            out = names.get((me, peer))  # my tensors its vLLM rank copies from
+            if out:
+                lay, size = packed_layout(out, by_name[self.key])
+                buf = torch.empty(size, dtype=torch.uint8, device=device)
+                self._sends.append((members[peer], buf, [buf[p.offset:p.offset + p.nbytes] for p in lay], out))
+            src_key = roles[peer][0]
+            inc = names.get((peer, me))  # its tensors my vLLM rank copies from
+            if inc:
+                lay, size = packed_layout(inc, by_name[src_key])
+                buf = torch.empty(size, dtype=torch.uint8, device=device)
+                for p in lay:
+                    states[src_key][p.name] = buf[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape)
                 self._recvs.append((members[peer], buf))
+        self._own = names.get((me, me), [])
+        self.received_bytes = (self.buffer_bytes()[1]
+                               + sum(p.nbytes for p in packed_layout(self._own, by_name[self.key])[0]))
         self._local_meta = self._meta(local)
         self._shards = MegatronShards(self.trainer.shape, self.tp, self.pp, None, states)
 
@@ -327,18 +318,15 @@ class RefitSource:
         if self._meta(local) != self._local_meta:
             raise RuntimeError(f"rank {_rank()}: the trainer's rollout tensors changed names, dtypes or shapes since "
                                "the refit exchange was planned")
-
-        def pack(views: list[torch.Tensor], names: list[str]) -> None:
-            if views:
-                torch._foreach_copy_(views, [local[x].reshape(-1).view(torch.uint8) for x in names])
-
+        own = self._shards.states[self.key]
+        for x in self._own:  # the trainer's tensors themselves (same addresses every step: see the class docstring)
+            own[x] = local[x]
         ops = []
         for peer, buf, views, names in self._sends:
-            pack(views, names)
+            torch._foreach_copy_(views, [local[x].reshape(-1).view(torch.uint8) for x in names])
             ops.append(_dist().P2POp(_dist().isend, buf, peer, group=_mp_group()))
         for peer, buf in self._recvs:
             ops.append(_dist().P2POp(_dist().irecv, buf, peer, group=_mp_group()))
-        pack(*self._local)
         if ops:
             for req in _dist().batch_isend_irecv(ops):
                 req.wait()

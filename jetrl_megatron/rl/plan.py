@@ -9,9 +9,13 @@ measurement; its formulas are in :func:`memory_estimate` so a reader can check t
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from jetrl_megatron.rl.config import ConfigError, RunConfig, to_yaml
+
+if TYPE_CHECKING:
+    from jetrl_megatron.reshard.exchange import ExchangeBytes
 
 GiB = 1024**3
 
@@ -149,6 +153,44 @@ def _param_counts(shape) -> dict[str, int]:
             "final_norm": h}
 
 
+@lru_cache(maxsize=32)
+def _busiest_refit_rank(shape, tp: int, pp: int, dp: int, rollout_tp: int,
+                        recipe) -> tuple[int, ExchangeBytes] | None:
+    from jetrl_megatron.reshard.exchange import refit_buffer_bytes
+    from jetrl_megatron.reshard.preflight import check_reshard
+
+    if check_reshard(shape, tp, pp, rollout_tp):
+        return None  # no refit program exists for this layout (the plan reports the refusal)
+    per_rank = refit_buffer_bytes(shape, tp, pp, dp, rollout_tp, recipe)
+    return max(per_rank.items(), key=lambda kv: (kv[1].buffers, -kv[0]))
+
+
+def refit_buffers(cfg: RunConfig, shape, layout: Layout) -> tuple[int, ExchangeBytes] | None:
+    """(global rank, `reshard.exchange.ExchangeBytes`) of the rank whose refit exchange buffers are largest; None
+    when the resharder refuses the layout.
+
+    The bytes come from the functions `RefitSource` allocates its buffers with (`reshard.exchange`), run over the
+    tensor lists this recipe's trainer ranks hold, so the plan counts what the loop keeps.
+    """
+    return _busiest_refit_rank(shape, layout.tp, layout.pp, layout.dp, layout.rollout_tp, cfg.fp8_recipe())
+
+
+def describe_refit_buffers(cfg: RunConfig, shape, layout: Layout) -> str:
+    """One line for `jetrl plan`: what the ``refit_buffers`` line holds and when."""
+    if layout.tp * layout.pp == 1:
+        return "none: trainer TP x PP = 1, the engine's refit program reads the trainer's tensors in place"
+    busiest = refit_buffers(cfg, shape, layout)
+    if busiest is None:
+        return "not counted: the resharder refuses this layout"
+    from jetrl_megatron.reshard.plan import _fmt_bytes
+
+    rank, b = busiest
+    return (f"the model-parallel refit exchange's persistent per-peer byte buffers, allocated at the first refit and "
+            f"held in every phase after it (the engine's compiled refit program is built on their addresses); "
+            f"busiest rank {rank}: {_fmt_bytes(b.recv)} received + {_fmt_bytes(b.send)} sent (the tensors its own "
+            f"vLLM rank copies from it, {_fmt_bytes(b.own)}, are read in place)")
+
+
 def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 80.0) -> dict[str, float]:
     """Per-GPU GiB for the busiest pipeline stage. Assumptions (stated so they can be argued with):
 
@@ -167,11 +209,14 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
       34 x S x h bytes per layer / TP (flash attention, no S^2 term; Korthikanti et al.), the jetrl arm saving its
       linear inputs in FP8 instead of BF16 (-(2h + q + f) bytes per token per layer / TP); with full activation
       checkpointing 2 x S x h per layer plus one layer's full set; plus FP32 logits S x vocab / TP x 4 bytes;
+    - refit exchange buffers (trainer TP x PP > 1): the busiest rank's persistent send + receive buffers, exactly as
+      `RefitSource` allocates them (:func:`refit_buffers`); allocated at the first refit, before the first step,
+      and held in both phases;
     - KV cache: vLLM may use gpu_memory_utilization of the GPU for its weights + KV (colocated; freed while training);
       the batch needs 2 x layers x kv_heads/rollout_TP x head_dim x 2 B per token for all sequences of one engine;
-    - rollout phase: the trainer's weights, FP8 copies and Adam state stay resident next to vLLM's budget; the
-      activations and FP32 gradient copies are gone, the grad buffers too when released. The logprob pass (engine
-      asleep, forward only) needs less than the train phase and is not listed.
+    - rollout phase: the trainer's weights, FP8 copies, Adam state and refit buffers stay resident next to vLLM's
+      budget; the activations and FP32 gradient copies are gone, the grad buffers too when released. The logprob
+      pass (engine asleep, forward only) needs less than the train phase and is not listed.
     """
     pc = _param_counts(shape)
     tp, pp = layout.tp, layout.pp
@@ -200,12 +245,14 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
         "optimizer_adam": 12 * params / shard,
         "main_grads_fp32": 4 * params / shard,
         "activations": acts,
+        "refit_buffers": busiest[1].buffers if (busiest := refit_buffers(cfg, shape, layout)) else 0,
     }
     out = {k: v / GiB for k, v in out.items()}
     out["train_phase_total"] = (out["weights_bf16"] + out["fp8_weight_copies"] + out["grad_buffers"]
-                                + out["optimizer_adam"] + max(out["activations"], out["main_grads_fp32"]))
-    # Rollout phase: the trainer's weights, FP8 copies and optimizer stay resident; activations and FP32 gradient
-    # copies are freed, and the grad buffers unless the loop keeps them.
+                                + out["optimizer_adam"] + max(out["activations"], out["main_grads_fp32"])
+                                + out["refit_buffers"])
+    # Rollout phase: the trainer's weights, FP8 copies, optimizer and refit buffers stay resident; activations and
+    # FP32 gradient copies are freed, and the grad buffers unless the loop keeps them.
     rtp = layout.rollout_tp
     kv_heads_rank = max(1, shape.num_kv_heads // rtp)
     kv_per_token = 2 * shape.num_layers * kv_heads_rank * shape.head_dim * 2
@@ -216,7 +263,7 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
                  + 2 * (pc["embed"] + pc["head"])) / rtp / GiB
     out["vllm_weights"] = rollout_w
     out["kv_cache_budget"] = max(0.0, vllm_budget - rollout_w)
-    resident = out["weights_bf16"] + out["fp8_weight_copies"] + out["optimizer_adam"]
+    resident = out["weights_bf16"] + out["fp8_weight_copies"] + out["optimizer_adam"] + out["refit_buffers"]
     if not settings.release_grad_buffers:
         resident += out["grad_buffers"]
     out["rollout_phase_total"] = resident + vllm_budget
@@ -251,6 +298,7 @@ def plan_report(cfg: RunConfig, gpu_mem_gib: float = 80.0, show_config: bool = T
     settings = trainer_settings(cfg)
     lines.append(f"  optimizer: {settings.describe(layout.dp)}")
     lines.append(f"  grad buffers: {settings.describe_grad_buffers()}")
+    lines.append(f"  refit buffers: {describe_refit_buffers(cfg, shape, layout)}")
     for k, v in mem.items():
         lines.append(f"  {k:22s} {v:10.3f}")
     if cfg.is_gpu:
