@@ -226,7 +226,7 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("reshard-check", "export"):
-        from jetrl_megatron.reshard import commands  # lazy: only these subcommands need the resharder
+        from jetrl_megatron import reshard_cli as commands  # lazy: only these subcommands need the resharder
 
         fn = commands.reshard_check_main if argv[0] == "reshard-check" else commands.export_main
         return int(fn(argv[1:]) or 0)

@@ -12,7 +12,6 @@ exits 2, before ``srun`` starts anything.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import socket
 import subprocess
@@ -38,9 +37,7 @@ def ranks_per_node(cfg: RunConfig) -> int:
     are the data-parallel replicas."""
     if cfg.is_gpu:
         return cfg.cluster.gpus_per_node
-    mc = cfg.policy.megatron_cfg
-    return math.lcm(mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size,
-                    cfg.policy.generation.vllm_cfg.tensor_parallel_size)
+    return cfg.min_processes
 
 
 def gres(cfg: RunConfig) -> str:

@@ -60,7 +60,7 @@ def test_compare_table_format():
 def test_reshard_check_dispatch(capsys):
     import pytest
 
-    pytest.importorskip("jetrl_megatron.reshard.commands")
+    pytest.importorskip("jetrl_megatron.reshard_cli")
     assert main(["reshard-check", "--model", "qwen3-32b", "--train-tp", "2", "--train-pp", "2",
                  "--rollout-tp", "4"]) == 0
     assert main(["reshard-check", "--model", "qwen2.5-7b", "--train-tp", "8", "--train-pp", "1",

@@ -20,7 +20,7 @@ from jetrl_megatron.reshard import (
     iter_vllm_rank,
     megatron_from_canonical,
 )
-from jetrl_megatron.reshard.commands import export_main, reshard_check_main
+from jetrl_megatron.reshard_cli import export_main, reshard_check_main
 
 # 2 KV heads: vLLM TP 4 replicates each KV head on 2 ranks; Megatron TP 4 splits mid-group. Vocab 300 needs padding.
 SMALL = ModelShape(name="small", family="qwen3", hidden_size=256, num_layers=4, num_attention_heads=4,
@@ -410,7 +410,7 @@ def test_rollout_preflight_agrees_with_vllm_block_validation(monkeypatch):
 
 def test_export_states_what_stock_vllm_does_with_its_scales():
     """The E8M0 condition is printed with every export (stock vLLM 0.26 on Hopper rounds FP32 scales to 2^k)."""
-    from jetrl_megatron.reshard.commands import stock_vllm_note
+    from jetrl_megatron.reshard_cli import stock_vllm_note
 
     fp32 = stock_vllm_note(Fp8Recipe(), "fp8")
     assert "VLLM_USE_DEEP_GEMM_E8M0=0" in fp32 and "--scale-fmt pow2" in fp32

@@ -127,7 +127,7 @@ def test_exported_checkpoint_in_stock_vllm_block_fp8(tmp_path, monkeypatch, scal
     from vllm import LLM, SamplingParams
 
     from jetrl_megatron.recipe import Fp8Recipe
-    from jetrl_megatron.reshard.commands import export_main
+    from jetrl_megatron.reshard_cli import export_main
     from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
     from jetrl_megatron.rollout.model_dir import write_tiny_model_dir
 

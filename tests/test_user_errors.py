@@ -212,7 +212,7 @@ def test_truncated_newest_checkpoint_falls_back_with_a_warning(tmp_path, capsys,
 
 
 def test_export_refuses_a_checkpoint_without_its_layout(tmp_path, capsys):
-    from jetrl_megatron.reshard.commands import export_main
+    from jetrl_megatron.reshard_cli import export_main
 
     d = _fake_checkpoint(tmp_path, 1)  # meta.json without the ranks' coordinates / model config
     assert export_main(["--from-megatron", str(d), "--out", str(tmp_path / "hf")]) == 2
@@ -275,7 +275,7 @@ def _run_ok(log_dir: Path, *overrides: str, timeout: int = 400) -> tuple[subproc
 def test_run_checkpoint_exports_and_resumes_past_a_truncated_one(tmp_path):
     from safetensors.torch import load_file
 
-    from jetrl_megatron.reshard.commands import export_main
+    from jetrl_megatron.reshard_cli import export_main
 
     common = ("grpo.sft_warmstart.steps=4", "grpo.sft_warmstart.batch_size=16", "grpo.sft_warmstart.lr=1e-2",
               "grpo.max_num_steps=2", "checkpointing.enabled=true", "checkpointing.save_period=1")
@@ -364,7 +364,7 @@ def test_export_reads_run_checkpoints_of_any_tp_pp(tmp_path):
     from safetensors.torch import load_file
 
     from jetrl_megatron.megatron.cpu import spawn
-    from jetrl_megatron.reshard.commands import export_main
+    from jetrl_megatron.reshard_cli import export_main
 
     spawn(_save_tp_pp_checkpoints, 2, str(tmp_path))
     for layout in ("tp2_pp1", "tp1_pp2"):

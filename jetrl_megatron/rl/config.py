@@ -260,6 +260,14 @@ class RunConfig:
         return self.cluster.gpus_per_node > 0
 
     @property
+    def min_processes(self) -> int:
+        """The fewest processes the layout runs on: whole trainer model-parallel groups (TP x PP) that also hold
+        whole rollout-TP groups, lcm(TP x PP, rollout TP)."""
+        mc = self.policy.megatron_cfg
+        return math.lcm(mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size,
+                        self.policy.generation.vllm_cfg.tensor_parallel_size)
+
+    @property
     def world_size(self) -> int:
         return max(1, self.cluster.gpus_per_node) * self.cluster.num_nodes
 

@@ -797,7 +797,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         logger.log(0, val0)
         _say(f"validation before GRPO: reward {val0['val/reward']:.3f} accuracy {val0['val/accuracy']:.3f}")
     history: list[dict[str, Any]] = []
-    updates_per_step = g.num_prompts_per_step * g.num_generations_per_prompt // cfg.policy.train_global_batch_size
+    updates_per_step = optimizer_updates_per_step(cfg)
     collapse = None
     for step in logger.bar(range(start_step + 1, g.max_num_steps + 1), "grpo", total=g.max_num_steps - start_step):
         t_step = time.perf_counter()
@@ -888,6 +888,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     return summary
 
 
+def optimizer_updates_per_step(cfg: RunConfig) -> int:
+    """Optimizer updates in one GRPO step: its responses split into global training batches."""
+    g = cfg.grpo
+    return g.num_prompts_per_step * g.num_generations_per_prompt // cfg.policy.train_global_batch_size
+
+
 def summarize(cfg: RunConfig, logger: RunLogger, sft_losses: list[float], wall: float,
               vocab_size: int | None = None) -> dict[str, Any]:
     """summary.json from metrics.jsonl; ``ok`` is false (and ``error`` says why) when no optimizer update was
@@ -914,9 +920,7 @@ def summarize(cfg: RunConfig, logger: RunLogger, sft_losses: list[float], wall: 
             s[f"{t}_time_mean"] = float(np.mean([r[f"time/{t}"] for r in rows]))
         if cfg.logger.plot_enabled:
             s["plot"] = str(plot_run(all_rows, logger.log_dir / "reward_mismatch.png", f"{cfg.name} ({cfg.mode})"))
-    g = cfg.grpo
-    s.update(health.update_summary(rows, g.num_prompts_per_step * g.num_generations_per_prompt
-                                   // cfg.policy.train_global_batch_size))
+    s.update(health.update_summary(rows, optimizer_updates_per_step(cfg)))
     collapse = health.find_collapse(rows, vocab_size) if vocab_size else None
     if collapse is not None:
         s["collapse"] = collapse

@@ -7,7 +7,6 @@ actionable line (``jetrl run: ...``, exit 2) and nothing is written.
 
 from __future__ import annotations
 
-import math
 import os
 import shlex
 from pathlib import Path
@@ -30,7 +29,7 @@ def check_launch(cfg: RunConfig, recipe: str, overrides: list[str], world: int |
     mc = cfg.policy.megatron_cfg
     tp, pp, rtp = mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size, \
         cfg.policy.generation.vllm_cfg.tensor_parallel_size
-    need = math.lcm(tp * pp, rtp)
+    need = cfg.min_processes
     if world % need == 0:
         return
     nproc = cfg.cluster.gpus_per_node if cfg.is_gpu and cfg.cluster.gpus_per_node % need == 0 else need
