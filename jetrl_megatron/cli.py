@@ -1,7 +1,7 @@
 """`jetrl`: the command line of jetrl_megatron.
 
   jetrl run     --recipe NAME|PATH [a.b=c ...]    train with GRPO (tiny_cpu by default: CPU, a few minutes)
-  jetrl compare --recipe NAME [--arms a,b,c]      run several jet_rl.mode arms and tabulate mismatch + reward
+  jetrl compare --recipe NAME [--arms a,b,c]      every arm x --seeds N from one BF16 warm start, aggregated
   jetrl plan    --recipe NAME [a.b=c ...]          resolved config, parallel layout, resharder preflight, memory
   jetrl sbatch  --recipe NAME --nodes N [--submit] the SLURM command for slurm/jetrl.sbatch (GPU or CPU recipe)
   jetrl reshard-check ... / jetrl export ...       the resharder's commands (see docs/reshard.md)
@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 
 from jetrl_megatron.errors import UserError, one_line
+from jetrl_megatron.rl.compare import COMPARE_ARMS
 from jetrl_megatron.rl.config import ARM_MODES, DEFAULT_RECIPE, REPO_ROOT, ConfigError, load_config
 from jetrl_megatron.rl.logging import quiet_libraries
-
-COMPARE_ARMS = ("bf16", "bf16_train_fp8_rollout", "jetrl")
 
 
 def _recipe_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +37,14 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="run several arms of a recipe and tabulate mismatch + reward")
     _recipe_args(c)
     c.add_argument("--arms", default=",".join(COMPARE_ARMS), help=f"comma-separated jet_rl.mode values {ARM_MODES}")
+    c.add_argument("--seeds", type=int, default=3, help="runs per arm, seeds grpo.seed .. grpo.seed + N - 1")
     c.add_argument("--out", default=None, help="output dir (default runs/compare/<recipe>)")
+    c.add_argument("--parallel", type=int, default=1,
+                   help="arm runs at once after the warm start (each its own process, output to <run dir>.log); on "
+                        "one GPU they share it, so set vllm_cfg.gpu_memory_utilization to leave room for all")
+    c.add_argument("--reuse", action="store_true",
+                   help="skip a run whose log dir holds an ok summary.json and the same configuration (without it, "
+                        "every run starts afresh and its earlier output is removed)")
     p = sub.add_parser("plan", help="validate a recipe: config, layout, resharder preflight, memory estimate")
     _recipe_args(p)
     p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory to check the estimate against")
@@ -98,68 +104,127 @@ def _remove_unused_log_dir(log_dir: Path) -> None:
     shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def _arm_summary(run_dir: Path) -> dict:
-    path = run_dir / "summary.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+def _compare_plan(args: argparse.Namespace, out: Path, arms: list[str], seeds: list[int], tokenizer: str | None
+                  ) -> list[tuple[str, Path, list[str]]]:
+    """(label, log dir, overrides) of every run, the BF16 warm start first; the user's overrides come first so the
+    harness's own (arm, seed, paths, the shared warm start) always win."""
+    from jetrl_megatron.rl import compare
+
+    runs = [("BF16 warm start", out / "warmstart", [*args.overrides, *compare.warmstart_overrides(out)])]
+    runs += [(f"arm {arm} seed {seed}", compare.run_dir(out, arm, seed),
+              [*args.overrides, *compare.arm_overrides(out, arm, seed, tokenizer)]) for seed in seeds for arm in arms]
+    return runs
 
 
-COMPARE_COLUMNS = (
-    ("mismatch/k3_kl", "k3 KL", "{:.3e}"),
-    ("mismatch/kl", "KL", "{:.3e}"),
-    ("mismatch/token_mult_prob_error", "token_mult_prob_error", "{:.6f}"),
-    ("mismatch/abs_dp_max", "max abs dp", "{:.3e}"),
-    ("mismatch/is_oob_frac", "IS out of [0.5, 2]", "{:.4f}"),
-)
+def _compare_run(args: argparse.Namespace, label: str, log_dir: Path, overrides: list[str], expected: dict,
+                 reuse: bool) -> tuple[int, bool]:
+    """One run in a fresh process (vLLM and Megatron state are global); with ``reuse`` a run that already finished
+    with the same configuration is skipped. Any other earlier output of this run is removed first: its checkpoints
+    would otherwise be resumed from, and they may come from another warm start or configuration.
+    Returns (exit code, whether it ran)."""
+    from jetrl_megatron.rl.compare import finished
+
+    if reuse and finished(log_dir, expected):
+        print(f"   reusing {log_dir} (finished with the same configuration)", flush=True)
+        return 0, False
+    if log_dir.exists():
+        print(f"   removing the earlier output in {log_dir}", flush=True)
+        shutil.rmtree(log_dir)
+    cmd = [sys.executable, "-m", "jetrl_megatron.cli", "run", "--recipe", args.recipe, *overrides]
+    print(f"   {shlex.join(cmd[1:])}", flush=True)
+    rc = subprocess.call(cmd)
+    if rc:
+        print(f"jetrl compare: {label} failed (exit {rc}); see {log_dir}", file=sys.stderr)
+    return rc, True
 
 
-def compare_table(rows: list[tuple[str, dict]]) -> str:
-    """Markdown table: one row per arm, mismatch means over steps, reward first -> last."""
-    head = ["arm", *[c[1] for c in COMPARE_COLUMNS], "reward first -> last", "accuracy first -> last", "s/step"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for arm, s in rows:
-        mean = s.get("mismatch_mean", {})
-        cells = [arm] + [fmt.format(mean[k]) if k in mean else "n/a" for k, _, fmt in COMPARE_COLUMNS]
-        r0, r1 = s.get("reward_first"), s.get("reward_last")
-        a0, a1 = s.get("accuracy_first"), s.get("accuracy_last")
-        cells.append(f"{r0:.3f} -> {r1:.3f}" if r0 is not None and r1 is not None else "n/a")
-        cells.append(f"{a0:.3f} -> {a1:.3f}" if a0 is not None and a1 is not None else "n/a")
-        cells.append(f"{s['step_time_mean']:.1f}" if "step_time_mean" in s else "n/a")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+def _compare_run_many(args: argparse.Namespace, runs: list[tuple[str, Path, list[str]]], expected: dict,
+                      reuse: bool) -> int:
+    """The arm runs, ``args.parallel`` at a time, each in its own process writing to ``<run dir>.log`` (interleaved
+    output from several runs would be unreadable). Returns the first non-zero exit code, after all have ended."""
+    from jetrl_megatron.rl.compare import finished
+
+    pending, active, failed = list(runs), [], 0
+    while pending or active:
+        while pending and len(active) < args.parallel:
+            label, log_dir, ov = pending.pop(0)
+            if reuse and finished(log_dir, expected[log_dir]):
+                print(f"== {label}: reusing {log_dir}", flush=True)
+                continue
+            if log_dir.exists():
+                shutil.rmtree(log_dir)
+            log_dir.parent.mkdir(parents=True, exist_ok=True)
+            log = open(log_dir.with_suffix(".log"), "w")  # noqa: SIM115 (closed when the process ends)
+            cmd = [sys.executable, "-m", "jetrl_megatron.cli", "run", "--recipe", args.recipe, *ov]
+            print(f"== {label} started: {shlex.join(cmd[1:])} > {log.name}", flush=True)
+            active.append((label, log_dir, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+        time.sleep(1.0)
+        for item in list(active):
+            label, log_dir, log, proc = item
+            if proc.poll() is None:
+                continue
+            active.remove(item)
+            log.close()
+            print(f"== {label} ended (exit {proc.returncode})", flush=True)
+            if proc.returncode and not failed:
+                print(f"jetrl compare: {label} failed (exit {proc.returncode}); see {log.name}", file=sys.stderr)
+                failed = proc.returncode
+    return failed
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    """Every arm x seed from one shared BF16 warm start, then the aggregate (rl/compare.py)."""
+    import yaml
+
+    from jetrl_megatron.rl import compare
+    from jetrl_megatron.rl.config import to_yaml
+
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     bad = [a for a in arms if a not in ARM_MODES]
-    if bad:
-        print(f"jetrl compare: unknown arm(s) {bad}; choose from {ARM_MODES}", file=sys.stderr)
+    if bad or not arms:
+        print(f"jetrl compare: unknown arm(s) {', '.join(map(repr, bad)) or '(none given)'}; choose from "
+              f"{', '.join(ARM_MODES)}", file=sys.stderr)
+        return 2
+    if args.parallel < 1:
+        print(f"jetrl compare: --parallel must be >= 1, got {args.parallel}", file=sys.stderr)
+        return 2
+    if args.seeds < 1:
+        print(f"jetrl compare: --seeds must be >= 1 (runs per arm), got {args.seeds}", file=sys.stderr)
         return 2
     base = load_config(args.recipe, args.overrides)  # validate once before spending time
-    out = Path(args.out or REPO_ROOT / "runs" / "compare" / base.name)
+    out = Path(args.out or REPO_ROOT / "runs" / "compare" / base.name).resolve()
+    seeds = [base.grpo.seed + i for i in range(args.seeds)]
+    tokenizer = None if base.policy.tokenizer.name else base.policy.model_name
+    plan = _compare_plan(args, out, arms, seeds, tokenizer)
+    # every run's configuration, validated now (a bad combination fails here, not after the warm start)
+    expected = {d: yaml.safe_load(to_yaml(load_config(args.recipe, ov))) for _, d, ov in plan}
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
     t0 = time.time()
-    for arm in arms:
-        run_dir = out / arm
-        ov = [*args.overrides, f"jet_rl.mode={arm}", f"logger.log_dir={run_dir}",
-              "grpo.final_arm_probe=false", f"checkpointing.checkpoint_dir={run_dir / 'checkpoints'}"]
-        cmd = [sys.executable, "-m", "jetrl_megatron.cli", "run", "--recipe", args.recipe, *ov]
-        print(f"== arm {arm}: {shlex.join(cmd[1:])}", flush=True)
-        rc = subprocess.call(cmd)
+    reuse = args.reuse
+    for k, (label, log_dir, ov) in enumerate(plan, 1):
+        if k > 1 and args.parallel > 1:
+            rc = _compare_run_many(args, plan[1:], expected, reuse)
+            if rc:
+                return rc
+            break
+        print(f"== [{k}/{len(plan)}] {label}", flush=True)
+        rc, ran = _compare_run(args, label, log_dir, ov, expected[log_dir], reuse)
         if rc:
-            print(f"jetrl compare: arm {arm} failed (exit {rc}); see {run_dir}", file=sys.stderr)
             return rc
-        rows.append((arm, _arm_summary(run_dir)))
-    table = compare_table(rows)
-    steps = base.grpo.max_num_steps
-    note = (f"recipe `{base.name}`, {steps} GRPO steps per arm, mismatch = mean over steps on response tokens "
-            f"(rollout vs trainer log-probs of the sampled tokens); wall {time.time() - t0:.0f} s")
-    text = f"{table}\n\n{note}\n"
-    tmp = out / "compare.md.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, out / "compare.md")
-    print(text)
-    print(f"written to {out / 'compare.md'}")
+        if k == 1:
+            if not (compare.warmstart_model(out) / "config.json").is_file():
+                print(f"jetrl compare: the warm start wrote no model to {compare.warmstart_model(out)}",
+                      file=sys.stderr)
+                return 1
+            reuse = reuse and not ran  # runs from an earlier warm start are not this comparison's
+    arm_runs = {arm: {s: compare.run_dir(out, arm, s) for s in seeds} for arm in arms}
+    agg = compare.aggregate(arm_runs)
+    meta = {"recipe": base.name, "overrides": list(args.overrides), "steps": base.grpo.max_num_steps,
+            "seeds": seeds, "arms": arms, "warmstart": str(compare.warmstart_model(out)),
+            "wall_s": time.time() - t0}
+    paths = compare.write_outputs(agg, meta, out)
+    print(paths["md"].read_text())
+    print(f"written: {paths['md']}, {paths['json']}, {paths['png']}")
     return 0
 
 

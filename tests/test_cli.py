@@ -1,10 +1,11 @@
-"""The `jetrl` command line: plan, run's GPU guard, sbatch, compare table, resharder dispatch."""
+"""The `jetrl` command line: plan, run's GPU guard, sbatch, compare table and argument errors, resharder dispatch."""
 
 import subprocess
 import sys
 import time
 
-from jetrl_megatron.cli import compare_table, main
+from jetrl_megatron.cli import main
+from jetrl_megatron.rl.compare import summary_table
 
 
 def test_plan_ok(capsys):
@@ -50,11 +51,31 @@ def test_sbatch_template_contents():
 
 
 def test_compare_table_format():
-    s = {"mismatch_mean": {"mismatch/k3_kl": 0.0, "mismatch/kl": 0.0, "mismatch/token_mult_prob_error": 1.0,
-                           "mismatch/abs_dp_max": 0.0, "mismatch/is_oob_frac": 0.0},
-         "reward_first": 0.2, "reward_last": 0.5, "accuracy_first": 0.1, "accuracy_last": 0.3, "step_time_mean": 4.2}
-    t = compare_table([("jetrl", s), ("bf16", {})])
-    assert "| jetrl | 0.000e+00 |" in t and "0.200 -> 0.500" in t and "| bf16 | n/a" in t
+    """One row per arm, mean ± sample std across seeds, the mean alone for one seed, n/a where no seed has a value."""
+    def st(mean, std=None):
+        return {"mean": mean, "std": std, "min": mean, "max": mean, "n": 2 if std is not None else 1}
+
+    jetrl = {"seeds": [42, 43], "val": {"val/accuracy@first": {**st(0.5, 0.1), "steps": [0]},
+                                        "val/accuracy@last": {**st(0.7, 0.05), "steps": [20]}},
+             "reward_first_quarter": st(0.2, 0.01), "reward_last_quarter": st(0.5, 0.02),
+             "mismatch": {"mismatch/k3_kl": st(0.0, 0.0), "mismatch/token_mult_prob_error": st(1.0, 0.0)},
+             "step_time": st(4.2, 0.3)}
+    bf16 = {"seeds": [42], "val": {}, "reward_first_quarter": st(0.25), "reward_last_quarter": None, "mismatch": {},
+            "step_time": None}
+    lines = summary_table({"jetrl": jetrl, "bf16": bf16}).splitlines()
+    assert "val acc greedy @ step 0" in lines[0] and "val acc greedy @ step 20" in lines[0]
+    assert "sampled" not in lines[0]
+    assert lines[2].startswith("| jetrl | 2 | 0.500 ± 0.100 | 0.700 ± 0.050 | 0.200 ± 0.010 -> 0.500 ± 0.020 | "
+                               "0.00e+00 ± 0.00e+00 | 1.000000 ± 0.000000 | n/a | 4.20 ± 0.30 |"), lines[2]
+    assert lines[3] == "| bf16 | 1 | n/a | n/a | 0.250 -> n/a | n/a | n/a | n/a | n/a |"
+
+
+def test_compare_refuses_bad_arms_and_seeds(capsys):
+    assert main(["compare", "--arms", "bf16,fp4"]) == 2
+    err = capsys.readouterr().err
+    assert "'fp4'" in err and "bf16, bf16_train_fp8_rollout, jetrl, fake_quant" in err and len(err.splitlines()) == 1
+    assert main(["compare", "--seeds", "0"]) == 2
+    assert "--seeds must be >= 1" in capsys.readouterr().err
 
 
 def test_reshard_check_dispatch(capsys):

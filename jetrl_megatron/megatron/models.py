@@ -261,6 +261,12 @@ PRESETS: dict[str, ModelShape] = {
         head_dim=128, ffn_hidden_size=18944, vocab_size=152064, rms_norm_eps=1e-6, rope_theta=1000000.0,
         rope_scaling=None, tie_word_embeddings=False, qk_norm=False, qkv_bias=True, max_position_embeddings=131072,
         bos_token_id=151643, eos_token_id=151643),
+    # The long-response learning experiment's model (recipes/count_150m_gpu.yaml, docs/rl.md): the Qwen3 layout
+    # (QK-norm, GQA, head_dim 128, untied embeddings), 151M parameters, the character tokenizer's 128-token vocabulary.
+    "qwen3-150m-char": ModelShape(
+        name="qwen3-150m-char", family="qwen3", hidden_size=1024, num_layers=12, num_attention_heads=8,
+        num_kv_heads=4, head_dim=128, ffn_hidden_size=3072, vocab_size=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        rope_scaling=None, tie_word_embeddings=False, qk_norm=True, qkv_bias=False, max_position_embeddings=8192),
     # The embedded CPU default / CI model (Qwen3-style).
     "tiny": ModelShape(
         name="tiny", family="qwen3", hidden_size=256, num_layers=4, num_attention_heads=4, num_kv_heads=2,

@@ -52,13 +52,16 @@ class SftWarmstartCfg:
     steps: int = 0
     lr: float = 3e-3
     batch_size: int = 32
+    # Write the warmed-up policy here as an HF model directory (rank 0). ``jetrl compare`` does this once so every
+    # arm and seed starts from the same weights; with ``grpo.max_num_steps: 0`` the run stops after writing it.
+    save_model_dir: str | None = None
 
 
 @dataclass
 class GrpoCfg:
     num_prompts_per_step: int = 8
     num_generations_per_prompt: int = 8
-    max_num_steps: int = 10
+    max_num_steps: int = 10  # 0: warm start only (with sft_warmstart.save_model_dir), no GRPO step
     normalize_rewards: bool = True  # divide the group-centred reward by the group std
     use_leave_one_out_baseline: bool = False  # baseline = mean of the *other* responses of the group
     val_period: int = 0  # 0 = no validation
@@ -169,6 +172,9 @@ class GenerationCfg:
     top_k: int | None = None
     colocated: ColocatedCfg = field(default_factory=ColocatedCfg)
     vllm_cfg: VllmCfg = field(default_factory=VllmCfg)
+    # NeMo-RL's pass-through to ``vllm.LLM(...)``, e.g. ``compilation_config: {mode: 0, cudagraph_mode:
+    # FULL_DECODE_ONLY}`` for decode CUDA graphs without inductor's start-up compile.
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -194,16 +200,21 @@ class PolicyCfg:
 
 @dataclass
 class SyntheticCfg:
-    """(jetrl) The synthetic task for CPU runs (``data.dataset_name: synthetic_addition | synthetic_sort``)."""
+    """(jetrl) The synthetic tasks (``data.dataset_name: synthetic_addition | synthetic_sort | synthetic_count``)."""
 
     num_digits: int = 2
     num_items: int = 5  # sorting: list length
     num_prompts: int = 4096  # size of the deterministic prompt pool
+    # Seed of the pool and of its held-out validation split. Not grpo.seed: runs with different GRPO seeds (``jetrl
+    # compare --seeds``) share one warm start and must be validated on the same held-out prompts.
+    seed: int = 0
+    num_terms: int = 51  # synthetic_count: terms per answer (response tokens = num_terms * (term_digits + 1))
+    term_digits: int = 4  # synthetic_count: digits per term
 
 
 @dataclass
 class DataCfg:
-    dataset_name: str = "synthetic_addition"  # synthetic_addition | synthetic_sort | math_jsonl
+    dataset_name: str = "synthetic_addition"  # synthetic_addition | synthetic_sort | synthetic_count | math_jsonl
     data_path: str | None = None  # JSONL for math_jsonl (GSM8K / MATH style)
     max_input_seq_length: int = 32
     prompt_file: str | None = None  # a template with "{}" for the problem text (math)
@@ -502,7 +513,7 @@ def _ranges(cfg: RunConfig) -> list[tuple[str, float | int | None, float, float,
     g, lf, ck, pol, mc = cfg.grpo, cfg.loss_fn, cfg.checkpointing, cfg.policy, cfg.policy.megatron_cfg
     o, sch, gen, v, d = mc.optimizer, mc.scheduler, pol.generation, pol.generation.vllm_cfg, cfg.data
     return [
-        ("grpo.max_num_steps", g.max_num_steps, 1, _INF, True, True),
+        ("grpo.max_num_steps", g.max_num_steps, 0 if g.sft_warmstart.save_model_dir else 1, _INF, True, True),
         ("grpo.val_period", g.val_period, 0, _INF, True, True),
         ("grpo.max_val_samples", g.max_val_samples, 0, _INF, True, True),
         ("grpo.seed", g.seed, 0, 2**63 - 1, True, True),
@@ -542,6 +553,9 @@ def _ranges(cfg: RunConfig) -> list[tuple[str, float | int | None, float, float,
         ("data.synthetic.num_digits", d.synthetic.num_digits, 1, _INF, True, True),
         ("data.synthetic.num_items", d.synthetic.num_items, 1, _INF, True, True),
         ("data.synthetic.num_prompts", d.synthetic.num_prompts, 1, _INF, True, True),
+        ("data.synthetic.seed", d.synthetic.seed, 0, 2**63 - 1, True, True),
+        ("data.synthetic.num_terms", d.synthetic.num_terms, 1, _INF, True, True),
+        ("data.synthetic.term_digits", d.synthetic.term_digits, 1, 9, True, True),
         ("env.math.num_workers", cfg.env.math.num_workers, 1, _INF, True, True),
         ("cluster.gpus_per_node", cfg.cluster.gpus_per_node, 0, _INF, True, True),
         ("cluster.num_nodes", cfg.cluster.num_nodes, 1, _INF, True, True),
@@ -611,7 +625,8 @@ def resolve(cfg: RunConfig) -> RunConfig:
         (None, "tis", "icepop", "seq-mask-tis"),
         "loss_fn.truncated_importance_sampling_type",
     )
-    _choice(cfg.data.dataset_name, ("synthetic_addition", "synthetic_sort", "math_jsonl"), "data.dataset_name")
+    _choice(cfg.data.dataset_name, ("synthetic_addition", "synthetic_sort", "synthetic_count", "math_jsonl"),
+            "data.dataset_name")
     _choice(
         mc.scheduler.lr_decay_style, ("constant", "linear", "cosine"), "policy.megatron_cfg.scheduler.lr_decay_style"
     )

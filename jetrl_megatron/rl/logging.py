@@ -82,6 +82,7 @@ PLOT_KEYS = (
     ("reward/mean", "reward"),
     ("reward/accuracy", "accuracy"),
     ("val/accuracy", "validation accuracy (greedy)"),
+    ("val/accuracy_sampled", "validation accuracy (sampled)"),
     ("mismatch/k3_kl", "k3 KL (rollout || train)"),
     ("mismatch/token_mult_prob_error", "token_mult_prob_error"),
 )

@@ -38,7 +38,7 @@ from jetrl_megatron.rl.checkpoint import set_rng_state as set_rng_state
 from jetrl_megatron.rl.config import RunConfig, to_yaml
 from jetrl_megatron.rl.logging import RunLogger, plot_run, read_metrics
 from jetrl_megatron.rl.metrics import MISMATCH_KEYS, masked_mean, mismatch_metrics, position_bins
-from jetrl_megatron.rl.tasks import PromptStream, build_task
+from jetrl_megatron.rl.tasks import PromptStream, build_task, heldout_split
 
 # ------------------------------------------------------------------------------------------------ small helpers
 
@@ -384,7 +384,7 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
     from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
 
     v = cfg.policy.generation.vllm_cfg
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(cfg.policy.generation.vllm_kwargs)
     if _world() > 1 and (torch.cuda.is_available() or v.tensor_parallel_size > 1):
         # The ranks of this job form vLLM's groups (each rank runs its vLLM worker in-process). On CPU only rollout
         # TP > 1 needs this; at TP 1 every rank runs an independent engine.
@@ -448,25 +448,44 @@ def rollout(cfg: RunConfig, engine, task, prompts, step: int) -> tuple[list, flo
 
 
 def validate(cfg: RunConfig, engine, task, val_prompts) -> dict[str, float]:
-    """Greedy (temperature 0) answers on a fixed held-out prompt set: a low-variance view of learning progress."""
+    """Held-out prompts, answered greedily (temperature 0: a low-variance view of what the policy knows) and sampled
+    as in rollout (``VAL_SAMPLES`` answers each at the rollout temperature: what GRPO actually optimizes). The two
+    can move apart: sharpening the sampled distribution may change the argmax on prompts it was unsure about."""
     if not val_prompts:
         return {}
+    g = cfg.policy.generation
+    greedy = _val_scores(cfg, engine, task, val_prompts, n=1, temperature=0.0, top_p=1.0)
+    sampled = _val_scores(cfg, engine, task, val_prompts, n=VAL_SAMPLES, temperature=g.temperature, top_p=g.top_p)
+    return {"val/reward": float(np.mean([r for r, _ in greedy])),
+            "val/accuracy": float(np.mean([c for _, c in greedy])),
+            "val/reward_sampled": float(np.mean([r for r, _ in sampled])),
+            "val/accuracy_sampled": float(np.mean([c for _, c in sampled]))}
+
+
+VAL_SAMPLES = 4  # sampled answers per held-out prompt
+VAL_KEYS = ("step", "val/reward", "val/accuracy", "val/reward_sampled", "val/accuracy_sampled")
+
+
+def _val_scores(cfg: RunConfig, engine, task, val_prompts, *, n: int, temperature: float,
+                top_p: float) -> list[tuple[float, bool]]:
+    """(reward, correct) of every answer to the held-out prompts; each engine answers its share, all ranks get all.
+    A fixed seed: the same policy gives the same sampled answers, so curves move only when the policy does."""
     n_engines, my_engine = engine_groups(cfg)
     per = -(-len(val_prompts) // n_engines)
     mine = list(range(my_engine * per, min(len(val_prompts), (my_engine + 1) * per)))
     eos = task.tokenizer.eos_token_id
     res = []
     if mine:
-        out = engine.generate([val_prompts[i].token_ids for i in mine], n=1,
-                              max_tokens=cfg.policy.generation.max_new_tokens, temperature=0.0, top_p=1.0, seed=0,
-                              stop_token_ids=[eos] if eos is not None else None)
+        out = engine.generate([val_prompts[i].token_ids for i in mine], n=n,
+                              max_tokens=cfg.policy.generation.max_new_tokens, temperature=temperature, top_p=top_p,
+                              seed=0, stop_token_ids=[eos] if eos is not None else None)
         res = [task.reward(val_prompts[mine[s.prompt_index]], task.tokenizer.decode(list(s.token_ids))) for s in out]
     if _world() > 1:
         parts: list = [None] * _world()
         first = _rank() % cfg.policy.generation.vllm_cfg.tensor_parallel_size == 0
         _dist().all_gather_object(parts, res if first else [])
         res = [x for p in parts for x in p]
-    return {"val/reward": float(np.mean([r for r, _ in res])), "val/accuracy": float(np.mean([c for _, c in res]))}
+    return res
 
 
 def make_batch(cfg: RunConfig, task, prompts, samples) -> RolloutBatch:
@@ -604,8 +623,9 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
     return m
 
 
-def sft_warmstart(cfg: RunConfig, trainer: Trainer, task, logger: RunLogger) -> list[float]:
-    """A few supervised steps on the task's reference answers so the first GRPO rewards are not all zero."""
+def sft_warmstart(cfg: RunConfig, trainer: Trainer, task, indices: list[int], logger: RunLogger) -> list[float]:
+    """A few supervised steps on the reference answers of the training prompts ``indices`` (never the held-out
+    ones) so the first GRPO rewards are not all zero."""
     from jetrl_megatron.megatron.model import train_step
 
     w = cfg.grpo.sft_warmstart
@@ -618,7 +638,7 @@ def sft_warmstart(cfg: RunConfig, trainer: Trainer, task, logger: RunLogger) -> 
     for _ in logger.bar(range(w.steps), "sft warm-start"):
         rows = []
         for _ in range(w.batch_size):
-            p = task.prompt(rng.randrange(len(task)))
+            p = task.prompt(indices[rng.randrange(len(indices))])
             rows.append((list(p.token_ids), task.sft_target(p)))
         longest = max(len(a) + len(b) for a, b in rows)
         s = padded_length(longest, cfg.policy.make_sequence_length_divisible_by, mbs, cfg.fp8_token_multiple())
@@ -754,7 +774,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     _, engine_index = engine_groups(cfg)  # refuses an impossible rollout layout before any training work
     task = build_task(cfg)
-    stream = PromptStream(task, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
+    g = cfg.grpo
+    val_idx, train_idx = heldout_split(task, g.max_val_samples if g.val_period > 0 else 0, cfg.data.synthetic.seed)
+    stream = PromptStream(task, seed=g.seed, shuffle=cfg.data.shuffle, indices=train_idx)
     trainer = build_trainer(cfg)
 
     start_step = 0
@@ -765,7 +787,18 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         _say(f"resumed from {ckpt} (step {start_step})")
     elif Path(logger.path).exists() and _is_main():
         logger.path.unlink()  # a fresh run starts a fresh metrics file
-    sft_losses = sft_warmstart(cfg, trainer, task, logger) if ckpt is None else []
+    sft_losses = sft_warmstart(cfg, trainer, task, train_idx, logger) if ckpt is None else []
+    if cfg.grpo.sft_warmstart.save_model_dir and ckpt is None:
+        write_model_dir(cfg, trainer, Path(cfg.grpo.sft_warmstart.save_model_dir), only_rank0=True)
+        _say(f"warm-started policy written to {cfg.grpo.sft_warmstart.save_model_dir}")
+        if cfg.grpo.max_num_steps == 0:
+            logger.close()
+            summary = {"ok": True, "recipe": cfg.name, "mode": cfg.mode, "steps": 0,
+                       "sft_loss": sft_losses[-1] if sft_losses else None,
+                       "model_dir": cfg.grpo.sft_warmstart.save_model_dir}
+            if _is_main():
+                (log_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            return summary
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         trainer.ref_model = make_reference(cfg, trainer)
     # Colocated memory: the DDP grad buffers are held only during policy updates, not while the engine starts, nor
@@ -788,14 +821,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     engine.refit_from_shards(source.shards(), rank=vllm_rank)
     _say(f"rollout engine ready (arm {cfg.mode}); first refit {time.perf_counter() - t0:.2f} s")
 
-    g = cfg.grpo
     bins = position_bins(cfg.policy.generation.max_new_tokens, 4)
-    val_prompts = PromptStream(task, seed=g.seed + 7919).take(min(g.max_val_samples, len(task))) \
-        if g.val_period > 0 else []
+    val_prompts = [task.prompt(i) for i in val_idx]
     if val_prompts and start_step == 0:
         val0 = validate(cfg, engine, task, val_prompts)
         logger.log(0, val0)
-        _say(f"validation before GRPO: reward {val0['val/reward']:.3f} accuracy {val0['val/accuracy']:.3f}")
+        _say(f"validation before GRPO: accuracy {val0['val/accuracy']:.3f} greedy, "
+             f"{val0['val/accuracy_sampled']:.3f} sampled (reward {val0['val/reward']:.3f} / "
+             f"{val0['val/reward_sampled']:.3f})")
     history: list[dict[str, Any]] = []
     updates_per_step = optimizer_updates_per_step(cfg)
     collapse = None
@@ -914,8 +947,8 @@ def summarize(cfg: RunConfig, logger: RunLogger, sft_losses: list[float], wall: 
         s["mismatch_mean"] = {f"mismatch/{m}": float(np.mean([r[f"mismatch/{m}"] for r in rows]))
                               for m in MISMATCH_KEYS if all(r.get(f"mismatch/{m}") is not None for r in rows)}
         if val:
-            s["val_first"] = {k: val[0][k] for k in ("step", "val/reward", "val/accuracy")}
-            s["val_last"] = {k: val[-1][k] for k in ("step", "val/reward", "val/accuracy")}
+            s["val_first"] = {k: val[0][k] for k in VAL_KEYS if k in val[0]}
+            s["val_last"] = {k: val[-1][k] for k in VAL_KEYS if k in val[-1]}
         for t in ("rollout", "logprob", "update", "refit", "step"):
             s[f"{t}_time_mean"] = float(np.mean([r[f"time/{t}"] for r in rows]))
         if cfg.logger.plot_enabled:
@@ -938,8 +971,10 @@ def summarize(cfg: RunConfig, logger: RunLogger, sft_losses: list[float], wall: 
              f"step {s['step_time_mean']:.2f}s (rollout {s['rollout_time_mean']:.2f} / logprob "
              f"{s['logprob_time_mean']:.2f} / update {s['update_time_mean']:.2f} / refit {s['refit_time_mean']:.2f})")
         if val:
-            _say(f"validation (greedy, {len(val)} evaluations): reward {val[0]['val/reward']:.3f} -> "
-                 f"{val[-1]['val/reward']:.3f}, accuracy {val[0]['val/accuracy']:.3f} -> {val[-1]['val/accuracy']:.3f}")
+            v0, v1 = s["val_first"], s["val_last"]
+            _say(f"validation ({len(val)} evaluations, step {v0['step']} -> {v1['step']}): accuracy greedy "
+                 f"{v0['val/accuracy']:.3f} -> {v1['val/accuracy']:.3f}, sampled "
+                 f"{v0.get('val/accuracy_sampled', math.nan):.3f} -> {v1.get('val/accuracy_sampled', math.nan):.3f}")
         mm = s["mismatch_mean"]
         _say(f"mismatch ({cfg.mode}): k3 {mm.get('mismatch/k3_kl', math.nan):.3e}, token_mult_prob_error "
              f"{mm.get('mismatch/token_mult_prob_error', math.nan):.6f}")

@@ -163,6 +163,9 @@ class MathTask:
     def __len__(self) -> int:
         return len(self._rows)
 
+    def prompt_text(self, index: int) -> str:
+        return self.template.format(self._rows[index][0])
+
     def prompt(self, index: int) -> Prompt:
         problem, gold = self._rows[index]
         text = self.template.format(problem)
@@ -176,15 +179,19 @@ class MathTask:
 
 
 class PromptStream:
-    """Deterministic epoch-wise shuffled walk over a task's prompts; ``state()``/``load_state()`` for resume."""
+    """Deterministic epoch-wise shuffled walk over a task's prompts (or the subset ``indices``);
+    ``state()``/``load_state()`` for resume."""
 
-    def __init__(self, task: Task, seed: int, shuffle: bool = True):
+    def __init__(self, task: Task, seed: int, shuffle: bool = True, indices: list[int] | None = None):
         self.task, self.seed, self.shuffle = task, seed, shuffle
+        self.indices = list(range(len(task))) if indices is None else list(indices)
+        if not self.indices:
+            raise ValueError(f"task {task.name}: no prompts to draw from")
         self.epoch, self.index = 0, 0
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(len(self.task)))
+        order = list(self.indices)
         if self.shuffle:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
@@ -212,15 +219,42 @@ def build_task(cfg) -> Task:
     """The task named by ``data.dataset_name`` (a RunConfig)."""
     d = cfg.data
     if d.dataset_name == "synthetic_addition":
-        return AdditionTask(d.synthetic.num_digits, d.synthetic.num_prompts, seed=cfg.grpo.seed)
+        return AdditionTask(d.synthetic.num_digits, d.synthetic.num_prompts, seed=d.synthetic.seed)
     if d.dataset_name == "synthetic_sort":
-        return SortTask(d.synthetic.num_items, d.synthetic.num_prompts, seed=cfg.grpo.seed)
+        return SortTask(d.synthetic.num_items, d.synthetic.num_prompts, seed=d.synthetic.seed)
+    if d.dataset_name == "synthetic_count":
+        from jetrl_megatron.rl.count_task import CountTask
+
+        return CountTask(d.synthetic.num_terms, d.synthetic.term_digits, d.synthetic.num_prompts,
+                         seed=d.synthetic.seed)
     if d.dataset_name == "math_jsonl":
         if not d.data_path:
             raise ValueError("data.data_path: required for data.dataset_name=math_jsonl")
         template = Path(d.prompt_file).read_text() if d.prompt_file else None
         return MathTask(d.data_path, load_tokenizer(cfg), template, d.max_input_seq_length)
     raise ValueError(f"data.dataset_name: unknown {d.dataset_name!r}")
+
+
+def heldout_split(task: Task, num_val: int, seed: int) -> tuple[list[int], list[int]]:
+    """(validation indices, training indices): ``num_val`` prompts with distinct texts, and every prompt whose text
+    is not among them. Split by text, not index, because a synthetic pool repeats texts: an index split would
+    validate on prompts the policy was trained on. Capped so at least half of the distinct texts stay for training."""
+    order = list(range(len(task)))
+    random.Random(seed * 1_000_003 + 7919).shuffle(order)
+    text_of = getattr(task, "prompt_text", None) or (lambda i: task.prompt(i).text)
+    texts = [text_of(i) for i in range(len(task))]
+    distinct = len(set(texts))
+    num_val = min(num_val, distinct // 2)
+    val: list[int] = []
+    val_texts: set[str] = set()
+    for i in order:
+        if len(val) >= num_val:
+            break
+        if texts[i] not in val_texts:
+            val.append(i)
+            val_texts.add(texts[i])
+    train = [i for i in range(len(task)) if texts[i] not in val_texts]
+    return val, train
 
 
 def load_tokenizer(cfg):

@@ -1,0 +1,300 @@
+"""`jetrl compare`: the aggregation across arms and seeds (synthetic runs, checked against numpy) and one real,
+short end-to-end comparison on tiny_cpu (one BF16 warm start, 2 arms x 2 seeds)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from jetrl_megatron.rl import compare
+from jetrl_megatron.rl.config import load_config
+
+ARMS = ("bf16", "bf16_train_fp8_rollout", "jetrl")
+SEEDS = (42, 43, 44)
+STEPS = 8
+VAL_PERIOD = 4
+BINS = ((0, 1), (1, 2), (2, 4))
+MM = ("k3_kl", "token_mult_prob_error", "max_abs_logp_diff", "abs_dp_max")
+
+
+def _rows(rng: np.random.Generator, sampled: bool) -> list[dict]:
+    """One run's metrics.jsonl rows: validation at step 0 and every VAL_PERIOD steps, mismatch overall + per bin."""
+    def val():
+        v = {"val/accuracy": rng.random(), "val/reward": rng.random()}
+        if sampled:
+            v.update({"val/accuracy_sampled": rng.random(), "val/reward_sampled": rng.random()})
+        return v
+
+    rows = [{"step": 0, **val()}]
+    for step in range(1, STEPS + 1):
+        r = {"step": step, "reward/mean": rng.random(), "reward/accuracy": rng.random(), "time/step": rng.random() + 1,
+             "mismatch/kl": rng.random()}  # a mismatch key the harness does not track
+        for name in MM:
+            r[f"mismatch/{name}"] = rng.random() * 1e-3
+            for lo, hi in BINS:
+                r[f"mismatch/{name}/pos_{lo}_{hi}"] = rng.random() * 1e-3
+        if step % VAL_PERIOD == 0:
+            r.update(val())
+        rows.append(r)
+    return rows
+
+
+def _write(d: Path, rows: list[dict]) -> Path:
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "summary.json").write_text(json.dumps({"ok": True, "recipe": "tiny_cpu", "steps": STEPS}))
+    return d
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """3 arms x 3 seeds of random metrics; sampled validation only in the jetrl arm (it is a new key)."""
+    rng = np.random.default_rng(0)
+    data = {a: {s: _rows(rng, sampled=a == "jetrl") for s in SEEDS} for a in ARMS}
+    dirs = {a: {s: _write(tmp_path / a / f"seed{s}", data[a][s]) for s in SEEDS} for a in ARMS}
+    return data, dirs
+
+
+def _np_stats(v: list[float]) -> dict:
+    a = np.asarray(v)
+    return {"mean": a.mean(), "std": a.std(ddof=1), "min": a.min(), "max": a.max(), "n": a.size}
+
+
+def _close(got: dict, want: dict) -> None:
+    for k in ("mean", "std", "min", "max"):
+        assert got[k] == pytest.approx(want[k], rel=1e-12, abs=1e-15), (k, got, want)
+    assert got["n"] == want["n"]
+
+
+def test_step_curves_match_numpy(runs):
+    data, dirs = runs
+    agg = compare.aggregate(dirs)
+    assert list(agg) == list(ARMS)
+    for arm in ARMS:
+        for key in ("reward/mean", "reward/accuracy", "val/accuracy", "val/reward", "mismatch/k3_kl"):
+            curve = agg[arm]["curves"][key]
+            steps = [r["step"] for r in data[arm][SEEDS[0]] if key in r]
+            assert [p["step"] for p in curve] == steps
+            for p in curve:
+                vals = [next(r[key] for r in data[arm][s] if r["step"] == p["step"]) for s in SEEDS]
+                _close(p, _np_stats(vals))
+
+
+def test_endpoints_quarters_mismatch_and_step_time_match_numpy(runs):
+    data, dirs = runs
+    agg = compare.aggregate(dirs)
+    for arm in ARMS:
+        a, rows = agg[arm], [data[arm][s] for s in SEEDS]
+        assert a["seeds"] == list(SEEDS)
+        val = [[r for r in rs if "val/accuracy" in r] for rs in rows]
+        _close(a["val"]["val/accuracy@first"], _np_stats([v[0]["val/accuracy"] for v in val]))
+        _close(a["val"]["val/reward@last"], _np_stats([v[-1]["val/reward"] for v in val]))
+        assert a["val"]["val/accuracy@first"]["steps"] == [0] and a["val"]["val/accuracy@last"]["steps"] == [STEPS]
+        k = STEPS // 4
+        rewards = [[r["reward/mean"] for r in rs if r["step"] > 0] for rs in rows]
+        _close(a["reward_first_quarter"], _np_stats([np.mean(x[:k]) for x in rewards]))
+        _close(a["reward_last_quarter"], _np_stats([np.mean(x[-k:]) for x in rewards]))
+        for name in MM:
+            for key in [f"mismatch/{name}"] + [f"mismatch/{name}/pos_{lo}_{hi}" for lo, hi in BINS]:
+                _close(a["mismatch"][key], _np_stats([np.mean([r[key] for r in rs if r["step"] > 0]) for rs in rows]))
+        assert "mismatch/kl" not in a["mismatch"]
+        _close(a["step_time"], _np_stats([np.mean([r["time/step"] for r in rs if r["step"] > 0]) for rs in rows]))
+
+
+def test_missing_keys(runs, tmp_path):
+    data, dirs = runs
+    # a bin missing in one seed, a non-finite value logged as None in another
+    rows = data["bf16"][43]
+    for r in rows:
+        r.pop("mismatch/k3_kl/pos_2_4", None)
+    rows[3]["reward/mean"] = None
+    (dirs["bf16"][43] / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    agg = compare.aggregate(dirs)
+    a = agg["bf16"]
+    key = "mismatch/k3_kl/pos_2_4"
+    _close(a["mismatch"][key], _np_stats([np.mean([r[key] for r in data["bf16"][s] if r["step"] > 0])
+                                          for s in (42, 44)]))
+    step3 = next(p for p in a["curves"]["reward/mean"] if p["step"] == 3)
+    _close(step3, _np_stats([data["bf16"][s][3]["reward/mean"] for s in (42, 44)]))
+    # sampled validation: only the jetrl arm logged it
+    assert "val/accuracy_sampled" not in a["curves"] and "val/accuracy_sampled@first" not in a["val"]
+    assert "val/accuracy_sampled@last" in agg["jetrl"]["val"]
+    table = compare.summary_table(agg)
+    assert "val acc sampled" in table and table.splitlines()[2].count("n/a") == 2  # bf16: no sampled columns
+    # no arm with sampled validation: no sampled columns at all; one seed: no std, no crash
+    only = compare.aggregate({"bf16": {42: dirs["bf16"][42]}})
+    table = compare.summary_table(only)
+    assert "sampled" not in table and "±" not in table
+    assert only["bf16"]["reward_first_quarter"]["std"] is None
+
+
+def test_tables_hold_the_numbers(runs):
+    data, dirs = runs
+    agg = compare.aggregate(dirs)
+    table = compare.summary_table(agg)
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(ARMS) and "val acc greedy @ step 0" in lines[0] and f"@ step {STEPS}" in lines[0]
+    for arm, line in zip(ARMS, lines[2:], strict=True):
+        rows = [data[arm][s] for s in SEEDS]
+        v0 = [rs[0]["val/accuracy"] for rs in rows]
+        k3 = [np.mean([r["mismatch/k3_kl"] for r in rs if r["step"] > 0]) for rs in rows]
+        assert line.startswith(f"| {arm} | 3 | {np.mean(v0):.3f} ± {np.std(v0, ddof=1):.3f} |"), line
+        assert f"| {np.mean(k3):.2e} ± {np.std(k3, ddof=1):.2e} |" in line
+        assert " -> " in line
+    pos = compare.position_table(agg)
+    assert pos.splitlines()[0] == "| arm | metric | pos 0 | pos 1 | pos 2-3 |"
+    rows = [data["jetrl"][s] for s in SEEDS]
+    tm = [np.mean([r["mismatch/token_mult_prob_error/pos_1_2"] for r in rs if r["step"] > 0]) for rs in rows]
+    line = next(ln for ln in pos.splitlines() if ln.startswith("| jetrl | token_mult_prob_error |"))
+    assert f"{np.mean(tm):.6f} ± {np.std(tm, ddof=1):.6f}" in line
+
+
+def test_outputs_written_atomically(runs, tmp_path):
+    _, dirs = runs
+    agg = compare.aggregate(dirs)
+    meta = {"recipe": "tiny_cpu", "steps": STEPS, "seeds": list(SEEDS), "arms": list(ARMS),
+            "warmstart": "/x/warmstart/model", "wall_s": 12.0}
+    out = tmp_path / "out"
+    out.mkdir()
+    paths = compare.write_outputs(agg, meta, out)
+    png = paths["png"].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    saved = json.loads(paths["json"].read_text())
+    assert saved["meta"] == meta and list(saved["arms"]) == list(ARMS)
+    assert saved["arms"]["jetrl"]["val"]["val/accuracy@first"]["n"] == 3
+    md = paths["md"].read_text()
+    assert compare.summary_table(agg) in md and compare.position_table(agg) in md
+    assert "/x/warmstart/model" in md and "seeds [42, 43, 44]" in md
+    assert sorted(p.name for p in out.iterdir()) == ["compare.json", "compare.md", "compare.png"]  # no temp files
+
+
+def test_run_overrides_are_valid_and_fair(tmp_path):
+    """Every arm's run differs from the others only by the arm; the warm start is BF16 and writes a model dir."""
+    ws = load_config("tiny_cpu", compare.warmstart_overrides(tmp_path))
+    assert ws.mode == "bf16" and ws.grpo.max_num_steps == 0
+    assert ws.grpo.sft_warmstart.save_model_dir == str(tmp_path / "warmstart" / "model")
+    cfgs = {a: load_config("tiny_cpu", compare.arm_overrides(tmp_path, a, 7, "tiny")).to_dict() for a in ARMS}
+    for a, c in cfgs.items():
+        assert c["policy"]["model_name"] == str(tmp_path / "warmstart" / "model") and c["grpo"]["seed"] == 7
+        assert c["grpo"]["sft_warmstart"]["steps"] == 0 and c["jet_rl"]["mode"] == a
+    assert _differing_keys(cfgs["bf16"], cfgs["jetrl"]) <= ARM_KEYS | PATH_KEYS
+
+
+def test_finished_needs_ok_and_same_config(tmp_path):
+    cfg = {"grpo": {"seed": 42}}
+    d = tmp_path / "run"
+    d.mkdir()
+    assert not compare.finished(d, cfg)
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (d / "summary.json").write_text(json.dumps({"ok": False}))
+    assert not compare.finished(d, cfg)
+    (d / "summary.json").write_text(json.dumps({"ok": True}))
+    assert compare.finished(d, cfg) and not compare.finished(d, {"grpo": {"seed": 43}})
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+# keys the arm itself sets (jet_rl.mode and what config.resolve derives from it) and the per-run paths
+ARM_KEYS = {"jet_rl.mode", "policy.megatron_cfg.fp8_cfg.enabled", "policy.generation.vllm_cfg.precision"}
+PATH_KEYS = {"logger.log_dir", "checkpointing.checkpoint_dir"}
+FAST = ["grpo.max_num_steps=2", "grpo.val_period=1", "grpo.max_val_samples=8", "grpo.num_prompts_per_step=4",
+        "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8",
+        "policy.logprob_batch_size=8", "grpo.sft_warmstart.steps=3", "grpo.sft_warmstart.batch_size=16",
+        "logger.progress_bars=false"]
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _differing_keys(a: dict, b: dict) -> set[str]:
+    fa, fb = _flat(a), _flat(b)
+    return {k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k)}
+
+
+def _numbers(x):
+    if isinstance(x, dict):
+        for v in x.values():
+            yield from _numbers(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from _numbers(v)
+    elif isinstance(x, int | float) and not isinstance(x, bool):
+        yield x
+
+
+def _compare(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "jetrl_megatron.cli", "compare", "--recipe", "tiny_cpu", "--arms", "bf16,jetrl",
+           "--seeds", "2", "--out", str(out), *extra, *FAST]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=420,
+                       env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
+    return r
+
+
+@pytest.mark.slow
+def test_compare_e2e_shared_warmstart(tmp_path):
+    out = tmp_path / "cmp"
+    t0 = time.time()
+    r = _compare(out)
+    print(f"jetrl compare, 1 warm start + 2 arms x 2 seeds: {time.time() - t0:.0f} s")
+    assert "== [1/5] BF16 warm start" in r.stdout and "== [5/5] arm jetrl seed 43" in r.stdout
+    model = out / "warmstart" / "model"
+    assert (model / "config.json").is_file() and (model / "model.safetensors").stat().st_size > 0
+    ws = json.loads((out / "warmstart" / "summary.json").read_text())
+    assert ws["ok"] and ws["steps"] == 0 and ws["mode"] == "bf16"
+
+    configs = {}
+    for arm in ("bf16", "jetrl"):
+        for seed in (42, 43):
+            d = out / arm / f"seed{seed}"
+            c = configs[arm, seed] = yaml.safe_load((d / "config.yaml").read_text())
+            assert c["policy"]["model_name"] == str(model) and c["grpo"]["sft_warmstart"]["steps"] == 0
+            assert c["grpo"]["seed"] == seed and c["jet_rl"]["mode"] == arm
+            assert json.loads((d / "summary.json").read_text())["ok"]
+    for seed in (42, 43):  # the same seed: everything but the arm is the same (data order, sampling seeds, model)
+        assert _differing_keys(configs["bf16", seed], configs["jetrl", seed]) <= ARM_KEYS | PATH_KEYS
+
+    res = json.loads((out / "compare.json").read_text())
+    assert res["meta"]["arms"] == ["bf16", "jetrl"] and res["meta"]["seeds"] == [42, 43]
+    assert res["meta"]["warmstart"] == str(model)
+    for arm in ("bf16", "jetrl"):
+        a = res["arms"][arm]
+        assert a["seeds"] == [42, 43] and a["steps"] == {"42": 2, "43": 2}
+        assert [p["step"] for p in a["curves"]["reward/mean"]] == [1, 2]
+        assert all(p["n"] == 2 for p in a["curves"]["reward/mean"])
+        assert a["val"]["val/accuracy@first"]["steps"] == [0] and a["val"]["val/accuracy@last"]["steps"] == [2]
+        assert a["val"]["val/accuracy@first"]["n"] == 2 and a["mismatch"]["mismatch/k3_kl"]["n"] == 2
+        assert any("/pos_" in k for k in a["mismatch"]) and a["step_time"]["n"] == 2
+    nums = list(_numbers(res["arms"]))
+    assert nums and all(math.isfinite(x) for x in nums)
+    md = (out / "compare.md").read_text()
+    assert "| bf16 | 2 |" in md and "| jetrl | 2 |" in md and str(model) in md
+    assert md.split("\n\n")[0] in r.stdout  # the tables are printed
+    assert (out / "compare.png").stat().st_size > 5000
+
+    # --reuse: every run finished with the same configuration, so nothing runs again
+    t1 = time.time()
+    r2 = _compare(out, "--reuse")
+    assert r2.stdout.count("reusing") == 5 and "jetrl_megatron.cli run" not in r2.stdout
+    assert time.time() - t1 < 60
+
+
+def test_compare_stops_at_a_failed_run(tmp_path, capsys):
+    """A run that fails (here the warm start: no such model) stops the comparison with one line naming it."""
+    from jetrl_megatron.cli import main
+
+    rc = main(["compare", "--out", str(tmp_path), "--seeds", "1", f"policy.model_name={tmp_path / 'no_such_model'}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "BF16 warm start failed (exit 2)" in err and str(tmp_path / "warmstart") in err
+    assert not (tmp_path / "compare.json").exists()
