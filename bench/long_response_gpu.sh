@@ -15,7 +15,8 @@ case $length in
   *) echo "usage: $0 short|long OUT_DIR" >&2; exit 2 ;;
 esac
 work=/tmp/jetrl_long/$length
-python -m jetrl_megatron.cli compare --recipe count_150m_gpu --seeds "${SEEDS:-2}" --parallel "${PARALLEL:-6}" \
+# TIME_LIMIT (seconds) stops the harness so the outputs written so far are still copied out
+timeout "${TIME_LIMIT:-0}" python -m jetrl_megatron.cli compare --recipe count_150m_gpu --seeds "${SEEDS:-2}" --parallel "${PARALLEL:-6}" \
   --out "$work" "${ov[@]}" "$@" 2>&1 | tail -n 60 || status=$?
 mkdir -p "$out/$length"
 (cd "$work" && find . -path '*/model*' -prune -o -path '*/checkpoints' -prune -o -type f \
