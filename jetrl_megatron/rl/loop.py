@@ -454,8 +454,12 @@ def validate(cfg: RunConfig, engine, task, val_prompts) -> dict[str, float]:
     if not val_prompts:
         return {}
     g = cfg.policy.generation
-    greedy = _val_scores(cfg, engine, task, val_prompts, n=1, temperature=0.0, top_p=1.0)
-    sampled = _val_scores(cfg, engine, task, val_prompts, n=VAL_SAMPLES, temperature=g.temperature, top_p=g.top_p)
+    greedy, texts = _val_scores(cfg, engine, task, val_prompts, n=1, temperature=0.0, top_p=1.0)
+    sampled, _ = _val_scores(cfg, engine, task, val_prompts, n=VAL_SAMPLES, temperature=g.temperature,
+                             top_p=g.top_p)
+    if texts:  # what the policy answers, not just its score: the first held-out prompt, greedy
+        _say(f"  held-out sample: {val_prompts[0].text[:60]!r} -> {texts[0][:80]!r}"
+             f"{'...' if len(texts[0]) > 80 else ''} (reward {greedy[0][0]:.3f})")
     return {"val/reward": float(np.mean([r for r, _ in greedy])),
             "val/accuracy": float(np.mean([c for _, c in greedy])),
             "val/reward_sampled": float(np.mean([r for r, _ in sampled])),
@@ -467,25 +471,27 @@ VAL_KEYS = ("step", "val/reward", "val/accuracy", "val/reward_sampled", "val/acc
 
 
 def _val_scores(cfg: RunConfig, engine, task, val_prompts, *, n: int, temperature: float,
-                top_p: float) -> list[tuple[float, bool]]:
+                top_p: float) -> tuple[list[tuple[float, bool]], list[str]]:
     """(reward, correct) of every answer to the held-out prompts; each engine answers its share, all ranks get all.
     A fixed seed: the same policy gives the same sampled answers, so curves move only when the policy does."""
     n_engines, my_engine = engine_groups(cfg)
     per = -(-len(val_prompts) // n_engines)
     mine = list(range(my_engine * per, min(len(val_prompts), (my_engine + 1) * per)))
     eos = task.tokenizer.eos_token_id
-    res = []
+    res, texts = [], []
     if mine:
         out = engine.generate([val_prompts[i].token_ids for i in mine], n=n,
                               max_tokens=cfg.policy.generation.max_new_tokens, temperature=temperature, top_p=top_p,
                               seed=0, stop_token_ids=[eos] if eos is not None else None)
-        res = [task.reward(val_prompts[mine[s.prompt_index]], task.tokenizer.decode(list(s.token_ids))) for s in out]
+        texts = [task.tokenizer.decode(list(s.token_ids)) for s in out]
+        res = [task.reward(val_prompts[mine[s.prompt_index]], t) for s, t in zip(out, texts, strict=True)]
     if _world() > 1:
         parts: list = [None] * _world()
         first = _rank() % cfg.policy.generation.vllm_cfg.tensor_parallel_size == 0
-        _dist().all_gather_object(parts, res if first else [])
-        res = [x for p in parts for x in p]
-    return res
+        _dist().all_gather_object(parts, (res, texts) if first else ([], []))
+        res = [x for p in parts for x in p[0]]
+        texts = [x for p in parts for x in p[1]]
+    return res, texts
 
 
 def make_batch(cfg: RunConfig, task, prompts, samples) -> RolloutBatch:
@@ -795,6 +801,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             logger.close()
             summary = {"ok": True, "recipe": cfg.name, "mode": cfg.mode, "steps": 0,
                        "sft_loss": sft_losses[-1] if sft_losses else None,
+                       "sft_loss_curve": sft_losses[::max(1, len(sft_losses) // 50)],
                        "model_dir": cfg.grpo.sft_warmstart.save_model_dir}
             if _is_main():
                 (log_dir / "summary.json").write_text(json.dumps(summary, indent=2))
