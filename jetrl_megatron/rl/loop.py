@@ -397,7 +397,7 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
         refit_cuda_graph=bool(_env_flag("JETRL_REFIT_CUDA_GRAPH", v.refit_cuda_graph)),
         fp8_gemm_warmup=bool(_env_flag("JETRL_FP8_GEMM_WARMUP", v.fp8_gemm_warmup)),
         max_model_len=v.max_model_len,
-        kv_cache_memory_bytes=v.kv_cache_memory_bytes if not torch.cuda.is_available() else None,
+        kv_cache_memory_bytes=v.kv_cache_memory_bytes,
         gpu_memory_utilization=v.gpu_memory_utilization, max_num_seqs=max(1, seqs), seed=cfg.grpo.seed,
         enforce_eager=v.enforce_eager, enable_sleep_mode=torch.cuda.is_available() and
         cfg.policy.generation.colocated.enabled, in_process=True, llm_kwargs=kwargs))
