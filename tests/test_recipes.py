@@ -109,3 +109,18 @@ def test_model_weights_resolution(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     with pytest.raises(FileNotFoundError, match="policy.model_name"):  # never a silent random init
         resolve_model_weights(load_config("qwen3_8b_tp1"))
+
+
+def test_plan_counts_a_sized_kv_cache():
+    """With vllm_cfg.kv_cache_memory_bytes set, the engine sizes its KV cache from it (CUDA too), so the plan's KV
+    budget is that size and the rollout phase is weights + that size, not gpu_memory_utilization of the GPU."""
+    from jetrl_megatron.rl.plan import memory_estimate, model_shape, parallel_layout
+
+    base = load_config("count_150m_gpu", ["policy.generation.vllm_cfg.kv_cache_memory_bytes=null"])
+    sized = load_config("count_150m_gpu", [f"policy.generation.vllm_cfg.kv_cache_memory_bytes={3 << 30}"])
+    m0 = memory_estimate(base, model_shape(base), parallel_layout(base), gpu_mem_gib=80.0)
+    m1 = memory_estimate(sized, model_shape(sized), parallel_layout(sized), gpu_mem_gib=80.0)
+    assert m1["kv_cache_budget"] == pytest.approx(3.0)
+    assert m0["kv_cache_budget"] == pytest.approx(0.08 * 80.0 - m0["vllm_weights"])
+    grown = m1["rollout_phase_total"] - m0["rollout_phase_total"]
+    assert grown == pytest.approx(3.0 - 0.08 * 80.0 + m1["vllm_weights"])

@@ -212,7 +212,8 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     - refit exchange buffers (trainer TP x PP > 1): the busiest rank's persistent send + receive buffers, exactly as
       `RefitSource` allocates them (:func:`refit_buffers`); allocated at the first refit, before the first step,
       and held in both phases;
-    - KV cache: vLLM may use gpu_memory_utilization of the GPU for its weights + KV (colocated; freed while training);
+    - KV cache: vLLM may use gpu_memory_utilization of the GPU for its weights + KV (colocated; freed while training),
+      or exactly vllm_cfg.kv_cache_memory_bytes of KV plus its weights when that key is set;
       the batch needs 2 x layers x kv_heads/rollout_TP x head_dim x 2 B per token for all sequences of one engine;
     - rollout phase: the trainer's weights, FP8 copies, Adam state and refit buffers stay resident next to vLLM's
       budget; the activations and FP32 gradient copies are gone, the grad buffers too when released. The logprob
@@ -258,11 +259,16 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     kv_per_token = 2 * shape.num_layers * kv_heads_rank * shape.head_dim * 2
     seqs_per_engine = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt / layout.engines
     out["kv_cache_full_batch"] = kv_per_token * seqs_per_engine * cfg.policy.generation.vllm_cfg.max_model_len / GiB
-    vllm_budget = cfg.policy.generation.vllm_cfg.gpu_memory_utilization * gpu_mem_gib
     rollout_w = (pc["linear_per_layer"] * shape.num_layers * (1 if cfg.mode != "bf16" else 2)
                  + 2 * (pc["embed"] + pc["head"])) / rtp / GiB
     out["vllm_weights"] = rollout_w
-    out["kv_cache_budget"] = max(0.0, vllm_budget - rollout_w)
+    kv_bytes = cfg.policy.generation.vllm_cfg.kv_cache_memory_bytes
+    if kv_bytes is not None:  # the engine sizes its KV cache from this key on CUDA too (rl/loop.py start_engine)
+        out["kv_cache_budget"] = kv_bytes / GiB
+        vllm_budget = rollout_w + out["kv_cache_budget"]
+    else:
+        vllm_budget = cfg.policy.generation.vllm_cfg.gpu_memory_utilization * gpu_mem_gib
+        out["kv_cache_budget"] = max(0.0, vllm_budget - rollout_w)
     resident = out["weights_bf16"] + out["fp8_weight_copies"] + out["optimizer_adam"] + out["refit_buffers"]
     if not settings.release_grad_buffers:
         resident += out["grad_buffers"]
