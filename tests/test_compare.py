@@ -246,9 +246,13 @@ def _compare(out: Path, *extra: str) -> subprocess.CompletedProcess:
 def test_compare_e2e_shared_warmstart(tmp_path):
     out = tmp_path / "cmp"
     t0 = time.time()
-    r = _compare(out)
+    r = _compare(out, "--parallel", "2")  # the warm start alone, then the four arm runs two at a time
     print(f"jetrl compare, 1 warm start + 2 arms x 2 seeds: {time.time() - t0:.0f} s")
-    assert "== [1/5] BF16 warm start" in r.stdout and "== [5/5] arm jetrl seed 43" in r.stdout
+    assert "== [1/5] BF16 warm start" in r.stdout
+    for arm in ("bf16", "jetrl"):
+        for seed in (42, 43):
+            assert f"== arm {arm} seed {seed} ended (exit 0)" in r.stdout
+            assert "validation before GRPO" in (out / arm / f"seed{seed}.log").read_text()  # each run's own log
     model = out / "warmstart" / "model"
     assert (model / "config.json").is_file() and (model / "model.safetensors").stat().st_size > 0
     ws = json.loads((out / "warmstart" / "summary.json").read_text())

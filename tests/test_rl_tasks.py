@@ -63,3 +63,38 @@ def test_math_task_from_sample_jsonl():
     assert t.reward(gsm, "36 - 10 = \\boxed{26}") == (1.0, True)
     with pytest.raises(FileNotFoundError, match="data_path"):
         MathTask("nope.jsonl", CharTokenizer())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_heldout_split_is_disjoint_by_text(seed):
+    """The validation prompts share no text with any training prompt (the sort pool repeats texts: 3 digits give
+    1000 strings for 4096 prompts), are distinct, deterministic per seed, and every pool index lands on one side."""
+    from jetrl_megatron.rl.tasks import heldout_split
+
+    task = SortTask(num_items=3, num_prompts=4096, seed=seed)
+    val, train = heldout_split(task, 100, seed=seed)
+    val_texts = [task.prompt(i).text for i in val]
+    train_texts = {task.prompt(i).text for i in train}
+    assert len(val) == 100 and len(set(val_texts)) == 100
+    assert not set(val_texts) & train_texts
+    counts = {}
+    for i in range(len(task)):
+        counts[task.prompt(i).text] = counts.get(task.prompt(i).text, 0) + 1
+    assert len(train) == len(task) - sum(counts[t] for t in val_texts)  # every copy of a held-out text is held out
+    assert heldout_split(task, 100, seed=seed) == (val, train)
+    assert heldout_split(task, 100, seed=seed + 1)[0] != val
+
+
+def test_heldout_split_keeps_half_for_training_and_stream_stays_inside():
+    from jetrl_megatron.rl.tasks import heldout_split
+
+    task = SortTask(num_items=2, num_prompts=500, seed=0)  # at most 100 distinct texts
+    val, train = heldout_split(task, 1000, seed=0)
+    distinct = len({task.prompt(i).text for i in range(len(task))})
+    assert len(val) == distinct // 2 and train
+    stream = PromptStream(task, seed=3, indices=train)
+    val_texts = {task.prompt(i).text for i in val}
+    assert all(p.text not in val_texts for p in stream.take(3 * len(train)))
+    assert heldout_split(task, 0, seed=0) == ([], list(range(len(task))))
+    with pytest.raises(ValueError, match="no prompts"):
+        PromptStream(task, seed=0, indices=[])

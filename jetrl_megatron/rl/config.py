@@ -75,6 +75,8 @@ class GrpoCfg:
 class LossFnCfg:
     reference_policy_kl_penalty: float = 0.0
     reference_policy_kl_type: str = "k3"  # k1 | k2 | k3
+    kl_input_clamp_value: float | None = 20.0  # NeMo-RL: clamp log(pi_ref / pi) to +-this before the estimator
+    kl_output_clamp_value: float | None = 10.0  # NeMo-RL: clamp each token's KL penalty to +-this (no gradient)
     ratio_clip_min: float = 0.2
     ratio_clip_max: float = 0.2
     ratio_clip_c: float | None = None  # dual-clip constant (> 1) for negative advantages
@@ -523,6 +525,8 @@ def _ranges(cfg: RunConfig) -> list[tuple[str, float | int | None, float, float,
         ("grpo.sft_warmstart.lr", g.sft_warmstart.lr, 0, _INF, True, False),
         ("grpo.sft_warmstart.batch_size", g.sft_warmstart.batch_size, 1, _INF, True, True),
         ("loss_fn.reference_policy_kl_penalty", lf.reference_policy_kl_penalty, 0, _INF, True, False),
+        ("loss_fn.kl_input_clamp_value", lf.kl_input_clamp_value, 0, _INF, False, False),
+        ("loss_fn.kl_output_clamp_value", lf.kl_output_clamp_value, 0, _INF, False, False),
         ("loss_fn.ratio_clip_min", lf.ratio_clip_min, 0, 1, True, True),
         ("loss_fn.ratio_clip_max", lf.ratio_clip_max, 0, _INF, True, False),
         ("loss_fn.truncated_importance_sampling_ratio", lf.truncated_importance_sampling_ratio, 0, _INF, False, False),

@@ -16,6 +16,16 @@ from dataclasses import dataclass
 import torch
 
 
+def _spread(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Unbiased std of the last dim's n values, exactly 0 when they are all equal (or n < 2)."""
+    if n < 2:
+        return torch.zeros(x.shape[:-1], dtype=x.dtype)
+    centred = x - x.mean(dim=-1, keepdim=True)
+    std = (centred.square().sum(dim=-1) / (n - 1)).sqrt()
+    tied = x.amax(dim=-1) == x.amin(dim=-1)
+    return torch.where(tied, torch.zeros_like(std), std)
+
+
 def group_advantages(
     rewards: torch.Tensor,
     group_size: int,
@@ -24,42 +34,90 @@ def group_advantages(
     leave_one_out: bool = False,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Per-response advantage from its prompt group's rewards.
+    """Per-response advantage from its prompt group's rewards (NeMo-RL v0.7.0's GRPO advantage estimator).
 
     ``rewards`` is (num_prompts * group_size,), grouped contiguously (all responses of prompt 0 first).
-    Baseline = group mean, or with ``leave_one_out`` the mean of the *other* group_size - 1 rewards (unbiased
-    REINFORCE-LOO). With ``normalize`` the centred reward is divided by (group std + eps), std being the unbiased
-    std of the whole group; groups whose rewards are all equal (std 0) keep advantage r - baseline (= 0 for the mean
-    baseline) instead of being divided by eps.
+
+    * ``leave_one_out=False``: A_i = r_i - mean(group); with ``normalize`` divided by (s + eps), s = the unbiased
+      (ddof 1) std of the whole group.
+    * ``leave_one_out=True`` (RLOO): A_i = r_i - mean(others_i), others_i = the group without response i; with
+      ``normalize`` divided by (s_i + eps), s_i = the unbiased std of those group_size - 1 *other* rewards (so it
+      differs per response). group_size 2 leaves one other reward: s_i = 0.
+
+    Where s (s_i) is 0, i.e. the rewards it is taken over are all equal, the advantage stays r - baseline
+    undivided (NeMo-RL: "don't sharpen the ones with no variation"). NeMo-RL computes the variance in one pass
+    (E[x^2] - E[x]^2), which can leave a rounding residue instead of an exact 0 for non-dyadic tied rewards; here
+    ties give exactly 0. Example, one success in 8 with LOO + normalize: +1.0 (the 7 others are all 0) and
+    -(1/7) / sqrt(1/7) = -0.378 for each failure.
     """
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards shape {tuple(rewards.shape)} is not (num_prompts * group_size={group_size},)")
     if group_size < 2:
         raise ValueError("group_size must be >= 2 for group-relative advantages")
     r = rewards.double().view(-1, group_size)
-    total = r.sum(dim=1, keepdim=True)
-    baseline = (total - r) / (group_size - 1) if leave_one_out else total / group_size
+    if leave_one_out:
+        # others[p, i, :] = the group_size - 1 rewards of prompt p other than response i
+        others = torch.stack([torch.cat([r[:, :i], r[:, i + 1:]], dim=1) for i in range(group_size)], dim=1)
+        baseline = others.mean(dim=-1)
+        std = _spread(others, group_size - 1)
+    else:
+        baseline = r.mean(dim=1, keepdim=True).expand_as(r)
+        std = _spread(r, group_size).unsqueeze(1).expand_as(r)
     adv = r - baseline
     if normalize:
-        std = r.std(dim=1, keepdim=True, unbiased=True)
         adv = torch.where(std > 0, adv / (std + eps), adv)
-    return adv.view(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+    return adv.reshape(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 
-def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3), with the gradient of logp.
+KL_INPUT_CLAMP = 20.0  # NeMo-RL ClippedPGLossConfig.kl_input_clamp_value
+KL_OUTPUT_CLAMP = 10.0  # NeMo-RL ClippedPGLossConfig.kl_output_clamp_value
 
-    k1 = logp - logp_ref; k2 = (logp - logp_ref)^2 / 2; k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1 (>= 0).
+
+def kl_penalty(
+    logp: torch.Tensor,
+    logp_ref: torch.Tensor,
+    kind: str = "k3",
+    *,
+    input_clamp: float | None = KL_INPUT_CLAMP,
+    output_clamp: float | None = KL_OUTPUT_CLAMP,
+    score_function: bool = True,
+) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) penalty as NeMo-RL v0.7.0 puts it in the loss (Schulman's estimators).
+
+    With u = clamp(logp_ref - logp, -input_clamp, input_clamp):
+    k1 = -u; k2 = u^2 / 2; k3 = exp(u) - 1 - u (>= 0). The estimate is multiplied by s = exp(logp - sg(logp))
+    (``score_function``; value 1), so d/dlogp = k + dk/dlogp: the tokens were sampled from pi itself, and the
+    score-function term E[k * grad logp] belongs to the gradient of E_pi[k]. Where the input clamp is active, s is
+    detached (zero gradient there); the product is then clamped to [-output_clamp, output_clamp], so a token whose
+    |k| exceeds output_clamp (10) contributes the cap and no gradient. ``logp_ref`` is treated as a constant.
     """
-    d = logp_ref - logp
+    if kind not in ("k1", "k2", "k3"):
+        raise ValueError(f"unknown KL estimator {kind!r} (k1 | k2 | k3)")
+    u = logp_ref.detach() - logp
+    s = torch.nan_to_num(torch.exp(logp - logp.detach()), nan=0.0, posinf=0.0, neginf=0.0) if score_function \
+        else torch.ones_like(logp)
+    if input_clamp is not None:
+        u_c = u.clamp(-input_clamp, input_clamp)
+        s = torch.where(u_c == u, s, s.detach())
+        u = u_c
     if kind == "k1":
-        return -d
-    if kind == "k2":
-        return 0.5 * d * d
-    if kind == "k3":
-        d = d.clamp(-20.0, 20.0)
-        return torch.exp(d) - d - 1.0
-    raise ValueError(f"unknown KL estimator {kind!r} (k1 | k2 | k3)")
+        k = -u
+    elif kind == "k2":
+        k = 0.5 * u * u
+    else:
+        k = torch.exp(u) - 1.0 - u
+    k = s * k
+    if output_clamp is not None:
+        k = k.clamp(-output_clamp, output_clamp)
+    return k
+
+
+def ratio_floor(kind: str | None, ratio_max: float, ratio_min: float | None) -> float:
+    """The lower bound on pi_old / pi_rollout: ``ratio_min`` when set, else 0 for 'tis' (NeMo-RL's default) and
+    1 / ratio_max for the masking kinds (a project default; NeMo-RL requires ratio_min for them)."""
+    if ratio_min is not None:
+        return ratio_min
+    return 0.0 if kind == "tis" else 1.0 / ratio_max
 
 
 def importance_weights(
@@ -71,36 +129,41 @@ def importance_weights(
     ratio_max: float = 2.0,
     ratio_min: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rollout-correction weights w_t = pi_train_old / pi_rollout (detached) and the mask of tokens that keep counting.
+    """Rollout-correction weights w_t on pi_train_old / pi_rollout (no gradient), NeMo-RL v0.7.0's meaning.
 
-    kind None: plain IS weights rho_t = exp(logp_old - logp_gen).
-    'tis' (truncated IS, Yao et al.): w = clamp(rho, ratio_min or 0, ratio_max).
-    'icepop' (token-level masked IS): w = rho where ratio_min <= rho <= ratio_max, else the token is masked out.
-    'seq-mask-tis' (sequence-level masked IS, Liu et al.): sequences whose geometric-mean ratio
-        exp(mean_t log rho_t) lies outside [ratio_min, ratio_max] are masked out; kept tokens get
-        w = min(rho, ratio_max).
-    ratio_min defaults to 0 for 'tis' and 1 / ratio_max for the masking kinds.
-    Returns (weights, mask) with the input mask's dtype; masked tokens have weight 0.
+    rho_t = exp(logp_old - logp_gen) (non-finite -> 0).
+    kind None: w = rho.
+    'tis' (truncated IS): w = clamp(rho, lo, ratio_max), lo = ratio_min or 0.
+    'icepop' (token-masked IS): w = rho where lo <= rho <= ratio_max, else 0.
+    'seq-mask-tis' (sequence-masked IS): w = rho (raw, not truncated) in sequences whose geometric-mean ratio
+        exp(mean_t log rho_t) lies in [lo, ratio_max], else 0.
+    lo for the masking kinds: ratio_min, or 1 / ratio_max when unset (see ``ratio_floor``).
+
+    Dropped tokens stay in the loss with weight 0: the loss is still normalized by all valid response tokens
+    (sequences), and their KL penalty still counts. Returns (weights, kept): weights with ``logp_old``'s dtype,
+    0 on padding; kept (``mask``'s dtype) = the valid tokens the filter did not drop, for reporting only.
     """
-    m = mask.to(torch.float32)
-    log_rho = (logp_old - logp_gen).detach().float().clamp(-20.0, 20.0) * m
-    rho = torch.exp(log_rho)
-    lo = ratio_min if ratio_min is not None else (0.0 if kind == "tis" else 1.0 / ratio_max)
-    if kind is None:
-        w, keep = rho, m
-    elif kind == "tis":
-        w, keep = rho.clamp(lo, ratio_max), m
-    elif kind == "icepop":
-        keep = m * ((rho >= lo) & (rho <= ratio_max)).float()
-        w = rho
-    elif kind == "seq-mask-tis":
-        n = m.sum(dim=1).clamp_min(1.0)
-        seq_ratio = torch.exp(log_rho.sum(dim=1) / n)
-        seq_keep = ((seq_ratio >= lo) & (seq_ratio <= ratio_max)).float().unsqueeze(1)
-        keep = m * seq_keep
-        w = rho.clamp(max=ratio_max)
-    else:
+    if kind not in (None, "tis", "icepop", "seq-mask-tis"):
         raise ValueError(f"unknown truncated_importance_sampling_type {kind!r} (tis | icepop | seq-mask-tis | None)")
+    dtype = torch.promote_types(logp_old.dtype, torch.float32)
+    m = mask.to(dtype)
+    valid = m > 0
+    diff = (logp_old.detach() - logp_gen.detach()).to(dtype)
+    rho = torch.where(valid, torch.nan_to_num(torch.exp(diff), nan=0.0, posinf=0.0, neginf=0.0), 0.0)
+    lo = ratio_floor(kind, ratio_max, ratio_min)
+    keep = m
+    if kind is None:
+        w = rho
+    elif kind == "tis":
+        w = rho.clamp(lo, ratio_max)
+    elif kind == "icepop":
+        keep = m * ((rho >= lo) & (rho <= ratio_max)).to(dtype)
+        w = rho
+    else:
+        log_rho = torch.where(valid, torch.nan_to_num(diff, nan=0.0, posinf=0.0, neginf=0.0), 0.0)
+        seq_ratio = torch.exp(log_rho.sum(dim=1) / m.sum(dim=1).clamp_min(1.0))
+        keep = m * ((seq_ratio >= lo) & (seq_ratio <= ratio_max)).to(dtype).unsqueeze(1)
+        w = rho
     return (w * keep).to(logp_old.dtype), keep.to(mask.dtype)
 
 
@@ -127,19 +190,24 @@ def clipped_pg_loss(
     logp_ref: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_type: str = "k3",
+    kl_input_clamp: float | None = KL_INPUT_CLAMP,
+    kl_output_clamp: float | None = KL_OUTPUT_CLAMP,
     token_level: bool = True,
     normalizer: float | None = None,
 ) -> PgLossOut:
-    """PPO-clip surrogate, token level (DAPO-style aggregation) or sequence-mean then batch-mean.
+    """PPO-clip surrogate + KL penalty, NeMo-RL v0.7.0's ClippedPGLossFn (the keys it shares with this project).
 
-    ratio = exp(logp - logp_old); per token  L = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A),
+    ratio = exp(logp - logp_old); per token  L = max(-ratio * A, -clip(ratio, 1 - clip_low, 1 + clip_high) * A),
     with dual clip (clip_c > 1) capping L at -clip_c * A for negative advantages; times the detached
-    importance weights; plus kl_coef * KL(pi || pi_ref) (estimator ``kl_type``) per token.
+    importance weights (``importance_weights``; 0 on tokens a filter dropped, which still count in the
+    normalizer); plus, not importance-weighted, kl_coef * ``kl_penalty(logp, logp_ref, kl_type)`` per token
+    (score-function gradient, per-token KL capped at ``kl_output_clamp``).
 
-    ``advantages`` is per sequence (B,) or per token (B, T). Token-level aggregation divides the masked sum by
-    ``normalizer`` when given (the *global* token count, so micro-batches add up to the global mean) else by the
-    masked token count here. Sequence-level aggregation averages each sequence's tokens, then divides the sum over
-    sequences by ``normalizer`` (global sequence count) or B.
+    ``advantages`` is per sequence (B,) or per token (B, T); ``mask`` = every valid response token. Token-level
+    aggregation divides the masked sum by ``normalizer`` when given (the *global* token count, so micro-batches add
+    up to the global mean) else by the masked token count here. Sequence-level aggregation (NeMo-RL
+    ``token_level_loss: false``) averages each sequence's tokens, then divides the sum over sequences by
+    ``normalizer`` (global sequence count) or B. The PG and KL parts are aggregated the same way.
     """
     if logp.shape != logp_old.shape or logp.shape != mask.shape:
         raise ValueError(f"shape mismatch: logp {tuple(logp.shape)}, logp_old {tuple(logp_old.shape)}, "
@@ -147,8 +215,8 @@ def clipped_pg_loss(
     m = mask.to(logp.dtype)
     adv = advantages.unsqueeze(1).expand_as(logp) if advantages.dim() == 1 else advantages
     adv = adv.to(logp.dtype)
-    log_ratio = (logp - logp_old.detach()).clamp(-20.0, 20.0)
-    ratio = torch.exp(log_ratio)
+    # (padding: ratio 1, so whatever the model returns there cannot turn the masked sums into nan)
+    ratio = torch.exp(torch.where(m > 0, logp - logp_old.detach(), torch.zeros_like(logp)))
     surr1 = ratio * adv
     surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     tok = -torch.minimum(surr1, surr2)
@@ -159,7 +227,8 @@ def clipped_pg_loss(
         tok = tok * is_weights.detach().to(logp.dtype)
     kl_tok = torch.zeros_like(tok)
     if kl_coef and logp_ref is not None:
-        kl_tok = kl_penalty(logp, logp_ref.detach(), kl_type)
+        kl_tok = kl_penalty(logp, logp_ref.detach(), kl_type, input_clamp=kl_input_clamp,
+                            output_clamp=kl_output_clamp)
         tok = tok + kl_coef * kl_tok
 
     def agg(x: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from jetrl_megatron.rl.checkpoint import set_rng_state as set_rng_state
 from jetrl_megatron.rl.config import RunConfig, to_yaml
 from jetrl_megatron.rl.logging import RunLogger, plot_run, read_metrics
 from jetrl_megatron.rl.metrics import MISMATCH_KEYS, masked_mean, mismatch_metrics, position_bins
+from jetrl_megatron.rl.metrics import nemo_rl_mismatch_metrics as nemo_rl_mismatch_metrics
 from jetrl_megatron.rl.tasks import PromptStream, build_task, heldout_split
 
 # ------------------------------------------------------------------------------------------------ small helpers
@@ -609,6 +610,7 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
                 lp, mb["logp_old"], mb["adv"], mb["mask"], clip_low=lf.ratio_clip_min, clip_high=lf.ratio_clip_max,
                 clip_c=lf.ratio_clip_c, is_weights=mb.get("is_w"), logp_ref=mb.get("logp_ref"),
                 kl_coef=lf.reference_policy_kl_penalty, kl_type=lf.reference_policy_kl_type,
+                kl_input_clamp=lf.kl_input_clamp_value, kl_output_clamp=lf.kl_output_clamp_value,
                 token_level=lf.token_level_loss, normalizer=norm)
             return out.loss, {"pg_loss": out.pg_loss, "kl_ref": out.kl, "clip_frac": out.clip_frac,
                               "ratio_mean": out.ratio_mean}
@@ -860,6 +862,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         metrics = mismatch_metrics(lt, lr, m_pos, bins=bins, ratio_c=cfg.loss_fn.truncated_importance_sampling_ratio)
         # 5. rollout correction (optional) and the policy update
         lf = cfg.loss_fn
+        # NeMo-RL-named mismatch metrics, NeMo-RL's definitions and per-optimizer-step aggregation
+        metrics.update(nemo_rl_mismatch_metrics(
+            logp_old, batch.gen_logprobs, batch.mask, kl_type=lf.reference_policy_kl_type,
+            tis_type=lf.truncated_importance_sampling_type if lf.use_importance_sampling_correction else None,
+            tis_ratio=lf.truncated_importance_sampling_ratio, tis_ratio_min=lf.truncated_importance_sampling_ratio_min,
+            global_batch_size=cfg.policy.train_global_batch_size))
         is_w, keep = None, batch.mask
         if lf.use_importance_sampling_correction:
             is_w, keep = grpo.importance_weights(logp_old, batch.gen_logprobs, batch.mask,
@@ -869,7 +877,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         t0 = time.perf_counter()
         if release_grads:
             restore_grad_buffers(trainer.model)  # zeroed
-        metrics.update(policy_update(cfg, trainer, batch, adv, logp_old, logp_ref, is_w, keep, step, logger))
+        # NeMo-RL: tokens a filter dropped keep weight 0 but stay in the loss (normalizer, KL); `keep` is for logging
+        metrics.update(policy_update(cfg, trainer, batch, adv, logp_old, logp_ref, is_w, batch.mask, step, logger))
         if release_grads:
             release_grad_buffers(trainer.model)  # before vLLM wakes up
         t_update = time.perf_counter() - t0

@@ -5,6 +5,7 @@ With delta_t = logp_train - logp_rollout for every sampled response token (maske
   mismatch/k3_kl                 mean(exp(delta) - delta - 1)          verl rollout_corr/k3_kl (KL(rollout || train))
   mismatch/kl                    mean(-delta)                           verl rollout_corr/kl (direct estimator)
   mismatch/token_mult_prob_error mean(exp(|delta|))                     NeMo-RL train/token_mult_prob_error (1 = exact)
+                                 (in a run: NeMo-RL's value exactly, from ``nemo_rl_mismatch_metrics``)
   mismatch/abs_dp_mean|max       mean / max of |exp(logp_train) - exp(logp_rollout)|  verl rollout_probs_diff
   mismatch/is_oob_frac           fraction of tokens with exp(delta) outside [1/C, C], C = 2
   mismatch/chi2_token            mean(exp(delta)^2) - 1
@@ -12,11 +13,32 @@ With delta_t = logp_train - logp_rollout for every sampled response token (maske
 
 Each is also reported per response-position bin as ``mismatch/<name>/pos_<lo>_<hi>`` (token positions lo..hi-1
 within the response), because Jet-RL's claim is length dependent; empty bins are left out.
+
+NeMo-RL v0.7.0's own names and definitions (``nemo_rl_mismatch_metrics``; NeMo-RL logs them as ``train/<name>``),
+with lp_train = the trainer's logprob before the update (``prev_logprobs``), lp_gen = the rollout's:
+
+  mismatch/token_mult_prob_error  mean(exp(|lp_train - lp_gen|))
+  mismatch/gen_kl_error           mean(KL_est(lp_gen || lp_train)), estimator = loss_fn.reference_policy_kl_type,
+                                  u = lp_train - lp_gen: k1 -u, k2 u^2/2, k3 exp(u) - 1 - u (no clamps)
+  mismatch/policy_kl_error        the same with the roles swapped (u = lp_gen - lp_train)
+  mismatch/js_divergence_error    mean(JSD(p_train, p_gen)) on the sampled token, from k3 terms against the mixture
+  mismatch/sampling_importance_ratio  mean of the rollout-correction weights (after tis / icepop / seq-mask-tis)
+  mismatch/is_oob_ratio           (only with a truncated_importance_sampling_type) tis: share of tokens with
+                                  rho > ratio or rho < ratio_min (ratio_min unset = 0: top side only); icepop: share
+                                  of tokens outside [ratio_min, ratio]; seq-mask-tis: share of *sequences* whose
+                                  geometric-mean rho is outside [ratio_min, ratio]; rho = exp(lp_train - lp_gen)
+
+Each is a token (sequence) mean within one optimizer step's ``train_global_batch_size`` slice of the batch, then
+averaged over the slices, as NeMo-RL aggregates its loss metrics.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
+
+from jetrl_megatron.rl.grpo import importance_weights, kl_penalty, ratio_floor
 
 MISMATCH_KEYS = (
     "k3_kl",
@@ -44,7 +66,7 @@ def _stats(delta: torch.Tensor, lp_train: torch.Tensor, lp_roll: torch.Tensor, r
     return {
         "k3_kl": float((rho - d - 1.0).mean()),
         "kl": float((-delta).mean()),
-        "token_mult_prob_error": float(torch.exp(d.abs()).mean()),
+        "token_mult_prob_error": float(torch.exp(delta.abs()).mean()),  # NeMo-RL's: no clamp
         "abs_dp_mean": float(dp.mean()),
         "abs_dp_max": float(dp.max()),
         "is_oob_frac": float(((rho < 1.0 / ratio_c) | (rho > ratio_c)).double().mean()),
@@ -78,6 +100,66 @@ def mismatch_metrics(
             for k, v in _stats((lt - lr)[sel], lt[sel], lr[sel], ratio_c).items():
                 out[f"{prefix}{k}/pos_{lo}_{hi}"] = v
     return out
+
+
+NEMO_RL_MISMATCH_KEYS = ("token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error",
+                         "sampling_importance_ratio")  # + "is_oob_ratio" with a truncated_importance_sampling_type
+
+
+def nemo_rl_mismatch_metrics(
+    logp_train: torch.Tensor,
+    logp_gen: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl_type: str = "k3",
+    tis_type: str | None = None,
+    tis_ratio: float = 2.0,
+    tis_ratio_min: float | None = None,
+    global_batch_size: int | None = None,
+    prefix: str = "mismatch/",
+) -> dict[str, float]:
+    """NeMo-RL v0.7.0's mismatch metrics (module docstring) on (B, T) rows in batch order. FP64 math.
+
+    ``tis_type`` = the rollout correction in use (None when ``use_importance_sampling_correction`` is off);
+    ``global_batch_size`` = rows per optimizer step (None: one slice)."""
+    if logp_train.shape != logp_gen.shape or logp_train.shape != mask.shape:
+        raise ValueError(f"shape mismatch: train {tuple(logp_train.shape)}, rollout {tuple(logp_gen.shape)}, "
+                         f"mask {tuple(mask.shape)}")
+    lt_all, lg_all, m_all = logp_train.detach().double(), logp_gen.detach().double(), mask.double()
+    rows = lt_all.shape[0]
+    if rows == 0 or not bool(m_all.any()):
+        return {}
+    step = global_batch_size or rows
+    lo = ratio_floor(tis_type, tis_ratio, tis_ratio_min)
+    per_slice: dict[str, list[float]] = defaultdict(list)
+    for start in range(0, rows, step):
+        lt, lg, m = lt_all[start:start + step], lg_all[start:start + step], m_all[start:start + step]
+        valid = m > 0
+
+        def tok_mean(x: torch.Tensor, valid=valid, m=m) -> float:
+            return float(torch.where(valid, x, torch.zeros_like(x)).sum() / m.sum().clamp_min(1.0))
+
+        def kl(a: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+            return kl_penalty(a, ref, kl_type, input_clamp=None, output_clamp=None, score_function=False)
+
+        per_slice["token_mult_prob_error"].append(tok_mean(torch.exp((lt - lg).abs())))
+        per_slice["gen_kl_error"].append(tok_mean(kl(lg, lt)))
+        per_slice["policy_kl_error"].append(tok_mean(kl(lt, lg)))
+        log_mix = torch.logaddexp(lt, lg) - torch.log(torch.tensor(2.0, dtype=lt.dtype))
+        k3_to_mix = [torch.exp(a - log_mix) - (a - log_mix) - 1.0 for a in (lt, lg)]
+        per_slice["js_divergence_error"].append(tok_mean(0.5 * k3_to_mix[0] + 0.5 * k3_to_mix[1]))
+        w, _ = importance_weights(lt, lg, m, kind=tis_type, ratio_max=tis_ratio, ratio_min=tis_ratio_min)
+        per_slice["sampling_importance_ratio"].append(tok_mean(w))
+        if tis_type is None:
+            continue
+        rho = torch.nan_to_num(torch.exp(lt - lg), nan=0.0, posinf=0.0, neginf=0.0)
+        if tis_type in ("tis", "icepop"):
+            per_slice["is_oob_ratio"].append(tok_mean(((rho > tis_ratio) | (rho < lo)).double()))
+        else:  # seq-mask-tis: share of sequences
+            log_rho = torch.where(valid, torch.nan_to_num(lt - lg, nan=0.0, posinf=0.0, neginf=0.0), 0.0)
+            geo = torch.exp(log_rho.sum(dim=1) / m.sum(dim=1).clamp_min(1.0))
+            per_slice["is_oob_ratio"].append(float(((geo > tis_ratio) | (geo < lo)).double().mean()))
+    return {prefix + k: sum(v) / len(v) for k, v in per_slice.items()}
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
