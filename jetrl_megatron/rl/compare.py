@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jetrl_megatron.rl.logging import read_metrics
+from jetrl_megatron.rl.logging import read_metrics, save_step_figure
 
 COMPARE_ARMS = ("bf16", "bf16_train_fp8_rollout", "jetrl")
 # per-step curves, averaged over seeds; the *_sampled keys exist only in runs that log sampled validation
@@ -281,16 +281,7 @@ def plot_compare(arms: dict[str, Stats], out_png: Path, title: str = "") -> Path
         ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=7)
     axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes[-1, 0].set_xlabel("GRPO step")
-    if title:
-        axes[0, 0].set_title(title, fontsize=9)
-    fig.tight_layout()
-    out_png = Path(out_png)
-    tmp = out_png.with_name(out_png.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, out_png)
-    return out_png
+    return save_step_figure(fig, axes, out_png, title)
 
 
 def atomic_write(path: Path, text: str) -> Path:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 
-from jetrl_megatron.rl.tasks import CharTokenizer, Prompt
+from jetrl_megatron.rl.tasks import CharTokenizer, Prompt, SyntheticTask
 
 
 def count_reward(response: str, answer: str) -> tuple[float, bool]:
@@ -34,7 +34,7 @@ def count_reward(response: str, answer: str) -> tuple[float, bool]:
     return (1.0 if correct else hits / max(len(expected), len(fields))), correct
 
 
-class CountTask:
+class CountTask(SyntheticTask):
     """``"count s by d to e:"`` -> the terms ``s, s+d, ..., e``, zero-padded to ``term_digits``, space-separated.
 
     A response takes ``num_terms * (term_digits + 1)`` tokens with the character tokenizer (digits and a space per
@@ -106,9 +106,6 @@ class CountTask:
 
     def reward(self, prompt: Prompt, response: str) -> tuple[float, bool]:
         return count_reward(response, prompt.answer)
-
-    def sft_target(self, prompt: Prompt) -> list[int]:
-        return self.tokenizer.encode(prompt.answer) + [self.tokenizer.eos_token_id]
 
     @property
     def max_response_tokens(self) -> int:

@@ -102,6 +102,14 @@ def plot_run(rows: list[dict[str, Any]], out_png: str | Path, title: str = "") -
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3)
         ax.set_ylabel(lbl, fontsize=8)
         ax.grid(alpha=0.3)
+    return save_step_figure(fig, axes, out_png, title)
+
+
+def save_step_figure(fig, axes, out_png: str | Path, title: str = "") -> Path:
+    """Label the shared step axis, title the top panel and write the PNG atomically (a reader never sees half a
+    file); closes the figure."""
+    import matplotlib.pyplot as plt
+
     axes[-1, 0].set_xlabel("GRPO step")
     if title:
         axes[0, 0].set_title(title, fontsize=9)

@@ -60,7 +60,17 @@ class Task(Protocol):
     def reward(self, prompt: Prompt, response: str) -> tuple[float, bool]: ...
 
 
-class AdditionTask:
+class SyntheticTask:
+    """What the synthetic tasks share: the character tokenizer, and the reference answer followed by
+    end-of-sequence as the supervised warm start's target."""
+
+    tokenizer: CharTokenizer
+
+    def sft_target(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt.answer) + [self.tokenizer.eos_token_id]
+
+
+class AdditionTask(SyntheticTask):
     """``"37+48="`` -> ``"85\\n"``: two operands of ``num_digits`` digits each, answer then end-of-sequence."""
 
     name = "synthetic_addition"
@@ -85,15 +95,12 @@ class AdditionTask:
     def reward(self, prompt: Prompt, response: str) -> tuple[float, bool]:
         return addition_reward(response, prompt.answer)
 
-    def sft_target(self, prompt: Prompt) -> list[int]:
-        return self.tokenizer.encode(prompt.answer) + [self.tokenizer.eos_token_id]
-
     @property
     def max_response_tokens(self) -> int:
         return self.num_digits + 2  # sum digits (+1 carry) and EOS
 
 
-class SortTask:
+class SortTask(SyntheticTask):
     """``"sort 3142="`` -> ``"1234\\n"``: sort ``num_items`` digits ascending."""
 
     name = "synthetic_sort"
@@ -114,9 +121,6 @@ class SortTask:
 
     def reward(self, prompt: Prompt, response: str) -> tuple[float, bool]:
         return sort_reward(response, prompt.answer)
-
-    def sft_target(self, prompt: Prompt) -> list[int]:
-        return self.tokenizer.encode(prompt.answer) + [self.tokenizer.eos_token_id]
 
     @property
     def max_response_tokens(self) -> int:
