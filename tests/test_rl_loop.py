@@ -42,7 +42,10 @@ def _run(log_dir: Path, *overrides: str, launcher: list[str] | None = None, time
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     rows = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in rows if r["step"] == 0]
-    assert all(set(r) == {"step", "val/reward", "val/accuracy"} for r in val)  # greedy validation before GRPO
+    # validation before GRPO: greedy and sampled, on the held-out prompts
+    assert all(set(r) == {"step", "val/reward", "val/accuracy", "val/reward_sampled", "val/accuracy_sampled"}
+               and all(0.0 <= r[k] <= 1.0 for k in r if k != "step") for r in val)
+    assert "held-out sample: 'sort " in r.stdout  # one held-out prompt and the policy's answer, printed
     return [r for r in rows if r["step"] > 0]
 
 
