@@ -25,9 +25,15 @@ def test_group_advantages_leave_one_out():
     # baseline_i = mean of the other three: [1/3, 2/3, 2/3, 1/3]
     torch.testing.assert_close(group_advantages(r, 4, normalize=False, leave_one_out=True),
                                torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+    # Changed semantics (NeMo-RL): LOO + normalize divides by the unbiased std of the *other* three rewards, no
+    # longer the whole group's. Here both are sqrt(1/3) (others {0, 0, 1} or {0, 1, 1}), so the numbers stay.
     s = math.sqrt(1 / 3)
     torch.testing.assert_close(group_advantages(r, 4, normalize=True, leave_one_out=True),
                                torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]) / (s + 1e-6), rtol=0, atol=1e-6)
+    # where they differ: one success in 4 -> success: others {0, 0, 0}, std 0, undivided +1; failure: others
+    # {1, 0, 0}: -(1/3) / (sqrt(1/3) + 1e-6). (The old whole-group std sqrt(1/4) gave +2 and -2/3.)
+    one = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, normalize=True, leave_one_out=True)
+    torch.testing.assert_close(one, torch.tensor([1.0] + [-(1 / 3) / (s + 1e-6)] * 3), rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="group_size"):
         group_advantages(torch.ones(6), 4)
 
@@ -69,6 +75,12 @@ def test_kl_estimators():
     assert kl_penalty(lp, ref, "k2").item() == pytest.approx(0.5 * L(2) ** 2)
     assert kl_penalty(lp, ref, "k3").item() == pytest.approx(0.5 + L(2) - 1)
     assert kl_penalty(lp, lp, "k3").item() == 0.0
+    # Changed (NeMo-RL): each token's KL is capped at 10 (k1 also at -10), and the gradient carries the
+    # score-function term: d/dlp = k + dk/dlp, for k3 = lp - ref (was 1 - exp(ref - lp), dk/dlp alone)
+    assert kl_penalty(lp, ref - 30.0, "k1").item() == 10.0 and kl_penalty(lp, ref + 30.0, "k1").item() == -10.0
+    x = lp.clone().requires_grad_(True)
+    kl_penalty(x, ref, "k3").backward()
+    assert x.grad.item() == pytest.approx(L(2))
     with pytest.raises(ValueError):
         kl_penalty(lp, ref, "k4")
     # KL term enters the loss: zero advantages, coefficient 0.1 -> loss = 0.1 * k3
@@ -87,13 +99,16 @@ def test_importance_weights_tis_icepop_seqmask():
     w, k = importance_weights(old, gen, mask, kind="tis", ratio_max=2.0)
     torch.testing.assert_close(w, torch.tensor([[2, 1 / 3, 1.5], [2, 1.5, 0]]), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(k, mask)
-    w, k = importance_weights(old, gen, mask, kind="icepop", ratio_max=2.0)  # keep 0.5 <= rho <= 2
+    # icepop: keep 0.5 <= rho <= 2. ``k`` is now only the kept-token report (policy/is_kept_frac): the loss keeps
+    # every valid token in its normalizer with weight 0 on the dropped ones (NeMo-RL), no longer mask = k.
+    w, k = importance_weights(old, gen, mask, kind="icepop", ratio_max=2.0)
     torch.testing.assert_close(k, torch.tensor([[0.0, 0, 1], [0, 1, 0]]))
     torch.testing.assert_close(w, torch.tensor([[0.0, 0, 1.5], [0, 1.5, 0]]), rtol=1e-5, atol=1e-6)
-    # seq0 geometric mean (3 * 1/3 * 1.5)^(1/3) = 1.145 -> kept; seq1 sqrt(3 * 1.5) = 2.12 > 2 -> masked
+    # seq0 geometric mean (3 * 1/3 * 1.5)^(1/3) = 1.145 -> kept; seq1 sqrt(3 * 1.5) = 2.12 > 2 -> masked.
+    # Changed: kept sequences carry the raw ratio (3, not min(3, 2) = 2), as NeMo-RL's seq-mask-tis does.
     w, k = importance_weights(old, gen, mask, kind="seq-mask-tis", ratio_max=2.0)
     torch.testing.assert_close(k, torch.tensor([[1.0, 1, 1], [0, 0, 0]]))
-    torch.testing.assert_close(w, torch.tensor([[2, 1 / 3, 1.5], [0, 0, 0]]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w, torch.tensor([[3, 1 / 3, 1.5], [0, 0, 0]]), rtol=1e-5, atol=1e-6)
 
 
 def test_is_weights_scale_loss():
