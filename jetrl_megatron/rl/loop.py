@@ -37,8 +37,13 @@ from jetrl_megatron.rl.checkpoint import rng_state as rng_state
 from jetrl_megatron.rl.checkpoint import set_rng_state as set_rng_state
 from jetrl_megatron.rl.config import RunConfig, to_yaml
 from jetrl_megatron.rl.logging import RunLogger, plot_run, read_metrics
-from jetrl_megatron.rl.metrics import MISMATCH_KEYS, masked_mean, mismatch_metrics, position_bins
-from jetrl_megatron.rl.metrics import nemo_rl_mismatch_metrics as nemo_rl_mismatch_metrics
+from jetrl_megatron.rl.metrics import (
+    MISMATCH_KEYS,
+    masked_mean,
+    mismatch_metrics,
+    nemo_rl_mismatch_metrics,
+    position_bins,
+)
 from jetrl_megatron.rl.tasks import PromptStream, build_task, heldout_split
 
 # ------------------------------------------------------------------------------------------------ small helpers
