@@ -45,7 +45,7 @@ def _run(log_dir: Path, *overrides: str, launcher: list[str] | None = None, time
     # validation before GRPO: greedy and sampled, on the held-out prompts
     assert all(set(r) == {"step", "val/reward", "val/accuracy", "val/reward_sampled", "val/accuracy_sampled"}
                and all(0.0 <= r[k] <= 1.0 for k in r if k != "step") for r in val)
-    assert bool(val) == ("held-out sample: 'sort " in r.stdout)  # one held-out prompt and its answer, printed
+    assert bool(val) == ("held-out sample: '" in r.stdout)  # one held-out prompt and its answer, printed
     return [r for r in rows if r["step"] > 0]
 
 
@@ -98,6 +98,18 @@ def test_other_arms_e2e(tmp_path, arm):
     assert all("refit/served_fp8_equal" not in r for r in rows)
     # the BF16 model weights stay where they are: the copy program compiled at the first refit is replayed
     assert all(r["refit/rebuilt"] == 0.0 for r in rows)
+
+
+def test_long_response_task_e2e(tmp_path):
+    """The long-response task through the whole loop (jetrl arm): answers of 4 terms x 3 digits (16 tokens), the
+    prompt length the count task needs, its exact reward in [0, 1]."""
+    rows = _run(tmp_path, "jet_rl.mode=jetrl", "grpo.max_num_steps=2", "data.dataset_name=synthetic_count",
+                "data.synthetic.num_terms=4", "data.synthetic.term_digits=3", "data.max_input_seq_length=28",
+                "policy.generation.max_new_tokens=20", "policy.max_total_sequence_length=48")
+    _check_schema(rows, 2)
+    assert all(0 < r["policy/response_len"] <= 20 for r in rows)
+    cfg = (tmp_path / "config.yaml").read_text()
+    assert "synthetic_count" in cfg
 
 
 def test_tp2_trainer_with_rollout(tmp_path):
