@@ -1,7 +1,8 @@
 """`jetrl compare`: a fair comparison of the training arms, and the aggregation of its runs.
 
 Fair means: one BF16 warm start shared by every arm (so no arm starts from weights warmed up in its own precision),
-the same seeds in every arm (the loop seeds data order, sampling and validation prompts from ``grpo.seed``), and
+the same seeds in every arm (the loop seeds data order and sampling from ``grpo.seed``; the held-out prompts come
+from ``data.synthetic.seed``, one set for every run), and
 several seeds per arm, reported as mean with spread, so a difference between arms can be told from seed noise.
 
 Everything here is pure (files in, numbers / text / a PNG out): no Megatron or vLLM import. The command itself,
