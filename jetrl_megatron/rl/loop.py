@@ -66,8 +66,13 @@ def _is_main() -> bool:
 
 
 def _say(msg: str) -> None:
+    """A line on rank 0's stdout, above any progress bar (tqdm clears and redraws its bars around it, so the line is
+    never spliced into a bar's redraw)."""
     if _is_main():
-        print(msg, flush=True)
+        from tqdm import tqdm
+
+        tqdm.write(msg, file=sys.stdout)
+        sys.stdout.flush()
 
 
 def seed_everything(seed: int) -> None:
