@@ -116,21 +116,29 @@ def _compare_plan(args: argparse.Namespace, out: Path, arms: list[str], seeds: l
     return runs
 
 
-def _compare_run(args: argparse.Namespace, label: str, log_dir: Path, overrides: list[str], expected: dict,
-                 reuse: bool) -> tuple[int, bool]:
-    """One run in a fresh process (vLLM and Megatron state are global); with ``reuse`` a run that already finished
-    with the same configuration is skipped. Any other earlier output of this run is removed first: its checkpoints
-    would otherwise be resumed from, and they may come from another warm start or configuration.
-    Returns (exit code, whether it ran)."""
+def _fresh_run_command(args: argparse.Namespace, log_dir: Path, overrides: list[str], expected: dict,
+                       reuse: bool) -> list[str] | None:
+    """The command of one run, or None when ``reuse`` finds it already finished with the same configuration. Any
+    other earlier output of the run is removed first: its checkpoints would otherwise be resumed from, and they may
+    come from another warm start or configuration."""
     from jetrl_megatron.rl.compare import finished
 
     if reuse and finished(log_dir, expected):
         print(f"   reusing {log_dir} (finished with the same configuration)", flush=True)
-        return 0, False
+        return None
     if log_dir.exists():
         print(f"   removing the earlier output in {log_dir}", flush=True)
         shutil.rmtree(log_dir)
-    cmd = [sys.executable, "-m", "jetrl_megatron.cli", "run", "--recipe", args.recipe, *overrides]
+    return [sys.executable, "-m", "jetrl_megatron.cli", "run", "--recipe", args.recipe, *overrides]
+
+
+def _compare_run(args: argparse.Namespace, label: str, log_dir: Path, overrides: list[str], expected: dict,
+                 reuse: bool) -> tuple[int, bool]:
+    """One run in a fresh process (vLLM and Megatron state are global), its output on this terminal.
+    Returns (exit code, whether it ran)."""
+    cmd = _fresh_run_command(args, log_dir, overrides, expected, reuse)
+    if cmd is None:
+        return 0, False
     print(f"   {shlex.join(cmd[1:])}", flush=True)
     rc = subprocess.call(cmd)
     if rc:
@@ -142,20 +150,16 @@ def _compare_run_many(args: argparse.Namespace, runs: list[tuple[str, Path, list
                       reuse: bool) -> int:
     """The arm runs, ``args.parallel`` at a time, each in its own process writing to ``<run dir>.log`` (interleaved
     output from several runs would be unreadable). Returns the first non-zero exit code, after all have ended."""
-    from jetrl_megatron.rl.compare import finished
-
     pending, active, failed = list(runs), [], 0
     while pending or active:
         while pending and len(active) < args.parallel:
             label, log_dir, ov = pending.pop(0)
-            if reuse and finished(log_dir, expected[log_dir]):
-                print(f"== {label}: reusing {log_dir}", flush=True)
+            print(f"== {label}", flush=True)
+            cmd = _fresh_run_command(args, log_dir, ov, expected[log_dir], reuse)
+            if cmd is None:
                 continue
-            if log_dir.exists():
-                shutil.rmtree(log_dir)
             log_dir.parent.mkdir(parents=True, exist_ok=True)
             log = open(log_dir.with_suffix(".log"), "w")  # noqa: SIM115 (closed when the process ends)
-            cmd = [sys.executable, "-m", "jetrl_megatron.cli", "run", "--recipe", args.recipe, *ov]
             print(f"== {label} started: {shlex.join(cmd[1:])} > {log.name}", flush=True)
             active.append((label, log_dir, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
         time.sleep(1.0)

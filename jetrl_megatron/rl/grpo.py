@@ -120,6 +120,14 @@ def ratio_floor(kind: str | None, ratio_max: float, ratio_min: float | None) -> 
     return 0.0 if kind == "tis" else 1.0 / ratio_max
 
 
+def sequence_ratio(log_rho: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) geometric-mean importance ratio exp(mean_t log rho_t) of each sequence over its valid tokens; padding and
+    non-finite log-ratios count as 0."""
+    valid = mask > 0
+    log_rho = torch.where(valid, torch.nan_to_num(log_rho, nan=0.0, posinf=0.0, neginf=0.0), 0.0)
+    return torch.exp(log_rho.sum(dim=1) / mask.to(log_rho.dtype).sum(dim=1).clamp_min(1.0))
+
+
 def importance_weights(
     logp_old: torch.Tensor,
     logp_gen: torch.Tensor,
@@ -160,8 +168,7 @@ def importance_weights(
         keep = m * ((rho >= lo) & (rho <= ratio_max)).to(dtype)
         w = rho
     else:
-        log_rho = torch.where(valid, torch.nan_to_num(diff, nan=0.0, posinf=0.0, neginf=0.0), 0.0)
-        seq_ratio = torch.exp(log_rho.sum(dim=1) / m.sum(dim=1).clamp_min(1.0))
+        seq_ratio = sequence_ratio(diff, m)
         keep = m * ((seq_ratio >= lo) & (seq_ratio <= ratio_max)).to(dtype).unsqueeze(1)
         w = rho
     return (w * keep).to(logp_old.dtype), keep.to(mask.dtype)

@@ -38,7 +38,7 @@ from collections import defaultdict
 
 import torch
 
-from jetrl_megatron.rl.grpo import importance_weights, kl_penalty, ratio_floor
+from jetrl_megatron.rl.grpo import importance_weights, kl_penalty, ratio_floor, sequence_ratio
 
 MISMATCH_KEYS = (
     "k3_kl",
@@ -134,34 +134,30 @@ def nemo_rl_mismatch_metrics(
     per_slice: dict[str, list[float]] = defaultdict(list)
     for start in range(0, rows, step):
         lt, lg, m = lt_all[start:start + step], lg_all[start:start + step], m_all[start:start + step]
-        valid = m > 0
-
-        def tok_mean(x: torch.Tensor, valid=valid, m=m) -> float:
-            return float(torch.where(valid, x, torch.zeros_like(x)).sum() / m.sum().clamp_min(1.0))
 
         def kl(a: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
             return kl_penalty(a, ref, kl_type, input_clamp=None, output_clamp=None, score_function=False)
 
-        per_slice["token_mult_prob_error"].append(tok_mean(torch.exp((lt - lg).abs())))
-        per_slice["gen_kl_error"].append(tok_mean(kl(lg, lt)))
-        per_slice["policy_kl_error"].append(tok_mean(kl(lt, lg)))
+        per_slice["token_mult_prob_error"].append(masked_mean(torch.exp((lt - lg).abs()), m))
+        per_slice["gen_kl_error"].append(masked_mean(kl(lg, lt), m))
+        per_slice["policy_kl_error"].append(masked_mean(kl(lt, lg), m))
         log_mix = torch.logaddexp(lt, lg) - torch.log(torch.tensor(2.0, dtype=lt.dtype))
         k3_to_mix = [torch.exp(a - log_mix) - (a - log_mix) - 1.0 for a in (lt, lg)]
-        per_slice["js_divergence_error"].append(tok_mean(0.5 * k3_to_mix[0] + 0.5 * k3_to_mix[1]))
+        per_slice["js_divergence_error"].append(masked_mean(0.5 * k3_to_mix[0] + 0.5 * k3_to_mix[1], m))
         w, _ = importance_weights(lt, lg, m, kind=tis_type, ratio_max=tis_ratio, ratio_min=tis_ratio_min)
-        per_slice["sampling_importance_ratio"].append(tok_mean(w))
+        per_slice["sampling_importance_ratio"].append(masked_mean(w, m))
         if tis_type is None:
             continue
         rho = torch.nan_to_num(torch.exp(lt - lg), nan=0.0, posinf=0.0, neginf=0.0)
         if tis_type in ("tis", "icepop"):
-            per_slice["is_oob_ratio"].append(tok_mean(((rho > tis_ratio) | (rho < lo)).double()))
+            per_slice["is_oob_ratio"].append(masked_mean(((rho > tis_ratio) | (rho < lo)).double(), m))
         else:  # seq-mask-tis: share of sequences
-            log_rho = torch.where(valid, torch.nan_to_num(lt - lg, nan=0.0, posinf=0.0, neginf=0.0), 0.0)
-            geo = torch.exp(log_rho.sum(dim=1) / m.sum(dim=1).clamp_min(1.0))
+            geo = sequence_ratio(lt - lg, m)
             per_slice["is_oob_ratio"].append(float(((geo > tis_ratio) | (geo < lo)).double().mean()))
     return {prefix + k: sum(v) / len(v) for k, v in per_slice.items()}
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of x over mask > 0 (FP64); whatever x holds on masked-out positions (padding, even nan) is ignored."""
     m = mask.to(torch.float64)
-    return float((x.double() * m).sum() / m.sum().clamp_min(1.0))
+    return float(torch.where(m > 0, x.double(), 0.0).sum() / m.sum().clamp_min(1.0))

@@ -171,8 +171,7 @@ class MathTask:
         return self.template.format(self._rows[index][0])
 
     def prompt(self, index: int) -> Prompt:
-        problem, gold = self._rows[index]
-        text = self.template.format(problem)
+        text, gold = self.prompt_text(index), self._rows[index][1]
         ids = self.tokenizer.encode(text)
         if self.max_input_tokens is not None and len(ids) > self.max_input_tokens:
             ids = ids[-self.max_input_tokens:]
