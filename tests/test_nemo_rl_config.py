@@ -211,7 +211,7 @@ def test_max_grad_norm_with_clip_grad_interpolated_sets_clipping():
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("+data_plane.enabled=true", "data_plane.enabled: True is refused"),
+    ("+on_policy_distillation.teacher=x", "on-policy distillation is not implemented"),
     ("+policy.dtensor_cfg.enabled=true", "policy.dtensor_cfg.enabled: True is refused"),
     ("policy.megatron_cfg.context_parallel_size=2", "context parallelism is not implemented"),
     ("policy.generation.vllm_cfg.kv_cache_dtype=fp8", "kv_cache_dtype: 'fp8' is refused"),

@@ -519,6 +519,11 @@ def check_batches(cfg: RunConfig) -> None:
     if gbs % cfg.policy.train_micro_batch_size:
         raise ConfigError(f"policy.train_micro_batch_size ({cfg.policy.train_micro_batch_size}) must divide "
                           f"policy.train_global_batch_size ({gbs})")
+    lf = cfg.loss_fn
+    if lf.use_importance_sampling_correction and lf.truncated_importance_sampling_type is not None \
+            and lf.truncated_importance_sampling_ratio is None:
+        raise ConfigError(f"loss_fn.truncated_importance_sampling_ratio: required with "
+                          f"truncated_importance_sampling_type: {lf.truncated_importance_sampling_type}")
     rs = cfg.grpo.reward_scaling
     if rs.enabled and not rs.source_max > rs.source_min:
         raise ConfigError(f"grpo.reward_scaling: source_max ({rs.source_max}) must be > source_min ({rs.source_min})")

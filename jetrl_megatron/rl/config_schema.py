@@ -46,6 +46,7 @@ class GrpoCfg:
     normalize_rewards: bool = True  # divide by the std of the group (leave-one-out: of the other responses)
     use_leave_one_out_baseline: bool = False  # baseline = mean of the *other* responses of the group
     adv_estimator: AdvEstimatorCfg = field(default_factory=AdvEstimatorCfg)
+    overlong_filtering: bool = False  # truncated answers (no end of sequence) are left out of the loss
     advantage_clip_low: float | None = None
     advantage_clip_high: float | None = None
     reward_scaling: RewardScalingCfg = field(default_factory=RewardScalingCfg)
@@ -71,6 +72,7 @@ class LossFnCfg:
     truncated_importance_sampling_ratio: float | None = 2.0
     truncated_importance_sampling_ratio_min: float | None = None
     token_level_loss: bool = True
+    use_on_policy_kl_approximation: bool = False  # KL weighted by exp(logp - logp_gen) (NeMo-RL's approximation)
     force_on_policy_ratio: bool = False  # ratio = pi / stop_grad(pi): exactly 1, gradient of pi (one step per batch)
 
 

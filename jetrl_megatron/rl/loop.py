@@ -429,7 +429,8 @@ class RolloutBatch:
     """All samples of one step on every rank, as padded tensors aligned with the trainer's logprobs.
 
     tokens (B, S): prompt + response, right-padded; mask / gen_logprobs (B, S-1): position t scores tokens[:, t+1],
-    mask 1 on response tokens only; rewards / correct (B,); response_len (B,).
+    mask 1 on response tokens only; rewards / correct (B,); response_len (B,); truncated (B,): the response used
+    all of ``max_new_tokens`` without ending in the end-of-sequence token.
     """
 
     tokens: torch.Tensor
@@ -439,6 +440,14 @@ class RolloutBatch:
     correct: torch.Tensor
     response_len: torch.Tensor
     texts: list[str]
+    truncated: torch.Tensor
+
+
+def stop_ids(cfg: RunConfig, task) -> list[int] | None:
+    """Token ids that end an answer: the tokenizer's end of sequence and ``policy.generation.stop_token_ids``."""
+    eos = getattr(task.tokenizer, "eos_token_id", None)
+    ids = ([eos] if eos is not None else []) + list(cfg.policy.generation.stop_token_ids or [])
+    return ids or None
 
 
 def rollout(cfg: RunConfig, engine, task, prompts, step: int) -> tuple[list, float]:
@@ -448,14 +457,13 @@ def rollout(cfg: RunConfig, engine, task, prompts, step: int) -> tuple[list, flo
     n = cfg.grpo.num_generations_per_prompt
     per = -(-len(prompts) // n_engines)
     mine = list(range(my_engine * per, min(len(prompts), (my_engine + 1) * per)))
-    eos = task.tokenizer.eos_token_id
     t0 = time.perf_counter()
     samples = []
     if mine:
         out = engine.generate([prompts[i].token_ids for i in mine], n=n, max_tokens=g.max_new_tokens,
                               temperature=g.temperature, top_p=g.top_p,
                               seed=cfg.grpo.seed * 1_000_003 + step * 10_007 + mine[0] * n,
-                              stop_token_ids=[eos] if eos is not None else None)
+                              stop_token_ids=stop_ids(cfg, task))
         samples = [(mine[s.prompt_index], s.sample_index, list(s.token_ids), list(s.logprobs)) for s in out]
     if _world() > 1:
         parts: list = [None] * _world()
@@ -500,12 +508,11 @@ def _val_scores(cfg: RunConfig, engine, task, val_prompts, *, n: int, temperatur
     n_engines, my_engine = engine_groups(cfg)
     per = -(-len(val_prompts) // n_engines)
     mine = list(range(my_engine * per, min(len(val_prompts), (my_engine + 1) * per)))
-    eos = task.tokenizer.eos_token_id
     res, texts = [], []
     if mine:
         out = engine.generate([val_prompts[i].token_ids for i in mine], n=n,
                               max_tokens=cfg.policy.generation.max_new_tokens, temperature=temperature, top_p=top_p,
-                              seed=0, stop_token_ids=[eos] if eos is not None else None)
+                              seed=0, stop_token_ids=stop_ids(cfg, task))
         texts = [task.tokenizer.decode(list(s.token_ids)) for s in out]
         res = [task.reward(val_prompts[mine[s.prompt_index]], t) for s, t in zip(out, texts, strict=True)]
     if _world() > 1:
@@ -545,7 +552,10 @@ def make_batch(cfg: RunConfig, task, prompts, samples) -> RolloutBatch:
             mask[i, len(pt) - 1:len(pt) - 1 + len(rt)] = 1.0
             gen[i, len(pt) - 1:len(pt) - 1 + len(rt)] = torch.tensor(lps, dtype=torch.float32)
         rlen[i] = len(rt)
-    return RolloutBatch(tokens, mask, gen, torch.tensor(rewards), torch.tensor(correct), rlen, texts)
+    stops = set(stop_ids(cfg, task) or ())
+    truncated = torch.tensor([len(rt) >= cfg.policy.generation.max_new_tokens and (not rt or rt[-1] not in stops)
+                              for _, rt, _ in rows])
+    return RolloutBatch(tokens, mask, gen, torch.tensor(rewards), torch.tensor(correct), rlen, texts, truncated)
 
 
 def response_positions(batch: RolloutBatch) -> torch.Tensor:
@@ -622,10 +632,13 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
             data["logp_ref"] = logp_ref[sl]
         if is_w is not None:
             data["is_w"] = is_w[sl]
+        if lf.use_on_policy_kl_approximation and logp_ref is not None:
+            data["logp_gen"] = batch.gen_logprobs[sl]
         data = {k: dp_slice(v) for k, v in data.items()}
         # Megatron's schedule divides each micro-batch loss by n_micro and DDP averages over DP: undo both so the
         # optimised objective is the sum over this step's response tokens / their global count (token-level).
-        norm = (global_tokens if lf.token_level_loss else float(gbs)) / (n_micro * dp)
+        seqs = float((~batch.truncated[sl]).sum().clamp_min(1)) if cfg.grpo.overlong_filtering else float(gbs)
+        norm = (global_tokens if lf.token_level_loss else seqs) / (n_micro * dp)
 
         def loss_fn(lp, mb, norm=norm):
             # force_on_policy_ratio (NeMo-RL): the ratio is pi / stop_grad(pi) = 1, with pi's gradient
@@ -635,7 +648,7 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
                 clip_c=lf.ratio_clip_c, is_weights=mb.get("is_w"), logp_ref=mb.get("logp_ref"),
                 kl_coef=lf.reference_policy_kl_penalty, kl_type=lf.reference_policy_kl_type,
                 kl_input_clamp=lf.kl_input_clamp_value, kl_output_clamp=lf.kl_output_clamp_value,
-                token_level=lf.token_level_loss, normalizer=norm)
+                token_level=lf.token_level_loss, normalizer=norm, kl_logp_gen=mb.get("logp_gen"))
             return out.loss, {"pg_loss": out.pg_loss, "kl_ref": out.kl, "clip_frac": out.clip_frac,
                               "ratio_mean": out.ratio_mean}
 
@@ -818,6 +831,24 @@ def scale_rewards(rewards: torch.Tensor, rs) -> torch.Tensor:
     return rs.target_min + unit * (rs.target_max - rs.target_min)
 
 
+def advantages(cfg: RunConfig, rewards: torch.Tensor) -> torch.Tensor:
+    """NeMo-RL's order: reward scaling, group-relative advantages, then ``grpo.advantage_clip_low/high``."""
+    g = cfg.grpo
+    adv = grpo.group_advantages(scale_rewards(rewards, g.reward_scaling), g.num_generations_per_prompt,
+                                normalize=g.normalize_rewards, leave_one_out=g.use_leave_one_out_baseline)
+    if g.advantage_clip_low is not None or g.advantage_clip_high is not None:
+        adv = adv.clamp(g.advantage_clip_low, g.advantage_clip_high)
+    return adv
+
+
+def loss_mask(cfg: RunConfig, batch: RolloutBatch) -> torch.Tensor:
+    """The tokens the loss sees. ``grpo.overlong_filtering`` (NeMo-RL): a truncated answer keeps its place in the
+    advantages but leaves the loss and its token (or sequence) count."""
+    if not cfg.grpo.overlong_filtering:
+        return batch.mask
+    return batch.mask * (~batch.truncated).to(batch.mask.dtype)[:, None]
+
+
 def run(cfg: RunConfig) -> dict[str, Any]:
     """Train ``cfg`` with GRPO; returns (and writes to <log_dir>/summary.json) the run summary."""
     t_start = time.perf_counter()
@@ -904,10 +935,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         batch = make_batch(cfg, task, prompts, samples)
         colocated = cfg.policy.generation.colocated.enabled and engine.sleep(level=1)  # CUDA: free KV cache
         # 2. rewards -> advantages
-        adv = grpo.group_advantages(scale_rewards(batch.rewards, g.reward_scaling), g.num_generations_per_prompt,
-                                    normalize=g.normalize_rewards, leave_one_out=g.use_leave_one_out_baseline)
-        if g.advantage_clip_low is not None or g.advantage_clip_high is not None:
-            adv = adv.clamp(g.advantage_clip_low, g.advantage_clip_high)
+        adv = advantages(cfg, batch.rewards)
         # 3. trainer logprobs of the sampled tokens (old policy, reference policy)
         t0 = time.perf_counter()
         logp_old = trainer_logprobs(cfg, trainer.model, batch.tokens)
@@ -916,7 +944,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         # 4. mismatch on response tokens (trainer vs rollout), overall and by response position
         lt, m_pos = align_by_position(logp_old, batch, cfg.policy.generation.max_new_tokens)
         lr, _ = align_by_position(batch.gen_logprobs, batch, cfg.policy.generation.max_new_tokens)
-        metrics = mismatch_metrics(lt, lr, m_pos, bins=bins, ratio_c=cfg.loss_fn.truncated_importance_sampling_ratio)
+        # is_oob_frac's bound: the TIS ratio, 2 when the recipe sets none
+        metrics = mismatch_metrics(lt, lr, m_pos, bins=bins,
+                                   ratio_c=cfg.loss_fn.truncated_importance_sampling_ratio or 2.0)
         # 5. rollout correction (optional) and the policy update
         lf = cfg.loss_fn
         # NeMo-RL-named mismatch metrics, NeMo-RL's definitions and per-optimizer-step aggregation
@@ -935,7 +965,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         if release_grads:
             restore_grad_buffers(trainer.model)  # zeroed
         # NeMo-RL: tokens a filter dropped keep weight 0 but stay in the loss (normalizer, KL); `keep` is for logging
-        metrics.update(policy_update(cfg, trainer, batch, adv, logp_old, logp_ref, is_w, batch.mask, step, logger))
+        metrics.update(policy_update(cfg, trainer, batch, adv, logp_old, logp_ref, is_w, loss_mask(cfg, batch), step,
+                                     logger))
         if release_grads:
             release_grad_buffers(trainer.model)  # before vLLM wakes up
         t_update = time.perf_counter() - t0
@@ -956,6 +987,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             "reward/accuracy": float(batch.correct.mean()),
             "policy/approx_entropy": masked_mean(-batch.gen_logprobs, batch.mask),
             "policy/response_len": float(batch.response_len.float().mean()),
+            "policy/truncated_frac": float(batch.truncated.float().mean()),
             "policy/is_kept_frac": float(keep.sum() / batch.mask.sum().clamp_min(1)),
             "time/rollout": t_rollout, "time/logprob": t_logprob, "time/update": t_update, "time/refit": t_refit,
             "time/step": dt,

@@ -79,7 +79,6 @@ RULES: tuple[KeyRule, ...] = (
        OFF),
     _r("grpo.dynamic_sampling_max_gen_batches", IGNORED, "used only with dynamic sampling (refused)"),
     _r("grpo.batch_multiplier", IGNORED, "used only with dynamic sampling (refused)", (1,)),
-    _r("grpo.overlong_filtering", IGNORED, "masking truncated answers out of the loss is not implemented", OFF),
     _r("grpo.reward_shaping.enabled", IGNORED, "DAPO overlong reward shaping is not implemented", OFF),
     _r("grpo.reward_shaping.**", IGNORED, "reward shaping settings; reward shaping itself is refused when enabled"),
     _r("grpo.seq_logprob_error_threshold", IGNORED, "sequence masking by logprob error is not implemented", OFF),
@@ -97,15 +96,30 @@ RULES: tuple[KeyRule, ...] = (
        ("k1", "k2", "k3")),
     _r("loss_fn.truncated_importance_sampling_type", IMPLEMENTED, "tis | icepop | seq-mask-tis (NeMo-RL semantics)",
        (None, "tis", "icepop", "seq-mask-tis")),
-    _r("loss_fn.use_on_policy_kl_approximation", IGNORED,
-       "importance-weighted KL approximation is not implemented", OFF),
     _r("loss_fn.sequence_level_importance_ratios", IGNORED, "GSPO sequence-level ratios are not implemented", OFF),
     _r("loss_fn.use_cispo", IGNORED, "CISPO is not implemented", OFF),
     _r("loss_fn.disable_ppo_ratio", IGNORED, "the PPO ratio is always used", OFF),
     _r("loss_fn.use_kl_in_reward", IGNORED, "KL as a reward term is not implemented (use the KL penalty)", OFF),
     _r("loss_fn.positive_example_nll_weight", IGNORED, "VAPO's positive-example NLL term is not implemented",
        (0, None)),
+    _r("grpo.val_period", IMPLEMENTED, "validate every val_period steps; <= 0: never (val_at_start / val_at_end "
+       "still apply)"),
+    _r("grpo.max_val_samples", IMPLEMENTED, "held-out prompts evaluated (null: all); each gets one greedy answer and "
+       "num_val_generations_per_prompt sampled ones"),
+    _r("grpo.max_num_epochs", IMPLEMENTED, "the run stops after this many passes over the training prompts, or at "
+       "max_num_steps, whichever comes first"),
+    _r("grpo.overlong_filtering", IMPLEMENTED, "answers that use all max_new_tokens without an end-of-sequence token "
+       "leave the loss and its token count (they keep their place in the group's advantages)"),
+    _r("loss_fn.force_on_policy_ratio", IMPLEMENTED, "ratio = pi / stop_grad(pi); needs train_global_batch_size = "
+       "the rollout batch"),
+    _r("loss_fn.use_on_policy_kl_approximation", IMPLEMENTED, "the KL term weighted by exp(logp - logp_generation),"
+       " gradient through logp"),
     # ---------------------------------------------------------------- checkpointing
+    _r("checkpointing.keep_top_k", IMPLEMENTED, "the best k by metric_name (newest k when metric_name is null; the "
+       "newest checkpoint is never removed; null keeps all)"),
+    _r("checkpointing.metric_name", IMPLEMENTED, "train:reward, train:total_reward/mean, train:loss, val:accuracy "
+       "(sampled held-out answers, as NeMo-RL validates), val:total_reward/mean; a checkpoint without the metric "
+       "ranks last"),
     _r("checkpointing.model_save_format", IGNORED,
        "checkpoints are this project's own per-rank files (resumable); `jetrl export` writes HF safetensors"),
     _r("checkpointing.save_consolidated", IGNORED,
@@ -139,6 +153,12 @@ RULES: tuple[KeyRule, ...] = (
     _r("policy.quant_*", IGNORED, "ModelOpt calibration settings; ModelOpt itself is refused"),
     _r("policy.tokenizer.chat_template_kwargs.**", IGNORED, "prompts are formatted by data.default.prompt_file; no "
        "chat template is applied"),
+    _r("policy.max_grad_norm", IMPLEMENTED, "gradient clipping; must equal megatron_cfg.optimizer.clip_grad (NeMo-RL "
+       "recipes interpolate one from the other)"),
+    _r("policy.make_sequence_length_divisible_by", IMPLEMENTED, "each batch is padded to a length divisible by it "
+       "(NeMo-RL's rule without sequence packing; FP8 runs also pad micro-batch tokens to 128)"),
+    _r("policy.logprob_batch_size", IMPLEMENTED, "sequences per forward pass of the logprob computation"),
+    _r("policy.tokenizer.name", IMPLEMENTED, "the HF tokenizer; presets use the character tokenizer"),
     # policy.megatron_cfg
     _r("policy.megatron_cfg.enabled", IMPLEMENTED, "the Megatron-Core trainer (the only one here)", (True,)),
     _r("policy.megatron_cfg.context_parallel_size", IMPLEMENTED, "context parallelism is not implemented", (1,)),
@@ -199,6 +219,14 @@ RULES: tuple[KeyRule, ...] = (
        "the schedule always comes from this config (Megatron's checkpointed schedule is not used)"),
     # policy.generation
     _r("policy.generation.backend", IMPLEMENTED, "vLLM rollouts", ("vllm",)),
+    _r("policy.generation.stop_strings", IMPLEMENTED, "stop strings need detokenization inside the engine, which "
+       "the rollout skips; use stop_token_ids", (None, [])),
+    _r("policy.generation.stop_token_ids", IMPLEMENTED, "extra token ids that end an answer (besides end of "
+       "sequence)"),
+    _r("policy.generation.colocated.enabled", IMPLEMENTED, "true: vLLM sleeps (frees its KV cache) while the "
+       "trainer runs; false: both stay resident (runs sharing a GPU)"),
+    _r("policy.generation.vllm_kwargs", IMPLEMENTED, "passed to vllm.LLM(...); kv_cache_memory_bytes sizes the KV "
+       "cache (CPU default 64 MiB)"),
     _r("policy.generation.top_p", IMPLEMENTED, "nucleus sampling would make the sampler's distribution differ from "
        "the trained one (the trainer's logprobs are of the full distribution)", (1.0,)),
     _r("policy.generation.top_k", IMPLEMENTED, "top-k sampling would make the sampler's distribution differ from "
@@ -266,8 +294,8 @@ RULES: tuple[KeyRule, ...] = (
     # ---------------------------------------------------------------- cluster and others
     _r("cluster.master_port_range_*", IGNORED, _RAY),
     _r("cluster.segment_size", IGNORED, _RAY),
-    _r("data_plane.enabled", IGNORED, "NeMo-RL's transfer-queue data plane is not used", OFF),
-    _r("data_plane.**", IGNORED, "NeMo-RL's transfer-queue data plane is not used"),
+    _r("data_plane.**", IGNORED, "NeMo-RL's transfer queue between Ray actors; batches move between torchrun "
+       "ranks here, with the same contents"),
     _r("on_policy_distillation", IGNORED, "distillation settings; this is a GRPO runner", (None,)),
     _r("on_policy_distillation.**", REFUSED, "on-policy distillation is not implemented", ()),
     _r("jet_rl", REFUSED, "the Jet-RL block moved to policy.jet_rl; the arm follows "
