@@ -351,7 +351,8 @@ def test_trainer_and_plan_read_the_same_settings():
     assert not ok_off and "DOES NOT FIT" in text_off and "replicated on every DP rank" in text_off
     # NeMo-RL's use_precision_aware_optimizer is accepted without effect (rl/nemo_rl_keys.py): with FP32 master
     # weights and FP32 Adam moments it only moves where that state lives; the trainer runs this project's FP32 Adam
-    pa = load_config("qwen3_8b_tp1", ["policy.megatron_cfg.optimizer.use_precision_aware_optimizer=true"])
+    # (not in the recipe nor the schema: added with Hydra's `+`)
+    pa = load_config("qwen3_8b_tp1", ["+policy.megatron_cfg.optimizer.use_precision_aware_optimizer=true"])
     assert trainer_settings(pa) == s_on and not trainer_settings(pa).use_precision_aware_optimizer
     verdict = {v.key: v for v in pa.key_report}["policy.megatron_cfg.optimizer.use_precision_aware_optimizer"]
     assert verdict.status == "ignored" and verdict.value is True

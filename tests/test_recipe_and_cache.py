@@ -72,11 +72,8 @@ def test_config_keys_build_the_run_recipe():
      "policy.generation.vllm_cfg.pow2_weight_scaling_factors and pow2_activation_scaling_factors"),
     ("policy.generation.vllm_cfg.quantization_ignored_layer_kws=down_proj",
      "policy.generation.vllm_cfg.quantization_ignored_layer_kws"),
-    pytest.param("policy.generation.vllm_cfg.quantization_ignored_layer_kws=['']",
-                 "policy.generation.vllm_cfg.quantization_ignored_layer_kws",
-                 marks=pytest.mark.xfail(strict=True, reason="bug (reported): rl/config.py build_fp8_recipe rewrites "
-                                         "the recipe's 'jet_rl.bf16_module_keywords' to 'policy.jet_rl."
-                                         "bf16_module_keywords', a key that does not exist")),
+    ("policy.generation.vllm_cfg.quantization_ignored_layer_kws=['']",
+     "policy.generation.vllm_cfg.quantization_ignored_layer_kws"),
 ])
 def test_bad_config_values_name_the_config_key(override, key):
     from jetrl_megatron.rl.config import ConfigError, load_config

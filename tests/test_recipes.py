@@ -222,9 +222,6 @@ def test_plan_counts_a_sized_kv_cache():
     assert grown == pytest.approx(3.0 - 0.08 * 80.0 + m1["vllm_weights"])
 
 
-@pytest.mark.xfail(strict=True, reason="suspected regression (reported): rl/config.py check_data no longer checks "
-                   "data.train.dataset_name at load (the old loader did), so `jetrl plan`, the compare harness's "
-                   "up-front validation and the SLURM preflight pass a name only the run's build_task refuses")
 @pytest.mark.parametrize("name", ["synthetic_srot", "math_jsonl"])
 def test_unknown_dataset_name_refused_at_load(name):
     with pytest.raises(ConfigError, match=r"data\.train\.dataset_name"):

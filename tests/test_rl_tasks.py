@@ -78,8 +78,6 @@ def test_math_task_reads_response_dataset_keys(tmp_path):
         MathTask("nope.jsonl", CharTokenizer())
 
 
-@pytest.mark.xfail(strict=True, reason="data bug (reported): 4 rows of data/math_sample.jsonl (GSM8K style) have "
-                   "'question', not 'problem', the input_key grpo_math_base.yaml sets")
 def test_math_task_from_sample_jsonl():
     """Our math sample, read with the keys the GPU math recipes set (data.train in grpo_math_base.yaml)."""
     from jetrl_megatron.rl.config import load_config

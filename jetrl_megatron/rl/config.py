@@ -370,7 +370,22 @@ def build_fp8_recipe(cfg: RunConfig, arm: str) -> Fp8Recipe:
                          bf16_module_keywords=tuple(v.quantization_ignored_layer_kws), gemm_backend=backend,
                          batch_invariant=jr.batch_invariant)
     except RecipeError as e:
-        raise ConfigError(str(e).replace("jet_rl.", "policy.jet_rl.")) from None
+        field_name = str(e).split(":", 1)[0].removeprefix("jet_rl.")
+        key = RECIPE_FIELD_KEYS.get(field_name, f"policy.jet_rl.{field_name}")
+        raise ConfigError(f"{key}:{str(e).split(':', 1)[1]}") from None
+
+
+# Where each Fp8Recipe field comes from in the config (errors name the key the user wrote).
+RECIPE_FIELD_KEYS = {
+    "mode": "policy.jet_rl.arm",
+    "scale_fmt": "policy.generation.vllm_cfg.pow2_weight_scaling_factors",
+    "amax_eps": "policy.jet_rl.amax_eps",
+    "bf16_first_layers": "policy.generation.vllm_cfg.num_first_layers_in_bf16",
+    "bf16_last_layers": "policy.generation.vllm_cfg.num_last_layers_in_bf16",
+    "bf16_module_keywords": "policy.generation.vllm_cfg.quantization_ignored_layer_kws",
+    "gemm_backend": "policy.jet_rl.gemm_backend",
+    "batch_invariant": "policy.jet_rl.batch_invariant",
+}
 
 
 _INF = math.inf
@@ -532,8 +547,22 @@ def check_batches(cfg: RunConfig) -> None:
                           f"(policy.train_global_batch_size = {gbs}, rollout batch = {rollout_batch})")
 
 
+# The datasets this project reads, and NeMo-RL v0.7.0's named datasets (its response-dataset registry): those load
+# and plan (a NeMo-RL YAML names them), and a run stops with how to export one to a local JSONL (rl/tasks.py).
+OWN_DATASETS = ("synthetic_addition", "synthetic_sort", "synthetic_count", "ResponseDataset")
+NEMO_RL_DATASETS = ("AIME2024", "AIME2025", "AIME2026", "DAPOMath17K", "DAPOMathAIME2024", "DeepScaler", "GSM8K",
+                    "gsm8k", "OpenMathInstruct-2", "Nemotron-Cascade-2-SFT-Math", "NemoGymDataset", "openai_format",
+                    "squad", "HelpSteer3", "open_assistant", "tulu3_sft_mixture", "general-conversation-jsonl",
+                    "arrow_text", "audiomcq", "avqa", "clevr-cogent", "daily-omni", "geometry3k", "mmpr-tiny",
+                    "refcoco")
+
+
 def check_data(cfg: RunConfig) -> None:
     tr = cfg.data.train
+    if tr.dataset_name not in OWN_DATASETS + NEMO_RL_DATASETS:
+        near = difflib.get_close_matches(tr.dataset_name, OWN_DATASETS + NEMO_RL_DATASETS, n=1)
+        raise ConfigError(f"data.train.dataset_name: {tr.dataset_name!r} is not one of {OWN_DATASETS} (or a NeMo-RL "
+                          "dataset name)" + (f"; did you mean {near[0]!r}?" if near else ""))
     if tr.dataset_name == "ResponseDataset" and not tr.data_path:
         raise ConfigError("data.train.data_path: required for data.train.dataset_name: ResponseDataset (a local "
                           "JSONL of problems and answers)")
