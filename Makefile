@@ -4,6 +4,9 @@ VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 RECIPE  ?= tiny_cpu
 OVERRIDES ?=
+# bf16 | bf16_train_fp8_rollout | jetrl | fake_quant: `--arm`, which sets NeMo-RL's switches (fp8_cfg.enabled,
+# vllm_cfg.precision); empty: the recipe's own
+ARM     ?=
 SEEDS   ?= 3
 NODES   ?= 1
 SUBMIT  ?=
@@ -37,17 +40,18 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 run: setup
-	$(VENV)/bin/jetrl run --recipe $(RECIPE) $(OVERRIDES)
+	$(VENV)/bin/jetrl run --recipe $(RECIPE) $(if $(ARM),--arm $(ARM)) $(OVERRIDES)
 
 compare: setup
 	$(VENV)/bin/jetrl compare --recipe $(RECIPE) --seeds $(SEEDS) $(OVERRIDES)
 
 plan: setup
-	$(VENV)/bin/jetrl plan --recipe $(RECIPE) $(OVERRIDES)
+	$(VENV)/bin/jetrl plan --recipe $(RECIPE) $(if $(ARM),--arm $(ARM)) $(OVERRIDES)
 
 sbatch: DEVICE := $(if $(filter command line environment,$(origin DEVICE)),$(DEVICE),$(RECIPE_DEVICE))
 sbatch: setup
-	$(VENV)/bin/jetrl sbatch --recipe $(RECIPE) --nodes $(NODES) $(if $(SUBMIT),--submit) $(OVERRIDES)
+	$(VENV)/bin/jetrl sbatch --recipe $(RECIPE) --nodes $(NODES) $(if $(SUBMIT),--submit) $(if $(ARM),--arm $(ARM)) \
+	  $(OVERRIDES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache runs

@@ -12,10 +12,10 @@ shift 2
 case $length in
   short) ov=() ;;
   # long: the warm start continues from the short experiment's (run it first, same machine) for 100 steps at 2K
-  long) ov=(data.synthetic.num_terms=409 policy.generation.max_new_tokens=2068 policy.max_total_sequence_length=2112
-            policy.generation.vllm_cfg.max_model_len=2112 policy.generation.vllm_cfg.kv_cache_memory_bytes=12884901888
+  long) ov=(data.train.num_terms=409 policy.generation.max_new_tokens=2068 policy.max_total_sequence_length=2112
+            policy.generation.vllm_cfg.max_model_len=2112 policy.generation.vllm_kwargs.kv_cache_memory_bytes=12884901888
             grpo.max_num_steps=15 grpo.max_val_samples=32
-            policy.model_name=/tmp/jetrl_long/short/warmstart/model grpo.sft_warmstart.steps=100) ;;
+            policy.model_name=/tmp/jetrl_long/short/warmstart/model policy.jet_rl.sft_warmstart.steps=100) ;;
   *) echo "usage: $0 short|long OUT_DIR" >&2; exit 2 ;;
 esac
 work=/tmp/jetrl_long/$length

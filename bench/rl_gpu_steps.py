@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from jetrl_megatron.megatron.models import get_model_shape
+from jetrl_megatron.rl.config import arm_overrides
 
 ARMS = ("bf16", "bf16_train_fp8_rollout", "jetrl")
 
@@ -48,13 +49,15 @@ def make_model_config(preset: str, out: Path) -> Path:
 def run_arm(arm: str, config: Path, log_dir: Path, steps: int, timeout: int, colocated: bool = False,
             env: dict[str, str] | None = None) -> list[dict]:
     overrides = [
-        f"jet_rl.mode={arm}", f"policy.model_preset={config}", f"policy.model_name={config}",
+        *arm_overrides(arm), f"policy.jet_rl.model_preset={config}", f"policy.model_name={config}",
         f"grpo.max_num_steps={steps}", "grpo.num_prompts_per_step=64", "grpo.num_generations_per_prompt=16",
         "policy.train_global_batch_size=1024", "policy.train_micro_batch_size=512", "policy.logprob_batch_size=512",
-        "grpo.sft_warmstart.steps=10", "grpo.sft_warmstart.lr=1e-4", "grpo.sft_warmstart.batch_size=256",
+        "policy.jet_rl.sft_warmstart.steps=10", "policy.jet_rl.sft_warmstart.lr=1e-4",
+        "policy.jet_rl.sft_warmstart.batch_size=256",
         "policy.megatron_cfg.optimizer.lr=1e-5", "policy.megatron_cfg.optimizer.min_lr=1e-5",
-        "grpo.final_arm_probe=false", "grpo.val_period=1000", "logger.progress_bars=false",
-        "logger.tensorboard_enabled=false", "logger.plot_enabled=false", f"logger.log_dir={log_dir}",
+        # validation before GRPO and at the last step only (tiny_cpu's val_at_start / val_at_end)
+        "policy.jet_rl.final_arm_probe=false", "grpo.val_period=0", "policy.jet_rl.progress_bars=false",
+        "logger.tensorboard_enabled=false", "policy.jet_rl.plot_enabled=false", f"logger.log_dir={log_dir}",
         f"policy.generation.colocated.enabled={str(colocated).lower()}",
         "policy.generation.vllm_cfg.gpu_memory_utilization=0.35",
         "policy.generation.vllm_cfg.max_model_len=64", f"cluster.gpus_per_node={int(torch.cuda.is_available())}",

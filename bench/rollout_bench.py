@@ -9,7 +9,7 @@ token logprobs (decode) and prompt logprobs (prefill) against a trainer-side for
 the pure-torch reference of tests/test_rollout_reference.py with `fp8_linear_forward` (GPU backends); its attention is
 BF16 SDPA (the trainer's CUDA default) or FP32 SDPA. It then refits new weights and compares again.
 `throughput`: random (dummy) weights of a preset shape, CUDA graphs for decode (FULL_DECODE_ONLY), one arm per process.
-`--gemm-backend` sets the plugin's GEMM backend (the recipe's `gemm_backend`; `auto` by default).
+`--gemm-backend` sets the plugin's GEMM backend (the config's `policy.jet_rl.gemm_backend`; `auto` by default).
 `compare`: the listed arms one after another, each in a fresh process with the same settings (same GPU, same prompts);
 prints a table with each arm's tokens/s and its ratio to BF16 and to stock block-FP8. An arm `jetrl:deep_gemm` is the
 plugin with that GEMM backend.

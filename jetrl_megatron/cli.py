@@ -1,6 +1,7 @@
 """`jetrl`: the command line of jetrl_megatron.
 
-  jetrl run     --recipe NAME|PATH [a.b=c ...]    train with GRPO (tiny_cpu by default: CPU, a few minutes)
+  jetrl run     --recipe NAME|PATH [--arm A] [a.b=c ...]  train with GRPO (tiny_cpu by default: CPU, a few minutes)
+  jetrl run     --config FILE.yaml [a.b=c ...]    the same, in NeMo-RL's run_grpo.py form (Hydra-style overrides)
   jetrl compare --recipe NAME [--arms a,b,c]      every arm x --seeds N from one BF16 warm start, aggregated
   jetrl plan    --recipe NAME [a.b=c ...]          resolved config, parallel layout, resharder preflight, memory
   jetrl sbatch  --recipe NAME --nodes N [--submit] the SLURM command for slurm/jetrl.sbatch (GPU or CPU recipe)
@@ -21,13 +22,42 @@ from pathlib import Path
 
 from jetrl_megatron.errors import UserError, one_line
 from jetrl_megatron.rl.compare import COMPARE_ARMS
-from jetrl_megatron.rl.config import ARM_MODES, DEFAULT_RECIPE, REPO_ROOT, ConfigError, load_config
+from jetrl_megatron.rl.config import (
+    ARM_MODES,
+    DEFAULT_RECIPE,
+    REPO_ROOT,
+    ConfigError,
+    arm_overrides,
+    load_config,
+    warn_ignored,
+)
 from jetrl_megatron.rl.logging import quiet_libraries
 
 
-def _recipe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recipe", default=DEFAULT_RECIPE, help="recipe name in recipes/ or a YAML path")
-    p.add_argument("overrides", nargs="*", help="a.b=c overrides of recipe keys (values parsed as YAML)")
+def _recipe_args(p: argparse.ArgumentParser, arm: bool = True) -> None:
+    p.add_argument("--recipe", default=None, help=f"recipe name in recipes/ or a YAML path (default {DEFAULT_RECIPE})")
+    p.add_argument("--config", default=None, help="a NeMo-RL-layout YAML file (NeMo-RL's run_grpo.py habit; same as "
+                   "--recipe PATH)")
+    if arm:
+        p.add_argument("--arm", choices=ARM_MODES, default=None,
+                       help="set NeMo-RL's switches for this arm (fp8_cfg.enabled, vllm_cfg.precision) and "
+                            "policy.jet_rl.arm")
+    p.add_argument("overrides", nargs="*", help="Hydra-style overrides: a.b=1, +a.new=1, ++a.b=1, ~a.b")
+
+
+def _normalize_recipe_args(args: argparse.Namespace) -> None:
+    """--config FILE is --recipe FILE; --arm ARM puts the arm's switches before the user's overrides (a user override
+    that contradicts them is then an error, not silently overwritten)."""
+    if getattr(args, "config", None) is not None:
+        if args.recipe is not None:
+            raise UserError("give --recipe or --config, not both")
+        if not Path(args.config).is_file():
+            raise UserError(f"--config {args.config}: no such file")
+        args.recipe = str(Path(args.config).resolve())
+    if getattr(args, "recipe", "") is None:
+        args.recipe = DEFAULT_RECIPE
+    if getattr(args, "arm", None):
+        args.overrides = [*arm_overrides(args.arm), *args.overrides]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,8 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     _recipe_args(sub.add_parser("run", help="train with GRPO"))
     c = sub.add_parser("compare", help="run several arms of a recipe and tabulate mismatch + reward")
-    _recipe_args(c)
-    c.add_argument("--arms", default=",".join(COMPARE_ARMS), help=f"comma-separated jet_rl.mode values {ARM_MODES}")
+    _recipe_args(c, arm=False)
+    c.add_argument("--arms", default=",".join(COMPARE_ARMS), help=f"comma-separated arms {ARM_MODES}")
     c.add_argument("--seeds", type=int, default=3, help="runs per arm, seeds grpo.seed .. grpo.seed + N - 1")
     c.add_argument("--out", default=None, help="output dir (default runs/compare/<recipe>)")
     c.add_argument("--parallel", type=int, default=1,
@@ -53,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     _recipe_args(s)
     s.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the recipe's cluster.num_nodes)")
     s.add_argument("--submit", action="store_true", help="run sbatch instead of printing the command")
+    k = sub.add_parser("keys", help="NeMo-RL v0.7.0 GRPO keys and their status here (docs/nemo_rl_keys.md)")
+    k.add_argument("--tarball", default=None, help="NeMo-RL v0.7.0 release tarball (default: $JETRL_NEMO_RL_TARBALL "
+                   "or shared/upstream/nemo-rl-v0.7.0.tar.gz beside the checkout)")
     sub.add_parser("reshard-check", help="resharder preflight (see docs/reshard.md)", add_help=False)
     sub.add_parser("export", help="HF FP8 export (see docs/reshard.md)", add_help=False)
     return ap
@@ -60,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.recipe, args.overrides)
+    warn_ignored(cfg)
     quiet_libraries()
     if cfg.is_gpu:
         import torch
@@ -242,6 +276,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    """Print docs/nemo_rl_keys.md: every key of NeMo-RL v0.7.0's Megatron GRPO YAMLs with its status here."""
+    import tempfile
+
+    from jetrl_megatron.rl import nemo_rl_upstream as up
+
+    tarball = Path(args.tarball) if args.tarball else up.find_tarball(REPO_ROOT)
+    if tarball is None or not tarball.is_file():
+        raise UserError(f"no NeMo-RL v0.7.0 tarball: give --tarball or set JETRL_NEMO_RL_TARBALL ({up.TARBALL_NAME})")
+    with tempfile.TemporaryDirectory() as tmp:
+        yamls = up.megatron_grpo_yamls(up.unpack(tarball, Path(tmp)))
+        print(KEYS_DOC_HEADER + up.markdown_table(up.key_values(yamls)), end="")
+    return 0
+
+
+KEYS_DOC_HEADER = """# NeMo-RL v0.7.0 GRPO keys in jetrl_megatron
+
+Generated by `jetrl keys` from NeMo-RL v0.7.0's release tarball (the GRPO YAMLs of `examples/configs/` and
+`examples/configs/recipes/llm/` that use the Megatron backend); `tests/test_nemo_rl_conformance.py` checks it is
+current. Statuses (`jetrl_megatron/rl/nemo_rl_keys.py`): **implemented** with NeMo-RL's meaning; **ignored**:
+accepted with no effect, for the reason given, listed in one warning at start; **refused**: loading stops with the
+key and the reason. How the arm follows NeMo-RL's switches and what `policy.jet_rl` holds: docs/config.md.
+
+"""
+
+
 def sbatch_command(recipe: str, nodes: int, overrides: list[str], gres: str, parsable: bool = False) -> list[str]:
     """The sbatch line for slurm/jetrl.sbatch; ``gres`` is ``gpu:N`` or ``none`` (a CPU recipe: see slurm.gres)."""
     env = [f"RECIPE={recipe}"]
@@ -301,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(fn(argv[1:]) or 0)
     args = _parser().parse_args(argv)
     try:
-        return {"run": cmd_run, "compare": cmd_compare, "plan": cmd_plan, "sbatch": cmd_sbatch}[args.cmd](args)
+        _normalize_recipe_args(args)
+        return {"run": cmd_run, "compare": cmd_compare, "plan": cmd_plan, "sbatch": cmd_sbatch,
+                "keys": cmd_keys}[args.cmd](args)
     except UserError as e:
         print(f"jetrl {args.cmd}: {one_line(e, limit=2000)}", file=sys.stderr)
         return 2

@@ -19,6 +19,26 @@ def test_plan_bad_key_exit_2(capsys):
     assert "policy.megatron_cfg.bogus" in capsys.readouterr().err
 
 
+def test_arm_flag_sets_nemo_rl_switches(capsys):
+    """`--arm` sets fp8_cfg.enabled / vllm_cfg.precision (and restates the arm); an override that contradicts it is
+    an error, not silently overwritten; the old `jet_rl.mode=` override says where the arm went."""
+    assert main(["plan", "--recipe", "tiny_cpu", "--arm", "bf16_train_fp8_rollout"]) == 0
+    out = capsys.readouterr().out
+    assert "(arm bf16_train_fp8_rollout)" in out and "precision: fp8" in out and "arm: bf16_train_fp8_rollout" in out
+    assert main(["plan", "--recipe", "tiny_cpu", "--arm", "bf16", "policy.generation.vllm_cfg.precision=fp8"]) == 2
+    assert "policy.jet_rl.arm: 'bf16' contradicts" in capsys.readouterr().err
+    assert main(["plan", "--recipe", "tiny_cpu", "jet_rl.mode=bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "moved to policy.jet_rl" in err and "--arm" in err
+    from jetrl_megatron.rl.config import RECIPES_DIR
+
+    cfg = ("--config", str(RECIPES_DIR / "tiny_cpu.yaml"))
+    assert main(["plan", *cfg, "--no-config", "--arm", "jetrl"]) == 0  # NeMo-RL's run_grpo.py form
+    capsys.readouterr()
+    assert main(["plan", *cfg, "--recipe", "tiny_cpu"]) == 2
+    assert "give --recipe or --config, not both" in capsys.readouterr().err
+
+
 def test_run_gpu_recipe_without_cuda_stops_at_once():
     t0 = time.time()
     r = subprocess.run([sys.executable, "-m", "jetrl_megatron.cli", "run", "--recipe", "qwen3_32b_tp2"],
@@ -32,9 +52,12 @@ def test_run_gpu_recipe_without_cuda_stops_at_once():
 
 
 def test_sbatch_prints_command(capsys):
-    assert main(["sbatch", "--recipe", "qwen3_32b_tp2", "--nodes", "8", "jet_rl.mode=bf16"]) == 0
+    assert main(["sbatch", "--recipe", "qwen3_32b_tp2", "--nodes", "8", "--arm", "bf16"]) == 0
     out = capsys.readouterr().out
-    assert "sbatch --nodes=8" in out and "RECIPE=qwen3_32b_tp2" in out and "jet_rl.mode=bf16" in out
+    assert "sbatch --nodes=8" in out and "RECIPE=qwen3_32b_tp2" in out
+    # --arm travels to the job as NeMo-RL's switches (the job's `jetrl run` gets plain overrides)
+    assert ("policy.megatron_cfg.fp8_cfg.enabled=false policy.generation.vllm_cfg.precision=bfloat16 "
+            "policy.jet_rl.arm=bf16") in out and "cluster.num_nodes=8" in out
     assert main(["sbatch", "--recipe", "tiny_cpu"]) == 0  # the CPU path (tests/test_slurm.py)
     assert "--gres=none" in capsys.readouterr().out
 

@@ -178,12 +178,12 @@ def test_outputs_written_atomically(runs, tmp_path):
 def test_run_overrides_are_valid_and_fair(tmp_path):
     """Every arm's run differs from the others only by the arm; the warm start is BF16 and writes a model dir."""
     ws = load_config("tiny_cpu", compare.warmstart_overrides(tmp_path))
-    assert ws.mode == "bf16" and ws.grpo.max_num_steps == 0
-    assert ws.grpo.sft_warmstart.save_model_dir == str(tmp_path / "warmstart" / "model")
+    assert ws.arm == "bf16" and ws.grpo.max_num_steps == 0
+    assert ws.policy.jet_rl.sft_warmstart.save_model_dir == str(tmp_path / "warmstart" / "model")
     cfgs = {a: load_config("tiny_cpu", compare.arm_overrides(tmp_path, a, 7, "tiny")).to_dict() for a in ARMS}
     for a, c in cfgs.items():
         assert c["policy"]["model_name"] == str(tmp_path / "warmstart" / "model") and c["grpo"]["seed"] == 7
-        assert c["grpo"]["sft_warmstart"]["steps"] == 0 and c["jet_rl"]["mode"] == a
+        assert c["policy"]["jet_rl"]["sft_warmstart"]["steps"] == 0 and c["policy"]["jet_rl"]["arm"] == a
     assert _differing_keys(cfgs["bf16"], cfgs["jetrl"]) <= ARM_KEYS | PATH_KEYS
 
 
@@ -201,13 +201,13 @@ def test_finished_needs_ok_and_same_config(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ end to end
 
-# keys the arm itself sets (jet_rl.mode and what config.resolve derives from it) and the per-run paths
-ARM_KEYS = {"jet_rl.mode", "policy.megatron_cfg.fp8_cfg.enabled", "policy.generation.vllm_cfg.precision"}
+# keys the arm itself sets (NeMo-RL's switches that select it, and the restated arm) and the per-run paths
+ARM_KEYS = {"policy.jet_rl.arm", "policy.megatron_cfg.fp8_cfg.enabled", "policy.generation.vllm_cfg.precision"}
 PATH_KEYS = {"logger.log_dir", "checkpointing.checkpoint_dir"}
 FAST = ["grpo.max_num_steps=2", "grpo.val_period=1", "grpo.max_val_samples=8", "grpo.num_prompts_per_step=4",
         "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8",
-        "policy.logprob_batch_size=8", "grpo.sft_warmstart.steps=3", "grpo.sft_warmstart.batch_size=16",
-        "logger.progress_bars=false"]
+        "policy.logprob_batch_size=8", "policy.jet_rl.sft_warmstart.steps=3",
+        "policy.jet_rl.sft_warmstart.batch_size=16", "policy.jet_rl.progress_bars=false"]
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -263,8 +263,8 @@ def test_compare_e2e_shared_warmstart(tmp_path):
         for seed in (42, 43):
             d = out / arm / f"seed{seed}"
             c = configs[arm, seed] = yaml.safe_load((d / "config.yaml").read_text())
-            assert c["policy"]["model_name"] == str(model) and c["grpo"]["sft_warmstart"]["steps"] == 0
-            assert c["grpo"]["seed"] == seed and c["jet_rl"]["mode"] == arm
+            assert c["policy"]["model_name"] == str(model) and c["policy"]["jet_rl"]["sft_warmstart"]["steps"] == 0
+            assert c["grpo"]["seed"] == seed and c["policy"]["jet_rl"]["arm"] == arm
             assert json.loads((d / "summary.json").read_text())["ok"]
     for seed in (42, 43):  # the same seed: everything but the arm is the same (data order, sampling seeds, model)
         assert _differing_keys(configs["bf16", seed], configs["jetrl", seed]) <= ARM_KEYS | PATH_KEYS

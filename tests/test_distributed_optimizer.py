@@ -30,6 +30,7 @@ import torch
 from test_megatron_util import hf_state, tiny_shape
 
 from jetrl_megatron.megatron.cpu import spawn
+from jetrl_megatron.rl.config import arm_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -335,7 +336,7 @@ def test_optimizer_follows_ddp_and_refuses_a_mismatch(mp):
 
 
 def test_trainer_and_plan_read_the_same_settings():
-    from jetrl_megatron.rl.config import ConfigError, load_config
+    from jetrl_megatron.rl.config import load_config
     from jetrl_megatron.rl.plan import plan_report, trainer_settings
 
     on = load_config("qwen3_8b_tp1")
@@ -348,16 +349,22 @@ def test_trainer_and_plan_read_the_same_settings():
     text_off, ok_off = plan_report(off, show_config=False)
     assert ok_on and "distributed optimizer" in text_on and "sharded over DP=8" in text_on
     assert not ok_off and "DOES NOT FIT" in text_off and "replicated on every DP rank" in text_off
-    with pytest.raises(ConfigError, match="use_precision_aware_optimizer"):
-        trainer_settings(load_config("qwen3_8b_tp1",
-                                     ["policy.megatron_cfg.optimizer.use_precision_aware_optimizer=true"]))
+    # NeMo-RL's use_precision_aware_optimizer is accepted without effect (rl/nemo_rl_keys.py): with FP32 master
+    # weights and FP32 Adam moments it only moves where that state lives; the trainer runs this project's FP32 Adam
+    # (not in the recipe nor the schema: added with Hydra's `+`)
+    pa = load_config("qwen3_8b_tp1", ["+policy.megatron_cfg.optimizer.use_precision_aware_optimizer=true"])
+    assert trainer_settings(pa) == s_on and not trainer_settings(pa).use_precision_aware_optimizer
+    verdict = {v.key: v for v in pa.key_report}["policy.megatron_cfg.optimizer.use_precision_aware_optimizer"]
+    assert verdict.status == "ignored" and verdict.value is True
+    assert not hasattr(pa.policy.megatron_cfg.optimizer, "use_precision_aware_optimizer")  # not a schema field
 
 
 # ------------------------------------------------------------------------------------------------ the GRPO loop
 LOOP = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16",
-        "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8", "grpo.sft_warmstart.steps=2",
-        "grpo.sft_warmstart.batch_size=16", "grpo.final_arm_probe=false", "logger.progress_bars=false",
-        "grpo.val_period=0", "jet_rl.mode=jetrl", "grpo.max_num_steps=3", "checkpointing.enabled=true",
+        "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8", "policy.jet_rl.sft_warmstart.steps=2",
+        "policy.jet_rl.sft_warmstart.batch_size=16", "policy.jet_rl.final_arm_probe=false",
+        "policy.jet_rl.progress_bars=false", "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false",
+        *arm_overrides("jetrl"), "grpo.max_num_steps=3", "checkpointing.enabled=true",
         "checkpointing.save_period=1", "checkpointing.keep_top_k=3",
         "policy.megatron_cfg.optimizer.use_distributed_optimizer=true"]
 

@@ -23,6 +23,7 @@ import torch
 from test_megatron_util import hf_state, tiny_shape
 
 from jetrl_megatron.megatron.cpu import spawn
+from jetrl_megatron.rl.config import arm_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -224,10 +225,11 @@ def test_plan_counts_grad_buffers_in_the_train_phase_only(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ the GRPO loop
 LOOP = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16",
-        "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8", "grpo.sft_warmstart.steps=1",
-        "grpo.sft_warmstart.batch_size=16", "grpo.final_arm_probe=false", "logger.progress_bars=false",
-        "grpo.val_period=0", "jet_rl.mode=jetrl", "grpo.max_num_steps=2", "logger.tensorboard_enabled=false",
-        "logger.plot_enabled=false"]
+        "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8", "policy.jet_rl.sft_warmstart.steps=1",
+        "policy.jet_rl.sft_warmstart.batch_size=16", "policy.jet_rl.final_arm_probe=false",
+        "policy.jet_rl.progress_bars=false", "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false",
+        *arm_overrides("jetrl"), "grpo.max_num_steps=2", "logger.tensorboard_enabled=false",
+        "policy.jet_rl.plot_enabled=false"]
 
 
 def _loop(rank: int, world_size: int, log_dir: str) -> None:

@@ -65,7 +65,8 @@ def nm_is_weights(prev, gen, mask, tis_type, tis_max, tis_min):
 
 
 def nm_loss(lp, prev, gen, lp_ref, adv, mask, *, clip_min=0.2, clip_max=0.2, clip_c=None, kl_coef=0.0,
-            kl_type="k3", is_correction=False, tis_type=None, tis_max=None, tis_min=None, token_level=True):
+            kl_type="k3", is_correction=False, tis_type=None, tis_max=None, tis_min=None, token_level=True,
+            on_policy_kl=False):
     """NeMo-RL's ClippedPGLossFn for one global batch (sample_mask all 1), the keys this project shares."""
     n_tok, n_seq = mask.sum(), float(mask.shape[0])
     ones = torch.ones(mask.shape[0], dtype=mask.dtype)
@@ -77,7 +78,8 @@ def nm_loss(lp, prev, gen, lp_ref, adv, mask, *, clip_min=0.2, clip_max=0.2, cli
 
     kl = torch.zeros((), dtype=lp.dtype)
     if kl_coef:
-        score = torch.nan_to_num(torch.exp(lp - lp.detach()), nan=0.0, posinf=0.0, neginf=0.0)
+        base = gen if on_policy_kl else lp.detach()  # use_on_policy_kl_approximation: exp(curr - generation)
+        score = torch.nan_to_num(torch.exp(lp - base), nan=0.0, posinf=0.0, neginf=0.0)
         kl = reduce(kl_coef * nm_kl(lp, lp_ref, kl_type, weights=score))
     r = torch.exp(lp - prev)
     rc = r.clamp(1 - clip_min, 1 + clip_max)
@@ -145,7 +147,7 @@ def make_batch(seed, b=7, t=9, *, kl_far=False, zero_len_row=False):
 
 def project_loss_and_grad(lp, prev, gen, ref, adv, mask, *, clip_min=0.2, clip_max=0.2, clip_c=None, kl_coef=0.0,
                           kl_type="k3", is_correction=False, tis_type=None, tis_max=2.0, tis_min=None,
-                          token_level=True, micro_batches=1):
+                          token_level=True, micro_batches=1, on_policy_kl=False):
     """The project's pipeline as rl/loop.py runs it: importance_weights on (prev, gen), then clipped_pg_loss per
     micro-batch over the full response mask with the global normaliser, summed."""
     x = lp.detach().clone().requires_grad_(True)
@@ -157,7 +159,8 @@ def project_loss_and_grad(lp, prev, gen, ref, adv, mask, *, clip_min=0.2, clip_m
     for rows in torch.arange(lp.shape[0]).chunk(micro_batches):
         out = clipped_pg_loss(x[rows], prev[rows], adv[rows], mask[rows], clip_low=clip_min, clip_high=clip_max,
                               clip_c=clip_c, is_weights=None if is_w is None else is_w[rows], logp_ref=ref[rows],
-                              kl_coef=kl_coef, kl_type=kl_type, token_level=token_level, normalizer=norm)
+                              kl_coef=kl_coef, kl_type=kl_type, token_level=token_level, normalizer=norm,
+                              kl_logp_gen=gen[rows] if on_policy_kl else None)
         total = total + out.loss
     total.backward()
     return total.detach(), x.grad
@@ -249,6 +252,15 @@ def test_kl_penalty_matches_nemo_rl(kl_type, token_level):
         return x.grad
 
     assert (old_kl_grad() - grad).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
+def test_on_policy_kl_approximation_matches_nemo_rl(kl_type):
+    """loss_fn.use_on_policy_kl_approximation: the KL weighted by exp(logp - logp_gen), gradient through logp."""
+    data = make_batch(5, kl_far=True)
+    _, grad = assert_parity(data, kl_coef=0.01, kl_type=kl_type, on_policy_kl=True, micro_batches=2)
+    _, plain = reference_loss_and_grad(*data, kl_coef=0.01, kl_type=kl_type)
+    assert (grad - plain).abs().max() > 1e-4  # the weights change the gradient: the test can tell them apart
 
 
 def test_kl_gradient_closed_form_and_clamp():

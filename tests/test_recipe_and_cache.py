@@ -1,4 +1,7 @@
-"""Fp8Recipe validation/round trip and the per-step FP8 weight cache."""
+"""Fp8Recipe validation/round trip, the run recipe built from the config keys, and the per-step FP8 weight cache.
+
+Fp8Recipe's own error messages name its fields as ``jet_rl.<field>`` (the recipe dict a checkpoint's meta.json and an
+exported ``quantization_config`` carry); through the config, the user's key is named instead."""
 
 from __future__ import annotations
 
@@ -35,6 +38,48 @@ def test_round_trip_and_defaults():
 def test_bad_values_name_the_key(bad, key):
     with pytest.raises(RecipeError, match=key):
         Fp8Recipe.from_dict(bad)
+
+
+# ------------------------------------------------------------------------------------------------ config -> recipe
+# The run's Fp8Recipe (cfg.recipe) is built once from NeMo-RL's keys and policy.jet_rl; a bad value is named by the
+# config key the user wrote, never by the recipe's internal field.
+FLOW = ["policy.generation.vllm_cfg.pow2_weight_scaling_factors=true",
+        "policy.generation.vllm_cfg.pow2_activation_scaling_factors=true",
+        "policy.generation.vllm_cfg.num_first_layers_in_bf16=1", "policy.generation.vllm_cfg.num_last_layers_in_bf16=2",
+        "policy.generation.vllm_cfg.quantization_ignored_layer_kws=[down_proj]", "policy.jet_rl.gemm_backend=cublas",
+        "policy.jet_rl.batch_invariant=true", "policy.jet_rl.amax_eps=1e-8"]
+
+
+def test_config_keys_build_the_run_recipe():
+    from jetrl_megatron.rl.config import load_config
+
+    r = load_config("tiny_cpu", FLOW).recipe
+    assert r == Fp8Recipe(mode="jetrl", scale_fmt="pow2", amax_eps=1e-8, bf16_first_layers=1, bf16_last_layers=2,
+                          bf16_module_keywords=("down_proj",), gemm_backend="cublas", batch_invariant=True)
+    assert load_config("tiny_cpu").recipe == Fp8Recipe()  # tiny_cpu: the Jet-RL defaults
+    # use_deep_gemm (NeMo-RL: DeepGEMM for vLLM's FP8 GEMMs) puts the jetrl arm's GEMMs on DeepGEMM
+    assert load_config("tiny_cpu", ["policy.generation.vllm_cfg.use_deep_gemm=true"]).recipe.gemm_backend == "deep_gemm"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("policy.jet_rl.arm=fp4", "policy.jet_rl.arm"),
+    ("policy.jet_rl.gemm_backend=cutlass", "policy.jet_rl.gemm_backend"),
+    ("policy.jet_rl.amax_eps=0.5", "policy.jet_rl.amax_eps"),
+    ("policy.jet_rl.batch_invariant=1", "policy.jet_rl.batch_invariant"),
+    ("policy.generation.vllm_cfg.num_first_layers_in_bf16=-1", "policy.generation.vllm_cfg.num_first_layers_in_bf16"),
+    ("policy.generation.vllm_cfg.num_last_layers_in_bf16=true", "policy.generation.vllm_cfg.num_last_layers_in_bf16"),
+    ("policy.generation.vllm_cfg.pow2_weight_scaling_factors=true",
+     "policy.generation.vllm_cfg.pow2_weight_scaling_factors and pow2_activation_scaling_factors"),
+    ("policy.generation.vllm_cfg.quantization_ignored_layer_kws=down_proj",
+     "policy.generation.vllm_cfg.quantization_ignored_layer_kws"),
+    ("policy.generation.vllm_cfg.quantization_ignored_layer_kws=['']",
+     "policy.generation.vllm_cfg.quantization_ignored_layer_kws"),
+])
+def test_bad_config_values_name_the_config_key(override, key):
+    from jetrl_megatron.rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("tiny_cpu", [override])
 
 
 def test_exclusions_and_module_names():

@@ -2,7 +2,8 @@
 
 import pytest
 
-from jetrl_megatron.rl.config import RECIPES_DIR, ConfigError, load_config
+from jetrl_megatron.recipe import Fp8Recipe
+from jetrl_megatron.rl.config import ARM_MODES, RECIPES_DIR, ConfigError, arm_overrides, load_config
 from jetrl_megatron.rl.plan import plan_report
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
@@ -20,10 +21,57 @@ def test_recipe_loads_and_passes_plan(name):
     assert ok, text
     assert "resharder preflight" in text and "REFUSED" not in text
     for arm in ("bf16", "bf16_train_fp8_rollout", "jetrl", "fake_quant"):
-        c = load_config(name, [f"jet_rl.mode={arm}"])
-        assert c.mode == arm
+        c = load_config(name, arm_overrides(arm))
+        assert c.arm == arm and c.recipe.mode == arm and c.policy.jet_rl.arm == arm
         assert c.policy.megatron_cfg.fp8_cfg.enabled == (arm == "jetrl")
         assert c.policy.generation.vllm_cfg.precision == ("bfloat16" if arm == "bf16" else "fp8")
+
+
+@pytest.mark.parametrize(("fp8_train", "precision", "stated", "arm"), [
+    (False, "bfloat16", None, "bf16"),
+    (False, "fp8", None, "bf16_train_fp8_rollout"),
+    (True, "fp8", None, "jetrl"),
+    (False, "fp8", "fake_quant", "fake_quant"),  # the ablation: only by name, on the bf16_train_fp8_rollout switches
+    (True, "fp8", "jetrl", "jetrl"),  # a restated arm that agrees
+])
+def test_nemo_rl_switches_derive_the_arm(fp8_train, precision, stated, arm):
+    """The arm follows NeMo-RL's own switches (fp8_cfg.enabled, vllm_cfg.precision); the FP8 recipe is built once
+    from it."""
+    ov = [f"policy.megatron_cfg.fp8_cfg.enabled={str(fp8_train).lower()}",
+          f"policy.generation.vllm_cfg.precision={precision}"]
+    c = load_config("tiny_cpu", ov + ([f"policy.jet_rl.arm={stated}"] if stated else []))
+    assert c.arm == arm and isinstance(c.recipe, Fp8Recipe) and c.recipe.mode == arm
+    assert c.recipe.trains_fp8 == (arm == "jetrl") and c.recipe.rollout_fp8 == (arm != "bf16")
+    assert c.fp8_token_multiple() == (128 if arm in ("jetrl", "fake_quant") else 1)
+
+
+@pytest.mark.parametrize(("override", "needle"), [
+    (["policy.megatron_cfg.fp8_cfg.enabled=true", "policy.generation.vllm_cfg.precision=bfloat16"],
+     "FP8 trainer with a BF16 rollout is not an arm"),
+    (["policy.jet_rl.arm=bf16"], "policy.jet_rl.arm: 'bf16' contradicts policy.megatron_cfg.fp8_cfg.enabled: true"),
+    (["policy.jet_rl.arm=fake_quant"], "'fake_quant' needs fp8_cfg.enabled: false, precision: fp8"),
+    ([*arm_overrides("bf16"), "policy.generation.vllm_cfg.precision=fp8"], "contradicts"),
+])
+def test_contradicting_arm_switches_refused(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config("tiny_cpu", override)
+
+
+def test_arm_overrides_cover_every_arm():
+    assert arm_overrides("jetrl") == ["policy.megatron_cfg.fp8_cfg.enabled=true",
+                                      "policy.generation.vllm_cfg.precision=fp8", "policy.jet_rl.arm=jetrl"]
+    for arm in ARM_MODES:
+        assert load_config("qwen3_8b_tp1", arm_overrides(arm)).arm == arm
+    with pytest.raises(ConfigError, match="fp4"):
+        arm_overrides("fp4")
+
+
+def test_top_level_jet_rl_block_refused(tmp_path):
+    """The removed `jet_rl:` section: refused with where its keys went, never silently ignored."""
+    old = tmp_path / "old.yaml"
+    old.write_text("defaults: tiny_cpu\njet_rl:\n  mode: bf16\n  gemm_backend: cublas\n")
+    with pytest.raises(ConfigError, match=r"jet_rl\.mode: 'bf16' is refused: the Jet-RL block moved to policy\.jet_rl"):
+        load_config(str(old))
 
 
 GPU_RECIPES = [n for n in RECIPES if load_config(n).is_gpu]
@@ -52,17 +100,33 @@ def test_nemo_rl_hyperparameters():
     assert q32.policy.generation.vllm_cfg.tensor_parallel_size == 2 and q32.policy.train_global_batch_size == 2048
     assert ll.policy.megatron_cfg.optimizer.lr == 3e-7 and ll.loss_fn.truncated_importance_sampling_type == "tis"
     assert q8.grpo.num_prompts_per_step == 64 and q8.grpo.num_generations_per_prompt == 32
-    assert q8.policy.megatron_cfg.env_vars["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] == "1"
+    # grpo_math_8B_megatron_fp8.yaml's FP8 flow: blockwise FP8 trainer + FP8 rollout on DeepGEMM, FP32 block scales
+    assert q8.arm == "jetrl" and q8.recipe.scale_fmt == "fp32" and q8.recipe.gemm_backend == "deep_gemm"
+    assert q8.rollout_env() == {"VLLM_USE_DEEP_GEMM": "1", "VLLM_USE_DEEP_GEMM_E8M0": "0"}
+    # NeMo-RL's interpolations resolve against the child's values
+    assert q32.policy.make_sequence_length_divisible_by == 2 and q8.policy.make_sequence_length_divisible_by == 1
+    assert q8.policy.generation.max_new_tokens == q8.policy.max_total_sequence_length == 4096
+    assert q8.policy.megatron_cfg.optimizer.clip_grad == q8.policy.max_grad_norm
+    assert q8.checkpointing.metric_name == "val:accuracy" and q8.checkpointing.keep_top_k == 3
 
 
 @pytest.mark.parametrize("override, needle", [
     ("policy.megatron_cfg.optimzer.lr=1", "policy.megatron_cfg.optimzer"),
     ("grpo.bogus=1", "grpo.bogus"),
     ("nonsection.x=1", "nonsection"),
-    ("jet_rl.nope=1", "nope"),
+    ("policy.jet_rl.nope=1", "policy.jet_rl.nope"),  # not in the config: `+` would add it...
+    ("+policy.jet_rl.nope=1", "policy.jet_rl.nope"),  # ... and then it is an unknown key
+    ("jet_rl.nope=1", "moved to policy.jet_rl"),
+    ("jet_rl.mode=bf16", "moved to policy.jet_rl"),
     ("grpo.max_num_steps=ten", "grpo.max_num_steps"),
     ("grpo.normalize_rewards=3", "grpo.normalize_rewards"),
-    ("jet_rl.mode=fp4", "jet_rl.mode"),
+    ("policy.jet_rl.arm=fp4", "policy.jet_rl.arm"),
+    ("policy.jet_rl.gemm_backend=cutlass", "policy.jet_rl.gemm_backend"),
+    ("policy.generation.vllm_cfg.num_first_layers_in_bf16=-1", "policy.generation.vllm_cfg.num_first_layers_in_bf16"),
+    ("policy.generation.vllm_cfg.pow2_weight_scaling_factors=true", "pow2_activation_scaling_factors"),
+    ("data.dataset_name=synthetic_sort", "data.dataset_name"),  # moved to data.train.dataset_name
+    ("data.synthetic.num_items=4", "data.synthetic"),  # moved to data.train.num_items
+    ("data.train.dataset_name=ResponseDataset", "data.train.data_path"),  # ResponseDataset needs its JSONL
     ("loss_fn.truncated_importance_sampling_type=foo", "truncated_importance_sampling_type"),
     ("policy.train_global_batch_size=60", "train_global_batch_size"),
     ("grpo.num_generations_per_prompt=1", "num_generations_per_prompt"),
@@ -89,8 +153,39 @@ def test_typed_overrides_and_inheritance(tmp_path):
         load_config(str(a))
     with pytest.raises(ConfigError, match="not found"):
         load_config("no_such_recipe")
-    with pytest.raises(ConfigError, match="a.b=c"):
+    with pytest.raises(ConfigError, match="override 'novalue'.*EQUAL"):
         load_config("tiny_cpu", ["novalue"])
+
+
+def test_hydra_override_grammar():
+    """NeMo-RL's run_grpo.py rules: `a.b=v` changes a key that exists (the schema's defaults count), `+a.b=v` adds,
+    `++a.b=v` sets either way, `~a.b` deletes."""
+    base = load_config("tiny_cpu")
+    assert "force_on_policy_ratio" not in (RECIPES_DIR / "tiny_cpu.yaml").read_text()
+    assert load_config("tiny_cpu", ["loss_fn.force_on_policy_ratio=true"]).loss_fn.force_on_policy_ratio  # a default
+    with pytest.raises(ConfigError, match=r"already exists; change it with grpo\.max_num_steps="):
+        load_config("tiny_cpu", ["+grpo.max_num_steps=3"])
+    assert load_config("tiny_cpu", ["++grpo.max_num_steps=3"]).grpo.max_num_steps == 3
+    assert load_config("tiny_cpu", ["+policy.generation.vllm_kwargs.seed=3"]).policy.generation.vllm_kwargs["seed"] == 3
+    with pytest.raises(ConfigError, match=r"add it with \+policy\.generation\.vllm_kwargs\.seed="):
+        load_config("tiny_cpu", ["policy.generation.vllm_kwargs.seed=3"])
+    # kv_cache_memory_bytes lives in vllm_kwargs (NeMo-RL's pass-through to vllm.LLM); deleted, a CPU engine gets
+    # the 64 MiB default
+    assert base.kv_cache_memory_bytes() == 64 << 20 == base.policy.generation.vllm_kwargs["kv_cache_memory_bytes"]
+    kv = "policy.generation.vllm_kwargs.kv_cache_memory_bytes"
+    gone = load_config("tiny_cpu", [f"~{kv}"])
+    assert "kv_cache_memory_bytes" not in gone.policy.generation.vllm_kwargs
+    assert gone.kv_cache_memory_bytes() == 64 << 20
+    assert load_config("tiny_cpu", [f"{kv}=1024"]).kv_cache_memory_bytes() == 1024
+    with pytest.raises(ConfigError, match=r"cannot delete grpo\.bogus"):
+        load_config("tiny_cpu", ["~grpo.bogus"])
+    with pytest.raises(ConfigError, match="sweeps"):
+        load_config("tiny_cpu", ["grpo.seed=1,2"])
+    # RunConfig equality ignores what is derived (recipe, key accounting)
+    again = load_config("tiny_cpu")
+    again.recipe, again.key_report, again.defaulted = Fp8Recipe(mode="bf16"), [], []
+    assert again == base and again.recipe != base.recipe
+    assert again != load_config("tiny_cpu", ["grpo.max_num_steps=41"])
 
 
 def test_plan_refuses_bad_layout():
@@ -112,15 +207,22 @@ def test_model_weights_resolution(tmp_path, monkeypatch):
 
 
 def test_plan_counts_a_sized_kv_cache():
-    """With vllm_cfg.kv_cache_memory_bytes set, the engine sizes its KV cache from it (CUDA too), so the plan's KV
+    """With vllm_kwargs.kv_cache_memory_bytes set, the engine sizes its KV cache from it (CUDA too), so the plan's KV
     budget is that size and the rollout phase is weights + that size, not gpu_memory_utilization of the GPU."""
     from jetrl_megatron.rl.plan import memory_estimate, model_shape, parallel_layout
 
-    base = load_config("count_150m_gpu", ["policy.generation.vllm_cfg.kv_cache_memory_bytes=null"])
-    sized = load_config("count_150m_gpu", [f"policy.generation.vllm_cfg.kv_cache_memory_bytes={3 << 30}"])
+    base = load_config("count_150m_gpu", ["~policy.generation.vllm_kwargs.kv_cache_memory_bytes"])
+    sized = load_config("count_150m_gpu", [f"policy.generation.vllm_kwargs.kv_cache_memory_bytes={3 << 30}"])
+    assert base.kv_cache_memory_bytes() is None and sized.kv_cache_memory_bytes() == 3 << 30  # GPU: no default
     m0 = memory_estimate(base, model_shape(base), parallel_layout(base), gpu_mem_gib=80.0)
     m1 = memory_estimate(sized, model_shape(sized), parallel_layout(sized), gpu_mem_gib=80.0)
     assert m1["kv_cache_budget"] == pytest.approx(3.0)
     assert m0["kv_cache_budget"] == pytest.approx(0.08 * 80.0 - m0["vllm_weights"])
     grown = m1["rollout_phase_total"] - m0["rollout_phase_total"]
     assert grown == pytest.approx(3.0 - 0.08 * 80.0 + m1["vllm_weights"])
+
+
+@pytest.mark.parametrize("name", ["synthetic_srot", "math_jsonl"])
+def test_unknown_dataset_name_refused_at_load(name):
+    with pytest.raises(ConfigError, match=r"data\.train\.dataset_name"):
+        load_config("tiny_cpu", [f"data.train.dataset_name={name}"])

@@ -81,7 +81,7 @@ def test_plan_counts_the_refit_buffers_refit_source_allocates(tmp_path, tp, pp):
 
     from jetrl_megatron.megatron.cpu import spawn
     from jetrl_megatron.reshard.exchange import refit_buffer_bytes
-    from jetrl_megatron.rl.config import load_config
+    from jetrl_megatron.rl.config import arm_overrides, load_config
     from jetrl_megatron.rl.plan import GiB, memory_estimate, model_shape, parallel_layout
 
     world = tp * pp
@@ -103,11 +103,13 @@ def test_plan_counts_the_refit_buffers_refit_source_allocates(tmp_path, tp, pp):
                 assert r["received"] == want.recv + want.own
             assert max(p.buffers for p in planned.values()) > 0  # the model-parallel case is exercised
             # the plan's line: the busiest rank of the same tiny config
-            cfg = load_config("tiny_cpu", [f"jet_rl.mode={arm}", f"jet_rl.bf16_last_layers={recipe.bf16_last_layers}",
+            cfg = load_config("tiny_cpu", [*arm_overrides(arm),
+                                           f"policy.generation.vllm_cfg.num_last_layers_in_bf16={recipe.bf16_last_layers}",
                                            f"policy.megatron_cfg.tensor_model_parallel_size={tp}",
                                            f"policy.megatron_cfg.pipeline_model_parallel_size={pp}",
                                            f"policy.generation.vllm_cfg.tensor_parallel_size={rtp}",
                                            "policy.train_global_batch_size=128"])
+            assert cfg.recipe == recipe  # the plan's recipe is the one the exchange ran with
             est = memory_estimate(cfg, model_shape(cfg), parallel_layout(cfg))
             busiest = max(sum(res[arm][rtp]["buffers"]) for res in results)
             assert est["refit_buffers"] * GiB == busiest, (arm, rtp, est["refit_buffers"] * GiB, busiest)

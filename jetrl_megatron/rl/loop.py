@@ -32,7 +32,16 @@ import torch
 
 from jetrl_megatron.errors import UserError, one_line
 from jetrl_megatron.rl import grpo, health
-from jetrl_megatron.rl.checkpoint import gather_coords, latest_usable, make_meta, read_meta, read_rank_file
+from jetrl_megatron.rl.checkpoint import (
+    checkpoints_to_remove,
+    gather_coords,
+    latest_usable,
+    make_meta,
+    nemo_rl_metric_names,
+    read_meta,
+    read_rank_file,
+    write_checkpoint_metrics,
+)
 from jetrl_megatron.rl.checkpoint import rng_state as rng_state
 from jetrl_megatron.rl.checkpoint import set_rng_state as set_rng_state
 from jetrl_megatron.rl.config import RunConfig, to_yaml
@@ -134,7 +143,7 @@ def build_trainer(cfg: RunConfig) -> Trainer:
     from jetrl_megatron.megatron.optim import build_optimizer
     from jetrl_megatron.rl.plan import model_shape, trainer_settings
 
-    shape, recipe = model_shape(cfg), cfg.fp8_recipe()
+    shape, recipe = model_shape(cfg), cfg.recipe
     mc = cfg.policy.megatron_cfg
     settings = trainer_settings(cfg)  # the same object `jetrl plan` estimates memory from
     gpt = build_gpt(shape, recipe, sequence_parallel=mc.sequence_parallel, seed=cfg.grpo.seed,
@@ -160,7 +169,7 @@ def resolve_model_weights(cfg: RunConfig) -> str | None:
     name = cfg.policy.model_name
     if Path(name).is_dir():
         return name
-    if name == cfg.policy.model_preset:
+    if name == cfg.model_preset:
         return None
     try:
         from huggingface_hub import snapshot_download
@@ -170,8 +179,8 @@ def resolve_model_weights(cfg: RunConfig) -> str | None:
     except Exception as e:
         raise ModelSourceError(
             f"policy.model_name {name!r}: not a local directory and not obtainable from the Hugging Face hub "
-            f"({one_line(e, limit=200)}); point it at a local HF checkpoint, or set it to policy.model_preset "
-            f"({cfg.policy.model_preset!r}) for a random init") from None
+            f"({one_line(e, limit=200)}); point it at a local HF checkpoint, or set it to policy.jet_rl.model_preset "
+            f"({cfg.model_preset!r}) for a random init") from None
 
 
 def make_reference(cfg: RunConfig, trainer: Trainer):
@@ -363,7 +372,7 @@ def verify_served_fp8(cfg: RunConfig, trainer: Trainer, engine, states: dict) ->
     from jetrl_megatron.rl.verify import served_fp8_equal
 
     want = os.environ.get("JETRL_VERIFY_SERVED_FP8", "0" if torch.cuda.is_available() else "1") == "1"
-    if not (want and cfg.mode == "jetrl" and cfg.policy.generation.vllm_cfg.tensor_parallel_size == 1
+    if not (want and cfg.arm == "jetrl" and cfg.policy.generation.vllm_cfg.tensor_parallel_size == 1
             and cfg.policy.megatron_cfg.pipeline_model_parallel_size == 1):
         return math.nan
     tp_states = [states[k] for k in sorted(states)]
@@ -396,6 +405,7 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
 
     v = cfg.policy.generation.vllm_cfg
     kwargs: dict[str, Any] = dict(cfg.policy.generation.vllm_kwargs)
+    kwargs.pop("kv_cache_memory_bytes", None)  # RolloutConfig's (cfg.kv_cache_memory_bytes: the CPU default too)
     if _world() > 1 and (torch.cuda.is_available() or v.tensor_parallel_size > 1):
         # The ranks of this job form vLLM's groups (each rank runs its vLLM worker in-process). On CPU only rollout
         # TP > 1 needs this; at TP 1 every rank runs an independent engine.
@@ -403,12 +413,12 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
     n_engines, _ = engine_groups(cfg)
     seqs = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // n_engines
     return RolloutEngine(RolloutConfig(
-        model_dir=model_dir, recipe=recipe or cfg.fp8_recipe(), tensor_parallel_size=v.tensor_parallel_size,
-        verify_refit=_env_flag("JETRL_VERIFY_REFIT", v.verify_refit),
-        refit_cuda_graph=bool(_env_flag("JETRL_REFIT_CUDA_GRAPH", v.refit_cuda_graph)),
-        fp8_gemm_warmup=bool(_env_flag("JETRL_FP8_GEMM_WARMUP", v.fp8_gemm_warmup)),
+        model_dir=model_dir, recipe=recipe or cfg.recipe, tensor_parallel_size=v.tensor_parallel_size,
+        verify_refit=_env_flag("JETRL_VERIFY_REFIT", cfg.policy.jet_rl.verify_refit),
+        refit_cuda_graph=bool(_env_flag("JETRL_REFIT_CUDA_GRAPH", cfg.policy.jet_rl.refit_cuda_graph)),
+        fp8_gemm_warmup=bool(_env_flag("JETRL_FP8_GEMM_WARMUP", cfg.policy.jet_rl.fp8_gemm_warmup)),
         max_model_len=v.max_model_len,
-        kv_cache_memory_bytes=v.kv_cache_memory_bytes,
+        kv_cache_memory_bytes=cfg.kv_cache_memory_bytes(),
         gpu_memory_utilization=v.gpu_memory_utilization, max_num_seqs=max(1, seqs), seed=cfg.grpo.seed,
         enforce_eager=v.enforce_eager, enable_sleep_mode=torch.cuda.is_available() and
         cfg.policy.generation.colocated.enabled, in_process=True, llm_kwargs=kwargs))
@@ -419,7 +429,8 @@ class RolloutBatch:
     """All samples of one step on every rank, as padded tensors aligned with the trainer's logprobs.
 
     tokens (B, S): prompt + response, right-padded; mask / gen_logprobs (B, S-1): position t scores tokens[:, t+1],
-    mask 1 on response tokens only; rewards / correct (B,); response_len (B,).
+    mask 1 on response tokens only; rewards / correct (B,); response_len (B,); truncated (B,): the response used
+    all of ``max_new_tokens`` without ending in the end-of-sequence token.
     """
 
     tokens: torch.Tensor
@@ -429,6 +440,14 @@ class RolloutBatch:
     correct: torch.Tensor
     response_len: torch.Tensor
     texts: list[str]
+    truncated: torch.Tensor
+
+
+def stop_ids(cfg: RunConfig, task) -> list[int] | None:
+    """Token ids that end an answer: the tokenizer's end of sequence and ``policy.generation.stop_token_ids``."""
+    eos = getattr(task.tokenizer, "eos_token_id", None)
+    ids = ([eos] if eos is not None else []) + list(cfg.policy.generation.stop_token_ids or [])
+    return ids or None
 
 
 def rollout(cfg: RunConfig, engine, task, prompts, step: int) -> tuple[list, float]:
@@ -438,14 +457,13 @@ def rollout(cfg: RunConfig, engine, task, prompts, step: int) -> tuple[list, flo
     n = cfg.grpo.num_generations_per_prompt
     per = -(-len(prompts) // n_engines)
     mine = list(range(my_engine * per, min(len(prompts), (my_engine + 1) * per)))
-    eos = task.tokenizer.eos_token_id
     t0 = time.perf_counter()
     samples = []
     if mine:
         out = engine.generate([prompts[i].token_ids for i in mine], n=n, max_tokens=g.max_new_tokens,
                               temperature=g.temperature, top_p=g.top_p,
                               seed=cfg.grpo.seed * 1_000_003 + step * 10_007 + mine[0] * n,
-                              stop_token_ids=[eos] if eos is not None else None)
+                              stop_token_ids=stop_ids(cfg, task))
         samples = [(mine[s.prompt_index], s.sample_index, list(s.token_ids), list(s.logprobs)) for s in out]
     if _world() > 1:
         parts: list = [None] * _world()
@@ -460,24 +478,26 @@ def rollout(cfg: RunConfig, engine, task, prompts, step: int) -> tuple[list, flo
 
 def validate(cfg: RunConfig, engine, task, val_prompts) -> dict[str, float]:
     """Held-out prompts, answered greedily (temperature 0: a low-variance view of what the policy knows) and sampled
-    as in rollout (``VAL_SAMPLES`` answers each at the rollout temperature: what GRPO actually optimizes). The two
-    can move apart: sharpening the sampled distribution may change the argmax on prompts it was unsure about."""
+    as in rollout (``grpo.num_val_generations_per_prompt`` answers each at the rollout temperature: what GRPO
+    optimizes). The two can move apart: sharpening the sampled distribution may change the argmax on prompts it was
+    unsure about."""
     if not val_prompts:
         return {}
     g = cfg.policy.generation
     greedy, texts = _val_scores(cfg, engine, task, val_prompts, n=1, temperature=0.0, top_p=1.0)
-    sampled, _ = _val_scores(cfg, engine, task, val_prompts, n=VAL_SAMPLES, temperature=g.temperature,
-                             top_p=g.top_p)
-    if texts:  # what the policy answers, not just its score: the first held-out prompt, greedy
-        _say(f"  held-out sample: {val_prompts[0].text[:60]!r} -> {texts[0][:80]!r}"
-             f"{'...' if len(texts[0]) > 80 else ''} (reward {greedy[0][0]:.3f})")
-    return {"val/reward": float(np.mean([r for r, _ in greedy])),
-            "val/accuracy": float(np.mean([c for _, c in greedy])),
-            "val/reward_sampled": float(np.mean([r for r, _ in sampled])),
-            "val/accuracy_sampled": float(np.mean([c for _, c in sampled]))}
+    # what the policy answers, not just its score: the first logger.num_val_samples_to_print held-out prompts, greedy
+    for i, text in enumerate(texts[:cfg.logger.num_val_samples_to_print]):
+        _say(f"  held-out sample: {val_prompts[i].text[:60]!r} -> {text[:80]!r}"
+             f"{'...' if len(text) > 80 else ''} (reward {greedy[i][0]:.3f})")
+    out = {"val/reward": float(np.mean([r for r, _ in greedy])), "val/accuracy": float(np.mean([c for _, c in greedy]))}
+    n = cfg.grpo.num_val_generations_per_prompt
+    if n > 0:
+        sampled, _ = _val_scores(cfg, engine, task, val_prompts, n=n, temperature=g.temperature, top_p=g.top_p)
+        out.update({"val/reward_sampled": float(np.mean([r for r, _ in sampled])),
+                    "val/accuracy_sampled": float(np.mean([c for _, c in sampled]))})
+    return out
 
 
-VAL_SAMPLES = 4  # sampled answers per held-out prompt
 VAL_KEYS = ("step", "val/reward", "val/accuracy", "val/reward_sampled", "val/accuracy_sampled")
 
 
@@ -488,12 +508,11 @@ def _val_scores(cfg: RunConfig, engine, task, val_prompts, *, n: int, temperatur
     n_engines, my_engine = engine_groups(cfg)
     per = -(-len(val_prompts) // n_engines)
     mine = list(range(my_engine * per, min(len(val_prompts), (my_engine + 1) * per)))
-    eos = task.tokenizer.eos_token_id
     res, texts = [], []
     if mine:
         out = engine.generate([val_prompts[i].token_ids for i in mine], n=n,
                               max_tokens=cfg.policy.generation.max_new_tokens, temperature=temperature, top_p=top_p,
-                              seed=0, stop_token_ids=[eos] if eos is not None else None)
+                              seed=0, stop_token_ids=stop_ids(cfg, task))
         texts = [task.tokenizer.decode(list(s.token_ids)) for s in out]
         res = [task.reward(val_prompts[mine[s.prompt_index]], t) for s, t in zip(out, texts, strict=True)]
     if _world() > 1:
@@ -533,7 +552,10 @@ def make_batch(cfg: RunConfig, task, prompts, samples) -> RolloutBatch:
             mask[i, len(pt) - 1:len(pt) - 1 + len(rt)] = 1.0
             gen[i, len(pt) - 1:len(pt) - 1 + len(rt)] = torch.tensor(lps, dtype=torch.float32)
         rlen[i] = len(rt)
-    return RolloutBatch(tokens, mask, gen, torch.tensor(rewards), torch.tensor(correct), rlen, texts)
+    stops = set(stop_ids(cfg, task) or ())
+    truncated = torch.tensor([len(rt) >= cfg.policy.generation.max_new_tokens and (not rt or rt[-1] not in stops)
+                              for _, rt, _ in rows])
+    return RolloutBatch(tokens, mask, gen, torch.tensor(rewards), torch.tensor(correct), rlen, texts, truncated)
 
 
 def response_positions(batch: RolloutBatch) -> torch.Tensor:
@@ -610,18 +632,23 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
             data["logp_ref"] = logp_ref[sl]
         if is_w is not None:
             data["is_w"] = is_w[sl]
+        if lf.use_on_policy_kl_approximation and logp_ref is not None:
+            data["logp_gen"] = batch.gen_logprobs[sl]
         data = {k: dp_slice(v) for k, v in data.items()}
         # Megatron's schedule divides each micro-batch loss by n_micro and DDP averages over DP: undo both so the
         # optimised objective is the sum over this step's response tokens / their global count (token-level).
-        norm = (global_tokens if lf.token_level_loss else float(gbs)) / (n_micro * dp)
+        seqs = float((~batch.truncated[sl]).sum().clamp_min(1)) if cfg.grpo.overlong_filtering else float(gbs)
+        norm = (global_tokens if lf.token_level_loss else seqs) / (n_micro * dp)
 
         def loss_fn(lp, mb, norm=norm):
+            # force_on_policy_ratio (NeMo-RL): the ratio is pi / stop_grad(pi) = 1, with pi's gradient
+            old = lp.detach() if lf.force_on_policy_ratio else mb["logp_old"]
             out = grpo.clipped_pg_loss(
-                lp, mb["logp_old"], mb["adv"], mb["mask"], clip_low=lf.ratio_clip_min, clip_high=lf.ratio_clip_max,
+                lp, old, mb["adv"], mb["mask"], clip_low=lf.ratio_clip_min, clip_high=lf.ratio_clip_max,
                 clip_c=lf.ratio_clip_c, is_weights=mb.get("is_w"), logp_ref=mb.get("logp_ref"),
                 kl_coef=lf.reference_policy_kl_penalty, kl_type=lf.reference_policy_kl_type,
                 kl_input_clamp=lf.kl_input_clamp_value, kl_output_clamp=lf.kl_output_clamp_value,
-                token_level=lf.token_level_loss, normalizer=norm)
+                token_level=lf.token_level_loss, normalizer=norm, kl_logp_gen=mb.get("logp_gen"))
             return out.loss, {"pg_loss": out.pg_loss, "kl_ref": out.kl, "clip_frac": out.clip_frac,
                               "ratio_mean": out.ratio_mean}
 
@@ -646,7 +673,7 @@ def sft_warmstart(cfg: RunConfig, trainer: Trainer, task, indices: list[int], lo
     ones) so the first GRPO rewards are not all zero."""
     from jetrl_megatron.megatron.model import train_step
 
-    w = cfg.grpo.sft_warmstart
+    w = cfg.policy.jet_rl.sft_warmstart
     if w.steps <= 0 or not hasattr(task, "sft_target"):
         return []
     rng = random.Random(cfg.grpo.seed + 17)
@@ -693,8 +720,10 @@ def latest_checkpoint(cfg: RunConfig) -> Path | None:
     return latest_usable(_ckpt_root(cfg), warn=lambda m: _warn(f"warning: {m}"))
 
 
-def save_checkpoint(cfg: RunConfig, trainer: Trainer, step: int, stream: PromptStream) -> Path:
-    """Atomic: every rank writes into step_N.tmp, rank 0 renames to step_N and marks it COMPLETE."""
+def save_checkpoint(cfg: RunConfig, trainer: Trainer, step: int, stream: PromptStream,
+                    metrics: dict[str, Any] | None = None) -> Path:
+    """Atomic: every rank writes into step_N.tmp, rank 0 renames to step_N and marks it COMPLETE. The step's metrics
+    (NeMo-RL names) go with it, and checkpointing.keep_top_k / metric_name decide which older ones are removed."""
     root = _ckpt_root(cfg)
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     if _is_main():
@@ -714,11 +743,12 @@ def save_checkpoint(cfg: RunConfig, trainer: Trainer, step: int, stream: PromptS
     if _is_main():
         meta = make_meta(step, cfg.name, trainer.shape, trainer.recipe, coords, tmp)
         (tmp / "meta.json").write_text(json.dumps(meta))
+        write_checkpoint_metrics(tmp, nemo_rl_metric_names(metrics or {}, None))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         (final / "COMPLETE").write_text("")
-        old = sorted((p for p in root.glob("step_*") if (p / "COMPLETE").exists()), key=lambda p: int(p.name[5:]))
-        for p in old[:-cfg.checkpointing.keep_top_k]:
+        ck = cfg.checkpointing
+        for p in checkpoints_to_remove(root, ck.keep_top_k, ck.metric_name, ck.higher_is_better):
             shutil.rmtree(p, ignore_errors=True)
     if _world() > 1:
         _dist().barrier()
@@ -750,8 +780,9 @@ def init_distributed(cfg: RunConfig) -> None:
     from jetrl_megatron.megatron.cpu import init_parallel
 
     mc = cfg.policy.megatron_cfg
-    for k, v in mc.env_vars.items():
-        os.environ.setdefault(k, v)
+    for k, v in (mc.env_vars or {}).items():
+        os.environ.setdefault(k, str(v))
+    os.environ.update(cfg.rollout_env())  # vllm_cfg.env_vars and use_deep_gemm's switches, before vLLM is imported
     init_parallel(mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", _rank() % torch.cuda.device_count())))
@@ -778,24 +809,69 @@ def _bf16_view(trainer: Trainer) -> Trainer:
     return replace(trainer, recipe=trainer.recipe.replace(mode="bf16"))
 
 
+def validation_split(cfg: RunConfig, task) -> tuple[Any, list[int], list[int]]:
+    """(validation task, its prompt indices to evaluate, training indices). NeMo-RL's rule: ``data.validation`` when
+    set, else ``data.train.split_validation_size`` of the training prompts held out (split by prompt text, seeded by
+    ``data.train.seed``); ``grpo.max_val_samples`` caps how many are evaluated."""
+    cap = cfg.grpo.max_val_samples
+    if cfg.data.validation is not None:
+        val_task = build_task(cfg, validation=True)
+        return val_task, list(range(len(val_task)))[:cap], list(range(len(task)))
+    num_val = round(cfg.data.train.split_validation_size * len(task))
+    val_idx, train_idx = heldout_split(task, num_val, cfg.data.train.seed)
+    return task, val_idx[:cap], train_idx
+
+
+def scale_rewards(rewards: torch.Tensor, rs) -> torch.Tensor:
+    """``grpo.reward_scaling`` (NeMo-RL): clamp to [source_min, source_max], map linearly onto [target_min,
+    target_max]. Applied to what the advantages see; logged rewards stay the task's own."""
+    if not rs.enabled:
+        return rewards
+    unit = (rewards.clamp(rs.source_min, rs.source_max) - rs.source_min) / (rs.source_max - rs.source_min)
+    return rs.target_min + unit * (rs.target_max - rs.target_min)
+
+
+def advantages(cfg: RunConfig, rewards: torch.Tensor) -> torch.Tensor:
+    """NeMo-RL's order: reward scaling, group-relative advantages, then ``grpo.advantage_clip_low/high``."""
+    g = cfg.grpo
+    adv = grpo.group_advantages(scale_rewards(rewards, g.reward_scaling), g.num_generations_per_prompt,
+                                normalize=g.normalize_rewards, leave_one_out=g.use_leave_one_out_baseline)
+    if g.advantage_clip_low is not None or g.advantage_clip_high is not None:
+        adv = adv.clamp(g.advantage_clip_low, g.advantage_clip_high)
+    return adv
+
+
+def loss_mask(cfg: RunConfig, batch: RolloutBatch) -> torch.Tensor:
+    """The tokens the loss sees. ``grpo.overlong_filtering`` (NeMo-RL): a truncated answer keeps its place in the
+    advantages but leaves the loss and its token (or sequence) count."""
+    if not cfg.grpo.overlong_filtering:
+        return batch.mask
+    return batch.mask * (~batch.truncated).to(batch.mask.dtype)[:, None]
+
+
 def run(cfg: RunConfig) -> dict[str, Any]:
     """Train ``cfg`` with GRPO; returns (and writes to <log_dir>/summary.json) the run summary."""
     t_start = time.perf_counter()
     init_distributed(cfg)
     seed_everything(cfg.grpo.seed)
     log_dir = Path(cfg.logger.log_dir)
-    logger = RunLogger(log_dir, tensorboard=cfg.logger.tensorboard_enabled, progress=cfg.logger.progress_bars,
-                       enabled=_is_main())
+    logger = RunLogger(log_dir, tensorboard=cfg.logger.tensorboard_enabled, progress=cfg.policy.jet_rl.progress_bars,
+                       enabled=_is_main(), wandb_cfg=cfg.logger.wandb if cfg.logger.wandb_enabled else None,
+                       run_config=cfg.to_dict())
     if _is_main():
         (log_dir / "config.yaml").write_text(to_yaml(cfg))
-    _say(f"jetrl run: recipe {cfg.name}, arm {cfg.mode}, {_world()} rank(s), log dir {log_dir}")
+    _say(f"jetrl run: recipe {cfg.name}, arm {cfg.arm}, {_world()} rank(s), log dir {log_dir}")
 
     _, engine_index = engine_groups(cfg)  # refuses an impossible rollout layout before any training work
     task = build_task(cfg)
     g = cfg.grpo
-    val_idx, train_idx = heldout_split(task, g.max_val_samples if g.val_period > 0 else 0, cfg.data.synthetic.seed)
+    val_task, val_idx, train_idx = validation_split(cfg, task)
     stream = PromptStream(task, seed=g.seed, shuffle=cfg.data.shuffle, indices=train_idx)
+    last_step = min(g.max_num_steps, g.max_num_epochs * max(1, len(train_idx) // g.num_prompts_per_step))
     trainer = build_trainer(cfg)
+    if last_step < g.max_num_steps:
+        _say(f"grpo.max_num_epochs = {g.max_num_epochs}: the run stops after step {last_step} "
+             f"({len(train_idx)} training prompts, {g.num_prompts_per_step} per step)")
 
     start_step = 0
     ckpt = latest_checkpoint(cfg) if cfg.checkpointing.enabled else None
@@ -806,15 +882,15 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     elif Path(logger.path).exists() and _is_main():
         logger.path.unlink()  # a fresh run starts a fresh metrics file
     sft_losses = sft_warmstart(cfg, trainer, task, train_idx, logger) if ckpt is None else []
-    if cfg.grpo.sft_warmstart.save_model_dir and ckpt is None:
-        write_model_dir(cfg, trainer, Path(cfg.grpo.sft_warmstart.save_model_dir), only_rank0=True)
-        _say(f"warm-started policy written to {cfg.grpo.sft_warmstart.save_model_dir}")
+    if cfg.policy.jet_rl.sft_warmstart.save_model_dir and ckpt is None:
+        write_model_dir(cfg, trainer, Path(cfg.policy.jet_rl.sft_warmstart.save_model_dir), only_rank0=True)
+        _say(f"warm-started policy written to {cfg.policy.jet_rl.sft_warmstart.save_model_dir}")
         if cfg.grpo.max_num_steps == 0:
             logger.close()
-            summary = {"ok": True, "recipe": cfg.name, "mode": cfg.mode, "steps": 0,
+            summary = {"ok": True, "recipe": cfg.name, "mode": cfg.arm, "steps": 0,
                        "sft_loss": sft_losses[-1] if sft_losses else None,
                        "sft_loss_curve": sft_losses[::max(1, len(sft_losses) // 50)],
-                       "model_dir": cfg.grpo.sft_warmstart.save_model_dir}
+                       "model_dir": cfg.policy.jet_rl.sft_warmstart.save_model_dir}
             if _is_main():
                 (log_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             return summary
@@ -838,20 +914,20 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     source = RefitSource(trainer, cfg.policy.generation.vllm_cfg.tensor_parallel_size)
     t0 = time.perf_counter()
     engine.refit_from_shards(source.shards(), rank=vllm_rank)
-    _say(f"rollout engine ready (arm {cfg.mode}); first refit {time.perf_counter() - t0:.2f} s")
+    _say(f"rollout engine ready (arm {cfg.arm}); first refit {time.perf_counter() - t0:.2f} s")
 
     bins = position_bins(cfg.policy.generation.max_new_tokens, 4)
-    val_prompts = [task.prompt(i) for i in val_idx]
-    if val_prompts and start_step == 0:
-        val0 = validate(cfg, engine, task, val_prompts)
+    val_prompts = [val_task.prompt(i) for i in val_idx]
+    if val_prompts and start_step == 0 and g.val_at_start:
+        val0 = validate(cfg, engine, val_task, val_prompts)
         logger.log(0, val0)
         _say(f"validation before GRPO: accuracy {val0['val/accuracy']:.3f} greedy, "
-             f"{val0['val/accuracy_sampled']:.3f} sampled (reward {val0['val/reward']:.3f} / "
-             f"{val0['val/reward_sampled']:.3f})")
+             f"{val0.get('val/accuracy_sampled', math.nan):.3f} sampled (reward {val0['val/reward']:.3f} / "
+             f"{val0.get('val/reward_sampled', math.nan):.3f})")
     history: list[dict[str, Any]] = []
     updates_per_step = optimizer_updates_per_step(cfg)
     collapse = None
-    for step in logger.bar(range(start_step + 1, g.max_num_steps + 1), "grpo", total=g.max_num_steps - start_step):
+    for step in logger.bar(range(start_step + 1, last_step + 1), "grpo", total=max(0, last_step - start_step)):
         t_step = time.perf_counter()
         # 1. rollout
         prompts = stream.take(g.num_prompts_per_step)
@@ -859,8 +935,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         batch = make_batch(cfg, task, prompts, samples)
         colocated = cfg.policy.generation.colocated.enabled and engine.sleep(level=1)  # CUDA: free KV cache
         # 2. rewards -> advantages
-        adv = grpo.group_advantages(batch.rewards, g.num_generations_per_prompt, normalize=g.normalize_rewards,
-                                    leave_one_out=g.use_leave_one_out_baseline)
+        adv = advantages(cfg, batch.rewards)
         # 3. trainer logprobs of the sampled tokens (old policy, reference policy)
         t0 = time.perf_counter()
         logp_old = trainer_logprobs(cfg, trainer.model, batch.tokens)
@@ -869,7 +944,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         # 4. mismatch on response tokens (trainer vs rollout), overall and by response position
         lt, m_pos = align_by_position(logp_old, batch, cfg.policy.generation.max_new_tokens)
         lr, _ = align_by_position(batch.gen_logprobs, batch, cfg.policy.generation.max_new_tokens)
-        metrics = mismatch_metrics(lt, lr, m_pos, bins=bins, ratio_c=cfg.loss_fn.truncated_importance_sampling_ratio)
+        # is_oob_frac's bound: the TIS ratio, 2 when the recipe sets none
+        metrics = mismatch_metrics(lt, lr, m_pos, bins=bins,
+                                   ratio_c=cfg.loss_fn.truncated_importance_sampling_ratio or 2.0)
         # 5. rollout correction (optional) and the policy update
         lf = cfg.loss_fn
         # NeMo-RL-named mismatch metrics, NeMo-RL's definitions and per-optimizer-step aggregation
@@ -888,7 +965,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         if release_grads:
             restore_grad_buffers(trainer.model)  # zeroed
         # NeMo-RL: tokens a filter dropped keep weight 0 but stay in the loss (normalizer, KL); `keep` is for logging
-        metrics.update(policy_update(cfg, trainer, batch, adv, logp_old, logp_ref, is_w, batch.mask, step, logger))
+        metrics.update(policy_update(cfg, trainer, batch, adv, logp_old, logp_ref, is_w, loss_mask(cfg, batch), step,
+                                     logger))
         if release_grads:
             release_grad_buffers(trainer.model)  # before vLLM wakes up
         t_update = time.perf_counter() - t0
@@ -909,6 +987,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             "reward/accuracy": float(batch.correct.mean()),
             "policy/approx_entropy": masked_mean(-batch.gen_logprobs, batch.mask),
             "policy/response_len": float(batch.response_len.float().mean()),
+            "policy/truncated_frac": float(batch.truncated.float().mean()),
             "policy/is_kept_frac": float(keep.sum() / batch.mask.sum().clamp_min(1)),
             "time/rollout": t_rollout, "time/logprob": t_logprob, "time/update": t_update, "time/refit": t_refit,
             "time/step": dt,
@@ -921,8 +1000,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         })
         if not math.isnan(served_equal):
             metrics["refit/served_fp8_equal"] = served_equal
-        if val_prompts and (step % g.val_period == 0 or step == g.max_num_steps):
-            metrics.update(validate(cfg, engine, task, val_prompts))
+        if val_prompts and ((g.val_period > 0 and step % g.val_period == 0) or (step == last_step and g.val_at_end)):
+            metrics.update(validate(cfg, engine, val_task, val_prompts))
         logger.log(step, metrics)
         history.append({"step": step, **metrics})
         _say(f"step {step:3d} reward {metrics['reward/mean']:.3f} acc {metrics['reward/accuracy']:.3f} "
@@ -932,12 +1011,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
              + health.step_note(metrics, updates_per_step))
         if collapse is None and (collapse := health.find_collapse(history, trainer.shape.vocab_size)):
             _warn(health.collapse_warning(collapse, cfg.policy.megatron_cfg.optimizer.lr))
-        if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == g.max_num_steps):
-            save_checkpoint(cfg, trainer, step, stream)
+        if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == last_step):
+            save_checkpoint(cfg, trainer, step, stream, metrics)
 
     summary = summarize(cfg, logger, sft_losses, time.perf_counter() - t_start, vocab_size=trainer.shape.vocab_size)
     logger.close()
-    if cfg.grpo.final_arm_probe:
+    if cfg.policy.jet_rl.final_arm_probe:
         final_dir = log_dir / "final_model"
         write_model_dir(cfg, trainer, final_dir, only_rank0=True)
         if _is_main():
@@ -962,7 +1041,7 @@ def summarize(cfg: RunConfig, logger: RunLogger, sft_losses: list[float], wall: 
     all_rows = read_metrics(logger.path) if logger.path.exists() else []
     rows = [r for r in all_rows if r["step"] > 0]
     val = [r for r in all_rows if "val/accuracy" in r]
-    s: dict[str, Any] = {"ok": True, "recipe": cfg.name, "mode": cfg.mode, "steps": len(rows), "wall_s": wall,
+    s: dict[str, Any] = {"ok": True, "recipe": cfg.name, "mode": cfg.arm, "steps": len(rows), "wall_s": wall,
                          "sft_loss": sft_losses[-1] if sft_losses else None}
     if rows:
         k = max(1, len(rows) // 4)
@@ -977,8 +1056,8 @@ def summarize(cfg: RunConfig, logger: RunLogger, sft_losses: list[float], wall: 
             s["val_last"] = {k: val[-1][k] for k in VAL_KEYS if k in val[-1]}
         for t in ("rollout", "logprob", "update", "refit", "step"):
             s[f"{t}_time_mean"] = float(np.mean([r[f"time/{t}"] for r in rows]))
-        if cfg.logger.plot_enabled:
-            s["plot"] = str(plot_run(all_rows, logger.log_dir / "reward_mismatch.png", f"{cfg.name} ({cfg.mode})"))
+        if cfg.policy.jet_rl.plot_enabled:
+            s["plot"] = str(plot_run(all_rows, logger.log_dir / "reward_mismatch.png", f"{cfg.name} ({cfg.arm})"))
     s.update(health.update_summary(rows, optimizer_updates_per_step(cfg)))
     collapse = health.find_collapse(rows, vocab_size) if vocab_size else None
     if collapse is not None:
@@ -1002,7 +1081,7 @@ def summarize(cfg: RunConfig, logger: RunLogger, sft_losses: list[float], wall: 
                  f"{v0['val/accuracy']:.3f} -> {v1['val/accuracy']:.3f}, sampled "
                  f"{v0.get('val/accuracy_sampled', math.nan):.3f} -> {v1.get('val/accuracy_sampled', math.nan):.3f}")
         mm = s["mismatch_mean"]
-        _say(f"mismatch ({cfg.mode}): k3 {mm.get('mismatch/k3_kl', math.nan):.3e}, token_mult_prob_error "
+        _say(f"mismatch ({cfg.arm}): k3 {mm.get('mismatch/k3_kl', math.nan):.3e}, token_mult_prob_error "
              f"{mm.get('mismatch/token_mult_prob_error', math.nan):.6f}")
     return s
 

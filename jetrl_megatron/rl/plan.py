@@ -21,9 +21,15 @@ GiB = 1024**3
 
 
 def model_shape(cfg: RunConfig):
+    """The model's shape from ``policy.jet_rl.model_preset``, else ``policy.model_name`` (a preset, or a local HF
+    directory / config.json); a hub id is not looked up here (no download in a plan)."""
     from jetrl_megatron.megatron.models import get_model_shape
 
-    return get_model_shape(cfg.policy.model_preset or cfg.policy.model_name)
+    try:
+        return get_model_shape(cfg.model_preset or cfg.policy.model_name)
+    except ValueError as e:
+        raise ConfigError(f"policy.model_name: {e}; set policy.jet_rl.model_preset=<preset> or point "
+                          "policy.model_name at a local HF model directory") from None
 
 
 @dataclass(frozen=True)
@@ -79,19 +85,11 @@ class TrainerSettings:
 def trainer_settings(cfg: RunConfig) -> TrainerSettings:
     """The trainer's DDP/optimizer settings from ``policy.megatron_cfg.optimizer`` (refusals name the key)."""
     o = cfg.policy.megatron_cfg.optimizer
-    key = "policy.megatron_cfg.optimizer"
-    if o.use_precision_aware_optimizer:
-        from jetrl_megatron.megatron.optim import te_fused_adam_available
-
-        if not o.use_distributed_optimizer:
-            raise ConfigError(f"{key}.use_precision_aware_optimizer needs {key}.use_distributed_optimizer=true")
-        if not te_fused_adam_available():
-            raise ConfigError(f"{key}.use_precision_aware_optimizer: Megatron's precision-aware optimizer needs "
-                              "TransformerEngine's FusedAdam, which is not installed (not a dependency of "
-                              "jetrl_megatron); set it to false (NeMo-RL's FP8 recipes do)")
+    # use_precision_aware_optimizer is accepted without effect (rl/nemo_rl_keys.py): with NeMo-RL's FP32 master weights
+    # and moments it only moves where that state lives, and it needs TransformerEngine's FusedAdam.
     # grad_reduce_in_fp32 off: BF16 grad buffers, NeMo-RL's default (distributed_data_parallel_config)
     return TrainerSettings(use_distributed_optimizer=o.use_distributed_optimizer,
-                           use_precision_aware_optimizer=o.use_precision_aware_optimizer, grad_reduce_in_fp32=False,
+                           use_precision_aware_optimizer=False, grad_reduce_in_fp32=False,
                            lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad, adam_beta1=o.adam_beta1,
                            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps)
 
@@ -172,7 +170,7 @@ def refit_buffers(cfg: RunConfig, shape, layout: Layout) -> tuple[int, ExchangeB
     The bytes come from the functions `RefitSource` allocates its buffers with (`reshard.exchange`), run over the
     tensor lists this recipe's trainer ranks hold, so the plan counts what the loop keeps.
     """
-    return _busiest_refit_rank(shape, layout.tp, layout.pp, layout.dp, layout.rollout_tp, cfg.fp8_recipe())
+    return _busiest_refit_rank(shape, layout.tp, layout.pp, layout.dp, layout.rollout_tp, cfg.recipe)
 
 
 def describe_refit_buffers(cfg: RunConfig, shape, layout: Layout) -> str:
@@ -213,7 +211,7 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
       `RefitSource` allocates them (:func:`refit_buffers`); allocated at the first refit, before the first step,
       and held in both phases;
     - KV cache: vLLM may use gpu_memory_utilization of the GPU for its weights + KV (colocated; freed while training),
-      or exactly vllm_cfg.kv_cache_memory_bytes of KV plus its weights when that key is set;
+      or exactly vllm_kwargs.kv_cache_memory_bytes of KV plus its weights when that key is set;
       the batch needs 2 x layers x kv_heads/rollout_TP x head_dim x 2 B per token for all sequences of one engine;
     - rollout phase: the trainer's weights, FP8 copies, Adam state and refit buffers stay resident next to vLLM's
       budget; the activations and FP32 gradient copies are gone, the grad buffers too when released. The logprob
@@ -226,7 +224,7 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
                       pc["head"] + pc["final_norm"] if pp > 1 else 0)
     lin = layers_per_stage * pc["linear_per_layer"] / tp
     params = lin + layers_per_stage * pc["other_per_layer"] + stage_extra / tp
-    fp8_train = cfg.mode == "jetrl"
+    fp8_train = cfg.arm == "jetrl"
     mbs, seq = cfg.policy.train_micro_batch_size, cfg.policy.max_total_sequence_length
     tokens = mbs * seq
     h, f = shape.hidden_size, shape.ffn_hidden_size
@@ -259,10 +257,10 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     kv_per_token = 2 * shape.num_layers * kv_heads_rank * shape.head_dim * 2
     seqs_per_engine = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt / layout.engines
     out["kv_cache_full_batch"] = kv_per_token * seqs_per_engine * cfg.policy.generation.vllm_cfg.max_model_len / GiB
-    rollout_w = (pc["linear_per_layer"] * shape.num_layers * (1 if cfg.mode != "bf16" else 2)
+    rollout_w = (pc["linear_per_layer"] * shape.num_layers * (1 if cfg.arm != "bf16" else 2)
                  + 2 * (pc["embed"] + pc["head"])) / rtp / GiB
     out["vllm_weights"] = rollout_w
-    kv_bytes = cfg.policy.generation.vllm_cfg.kv_cache_memory_bytes
+    kv_bytes = cfg.kv_cache_memory_bytes()
     if kv_bytes is not None:  # the engine sizes its KV cache from this key on CUDA too (rl/loop.py start_engine)
         out["kv_cache_budget"] = kv_bytes / GiB
         vllm_budget = rollout_w + out["kv_cache_budget"]
@@ -276,6 +274,20 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     return out
 
 
+def key_accounting(cfg: RunConfig) -> list[str]:
+    """Which keys the recipe set (implemented / ignored), and which the schema filled in with its defaults."""
+    from jetrl_megatron.rl.nemo_rl_keys import IGNORED, IMPLEMENTED
+
+    set_keys = [v for v in cfg.key_report if v.status == IMPLEMENTED]
+    ignored = [v for v in cfg.key_report if v.status == IGNORED]
+    lines = [f"# keys (docs/nemo_rl_keys.md): {len(set_keys)} set and implemented, {len(cfg.defaulted)} defaulted, "
+             f"{len(ignored)} ignored (no effect here), 0 refused"]
+    if cfg.defaulted:
+        lines.append("  defaulted: " + ", ".join(cfg.defaulted))
+    lines += [f"  ignored: {v.key} = {v.value!r}: {v.note}" for v in ignored]
+    return [*lines, ""]
+
+
 def plan_report(cfg: RunConfig, gpu_mem_gib: float = 80.0, show_config: bool = True) -> tuple[str, bool]:
     """The text `jetrl plan` prints and whether the recipe passed (resharder preflight and memory)."""
     from jetrl_megatron.reshard.preflight import check_reshard
@@ -284,7 +296,8 @@ def plan_report(cfg: RunConfig, gpu_mem_gib: float = 80.0, show_config: bool = T
     layout = parallel_layout(cfg)
     lines: list[str] = []
     if show_config:
-        lines += [f"# resolved config: {cfg.name} (jet_rl.mode = {cfg.mode})", to_yaml(cfg).rstrip(), ""]
+        lines += [f"# resolved config: {cfg.name} (arm {cfg.arm})", to_yaml(cfg).rstrip(), ""]
+    lines += key_accounting(cfg)
     lines.append(f"# model: {shape.name} ({shape.family}; hidden {shape.hidden_size}, {shape.num_layers} layers, "
                  f"{shape.num_attention_heads} heads / {shape.num_kv_heads} KV, ffn {shape.ffn_hidden_size}, "
                  f"vocab {shape.vocab_size})")

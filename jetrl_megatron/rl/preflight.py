@@ -48,8 +48,8 @@ def _looks_like_path(name: str) -> bool:
 
 def check_model_source(cfg: RunConfig) -> None:
     """``policy.model_name`` must be a local model directory, a valid hub id, or the preset (random init)."""
-    name, preset = cfg.policy.model_name, cfg.policy.model_preset
-    hint = (f"a local Hugging Face checkpoint directory, a hub id such as Qwen/Qwen3-8B, or policy.model_preset "
+    name, preset = cfg.policy.model_name, cfg.model_preset
+    hint = (f"a local Hugging Face checkpoint directory, a hub id such as Qwen/Qwen3-8B, or policy.jet_rl.model_preset "
             f"({preset!r}) for a random init")
     if name == preset:
         return

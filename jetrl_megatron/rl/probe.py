@@ -17,11 +17,11 @@ import torch
 
 def probe(recipe: str, model_dir: str, arm: str, overrides: list[str] | None = None, step: int = 10_000) -> dict:
     from jetrl_megatron.rl import loop
-    from jetrl_megatron.rl.config import load_config
+    from jetrl_megatron.rl.config import arm_overrides, load_config
     from jetrl_megatron.rl.metrics import mismatch_metrics, position_bins
     from jetrl_megatron.rl.tasks import PromptStream, build_task
 
-    cfg = load_config(recipe, [*(overrides or []), f"jet_rl.mode={arm}", f"policy.model_name={model_dir}",
+    cfg = load_config(recipe, [*(overrides or []), *arm_overrides(arm), f"policy.model_name={model_dir}",
                                "policy.megatron_cfg.tensor_model_parallel_size=1",
                                "policy.megatron_cfg.pipeline_model_parallel_size=1",
                                "policy.generation.vllm_cfg.tensor_parallel_size=1"])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from jetrl_megatron.errors import UserError
 from jetrl_megatron.rl.rewards import addition_reward, math_reward, sort_reward
 
 
@@ -130,37 +131,36 @@ class SortTask(SyntheticTask):
 DEFAULT_MATH_TEMPLATE = "{}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 
 
-def _gold_answer(row: dict[str, Any]) -> str:
-    ans = str(row.get("answer", row.get("solution", row.get("expected_answer", ""))))
+def _gold_answer(ans: Any) -> str:
+    ans = str(ans)
     if "####" in ans:  # GSM8K: the final answer follows "####"
         ans = ans.rsplit("####", 1)[1]
     return ans.strip()
 
 
 class MathTask:
-    """GSM8K / MATH-style problems from a local JSONL file (``problem`` or ``question``; ``answer`` or
-    ``solution``), read with ``datasets``; rewards from ``math-verify``."""
+    """GSM8K / MATH-style problems from a local JSONL file, NeMo-RL's ``ResponseDataset``: the problem under
+    ``input_key``, the reference answer under ``output_key``; read with ``datasets``; rewards from ``math-verify``."""
 
     name = "math_jsonl"
 
     def __init__(self, path: str | Path, tokenizer: Any, prompt_template: str | None = None,
-                 max_input_tokens: int | None = None):
+                 max_input_tokens: int | None = None, input_key: str = "input", output_key: str = "output"):
         import datasets
 
         path = Path(path)
         if not path.exists():
-            raise FileNotFoundError(f"data.data_path {path} does not exist (a GSM8K/MATH-style JSONL file)")
+            raise FileNotFoundError(f"data.train.data_path {path} does not exist (a GSM8K/MATH-style JSONL file)")
         ds = datasets.load_dataset("json", data_files=str(path), split="train")
         self.tokenizer = tokenizer
         self.template = prompt_template or DEFAULT_MATH_TEMPLATE
         self._rows: list[tuple[str, str]] = []
         for i, row in enumerate(ds):
-            problem = row.get("problem") or row.get("question")
+            problem, gold = row.get(input_key), _gold_answer(row.get(output_key) or "")
             if not problem:
-                raise ValueError(f"{path}: row {i} has neither 'problem' nor 'question'")
-            gold = _gold_answer(row)
+                raise ValueError(f"{path}: row {i} has no '{input_key}' (data.train.input_key); keys: {sorted(row)}")
             if not gold:
-                raise ValueError(f"{path}: row {i} has no answer ('answer', 'solution' or 'expected_answer')")
+                raise ValueError(f"{path}: row {i} has no '{output_key}' (data.train.output_key); keys: {sorted(row)}")
             self._rows.append((str(problem), gold))
         self.max_input_tokens = max_input_tokens
 
@@ -218,24 +218,29 @@ class PromptStream:
         self._order = self._permutation(self.epoch)
 
 
-def build_task(cfg) -> Task:
-    """The task named by ``data.dataset_name`` (a RunConfig)."""
-    d = cfg.data
+def build_task(cfg, validation: bool = False) -> Task:
+    """The task of ``data.train`` (a RunConfig), or of ``data.validation`` when asked and set."""
+    d = cfg.data.train
     if d.dataset_name == "synthetic_addition":
-        return AdditionTask(d.synthetic.num_digits, d.synthetic.num_prompts, seed=d.synthetic.seed)
+        return AdditionTask(d.num_digits, d.num_prompts, seed=d.seed)
     if d.dataset_name == "synthetic_sort":
-        return SortTask(d.synthetic.num_items, d.synthetic.num_prompts, seed=d.synthetic.seed)
+        return SortTask(d.num_items, d.num_prompts, seed=d.seed)
     if d.dataset_name == "synthetic_count":
         from jetrl_megatron.rl.count_task import CountTask
 
-        return CountTask(d.synthetic.num_terms, d.synthetic.term_digits, d.synthetic.num_prompts,
-                         seed=d.synthetic.seed)
-    if d.dataset_name == "math_jsonl":
-        if not d.data_path:
-            raise ValueError("data.data_path: required for data.dataset_name=math_jsonl")
-        template = Path(d.prompt_file).read_text() if d.prompt_file else None
-        return MathTask(d.data_path, load_tokenizer(cfg), template, d.max_input_seq_length)
-    raise ValueError(f"data.dataset_name: unknown {d.dataset_name!r}")
+        return CountTask(d.num_terms, d.term_digits, d.num_prompts, seed=d.seed)
+    if d.dataset_name == "ResponseDataset":
+        src = cfg.data.validation if validation and cfg.data.validation is not None else d
+        prompt_file = cfg.data.default.prompt_file
+        template = Path(prompt_file).read_text() if prompt_file else None
+        return MathTask(src.data_path, load_tokenizer(cfg), template, cfg.data.max_input_seq_length,
+                        input_key=src.input_key, output_key=src.output_key)
+    raise UserError(f"data.train.dataset_name: {d.dataset_name!r} is not a dataset this project reads. NeMo-RL "
+                    "downloads its named datasets (OpenMathInstruct-2, DAPOMath17K, ...) from the Hugging Face hub; "
+                    "here, export one to a local JSONL and set data.train.dataset_name=ResponseDataset "
+                    "data.train.data_path=<file.jsonl> data.train.input_key=<problem column> "
+                    "data.train.output_key=<answer column>; or use synthetic_addition | synthetic_sort | "
+                    "synthetic_count")
 
 
 def heldout_split(task: Task, num_val: int, seed: int) -> tuple[list[int], list[int]]:
@@ -263,7 +268,7 @@ def heldout_split(task: Task, num_val: int, seed: int) -> tuple[list[int], list[
 def load_tokenizer(cfg):
     """The HF tokenizer of ``policy.tokenizer.name`` (or ``policy.model_name``); the char tokenizer for presets."""
     name = cfg.policy.tokenizer.name or cfg.policy.model_name
-    if name == cfg.policy.model_preset and not Path(name).exists():
+    if name == cfg.model_preset and not Path(name).exists():
         return CharTokenizer()
     from transformers import AutoTokenizer
 
