@@ -119,6 +119,12 @@ def test_failed_interpolation_names_the_key(tmp_path):
 # ------------------------------------------------------------------------------------------------ the arm
 
 
+def _switches(fp8_train: bool, precision: str, stated: str | None) -> list[str]:
+    ov = [f"policy.megatron_cfg.fp8_cfg.enabled={str(fp8_train).lower()}",
+          f"policy.generation.vllm_cfg.precision={precision}"]
+    return ov + ([f"policy.jet_rl.arm={stated}"] if stated is not None else [])
+
+
 @pytest.mark.parametrize("fp8_train, precision, stated, arm", [
     (False, "bfloat16", None, "bf16"),
     (False, "fp8", None, "bf16_train_fp8_rollout"),
@@ -129,10 +135,7 @@ def test_failed_interpolation_names_the_key(tmp_path):
     (False, "fp8", "fake_quant", "fake_quant"),
 ])
 def test_arm_follows_nemo_rl_switches(fp8_train, precision, stated, arm):
-    ov = [f"policy.megatron_cfg.fp8_cfg.enabled={str(fp8_train).lower()}",
-          f"policy.generation.vllm_cfg.precision={precision}"]
-    if stated is not None:
-        ov.append(f"policy.jet_rl.arm={stated}")
+    ov = _switches(fp8_train, precision, stated)
     cfg = load_config("tiny_cpu", ov)
     assert cfg.arm == arm and cfg.recipe.mode == arm
     # the switches are never rewritten from the arm
@@ -150,10 +153,7 @@ def test_arm_follows_nemo_rl_switches(fp8_train, precision, stated, arm):
     (False, "bfloat16", "bf16_train_fp8_rollout", "contradicts"),
 ])
 def test_arm_contradictions_are_errors(fp8_train, precision, stated, needle):
-    ov = [f"policy.megatron_cfg.fp8_cfg.enabled={str(fp8_train).lower()}",
-          f"policy.generation.vllm_cfg.precision={precision}"]
-    if stated is not None:
-        ov.append(f"policy.jet_rl.arm={stated}")
+    ov = _switches(fp8_train, precision, stated)
     with pytest.raises(ConfigError) as e:
         load_config("tiny_cpu", ov)
     assert needle in str(e.value)
@@ -277,3 +277,23 @@ def test_recipes_set_the_jetrl_arm_through_nemo_rl_switches():
         cfg = load_config(recipe)
         assert cfg.policy.megatron_cfg.fp8_cfg.enabled and cfg.policy.generation.vllm_cfg.precision == "fp8", recipe
         assert cfg.arm == "jetrl"
+
+
+def test_older_data_keys_read_as_nemo_rl_v070_layout(tmp_path):
+    """NeMo-RL's (and this project's) data keys before data.train / data.default load as their new keys."""
+    base = Path(__file__).resolve().parents[1] / "recipes" / "grpo_math_base.yaml"
+    old = _write(tmp_path, "old.yaml", f"""
+        defaults: {base}
+        data:
+          dataset_name: math_jsonl
+          data_path: data/math_sample.jsonl
+          prompt_file: null
+        """)
+    cfg = load_config_file(old, ["~data.train", "~data.default"])
+    new = load_config("grpo_math_base", ["data.train.input_key=input", "data.train.output_key=output",
+                                         "data.train.split_validation_size=0.015625", "data.train.seed=0"])
+    assert cfg.data == new.data
+    tiny = load_config("tiny_cpu", ["~data.train.num_items", "+data.synthetic.num_items=5"])
+    assert tiny.data.train.num_items == 5
+    with pytest.raises(ConfigError, match="data.dataset_name and data.train.dataset_name are both set"):
+        load_config("tiny_cpu", ["+data.dataset_name=synthetic_addition"])

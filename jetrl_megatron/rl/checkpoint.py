@@ -167,16 +167,15 @@ def latest_usable(root: Path, warn: Callable[[str], None]) -> Path | None:
 # train:reward             NeMo-RL GRPO's own train "reward": the batch's mean reward (grpo.py, np.mean)
 # train:total_reward/mean  NeMo-Gym's rollout metric: the same batch mean of total_reward
 # train:loss               summed over the step's optimizer updates in both projects
-# val:accuracy             held-out fraction correct, greedy answers. NeMo-RL's is the mean total_reward of one sampled
-#                          answer per prompt (validate(): greedy=False); equal to it only for 0/1 rewards and greedy
-#                          decoding (val/accuracy_sampled is the sampled analogue)
-# val:total_reward/mean    held-out mean reward, greedy answers (NeMo-RL: NeMo-Gym's rollout metric, sampled)
+# val:accuracy             held-out fraction correct of the sampled answers (val/accuracy_sampled), as NeMo-RL's
+#                          validate() samples (greedy=False); the greedy accuracy (val/accuracy) has no NeMo-RL name
+# val:total_reward/mean    held-out mean reward of the sampled answers (val/reward_sampled)
 NEMO_RL_METRIC_SOURCES: dict[str, str] = {
     "train:reward": "reward/mean",
     "train:total_reward/mean": "reward/mean",
     "train:loss": "train/loss",
     "val:accuracy": "val/accuracy_sampled",
-    "val:total_reward/mean": "val/reward",
+    "val:total_reward/mean": "val/reward_sampled",
 }
 NEMO_RL_CHECKPOINT_METRICS: tuple[str, ...] = tuple(NEMO_RL_METRIC_SOURCES)
 CHECKPOINT_METRICS_FILE = "metrics.json"

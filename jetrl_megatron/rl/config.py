@@ -282,6 +282,53 @@ def warn_ignored(cfg: RunConfig, out=None) -> None:
         print(f"  - {shown}: {note}", file=out)
 
 
+# NeMo-RL's data keys before its data.train / data.validation / data.default layout (and this project's earlier
+# ones): read as their new keys. Setting an old key and its new key both is an error.
+LEGACY_DATA_KEYS = {
+    "data.dataset_name": "data.train.dataset_name",
+    "data.data_path": "data.train.data_path",
+    "data.input_key": "data.train.input_key",
+    "data.output_key": "data.train.output_key",
+    "data.prompt_file": "data.default.prompt_file",
+    "data.system_prompt_file": "data.default.system_prompt_file",
+    "data.synthetic.*": "data.train.*",
+}
+LEGACY_DATASET_NAMES = {"math_jsonl": "ResponseDataset"}
+
+
+def _move_legacy_data_keys(resolved: dict[str, Any], user_keys: set[str]) -> set[str]:
+    """Rewrite the old data keys into NeMo-RL v0.7.0's layout in ``resolved``; returns the user's keys renamed."""
+    data = resolved.get("data") or {}
+    moves: list[tuple[str, str, Any]] = []
+    for old, new in LEGACY_DATA_KEYS.items():
+        if old.endswith(".*"):
+            section = data.get(old.split(".")[1])
+            if isinstance(section, dict):
+                moves += [(f"{old[:-2]}.{k}", f"{new[:-2]}.{k}", v) for k, v in section.items()]
+        elif old.split(".", 1)[1] in data:
+            moves.append((old, new, data[old.split(".", 1)[1]]))
+    for old, new, value in moves:
+        if new in user_keys:
+            raise ConfigError(f"{old} and {new} are both set: {old} is the older name of {new}; keep one")
+        if new == "data.train.dataset_name":
+            value = LEGACY_DATASET_NAMES.get(value, value)
+        node = resolved
+        *parents, leaf = new.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    for old, _, _ in moves:
+        parent = data
+        parts = old.split(".")[1:]
+        for p in parts[:-1]:
+            parent = parent[p]
+        parent.pop(parts[-1])
+    if data.get("synthetic") == {}:
+        data.pop("synthetic")
+    renamed = {new for old, new, _ in moves}
+    return (user_keys - {old for old, _, _ in moves}) | renamed
+
+
 def load_config_file(path: Path, overrides: list[str] | None = None, name: str | None = None) -> RunConfig:
     """Load a NeMo-RL-layout YAML (with its ``defaults:``), apply Hydra-style overrides, account for every key,
     validate, derive the arm and the FP8 recipe."""
@@ -293,8 +340,14 @@ def load_config_file(path: Path, overrides: list[str] | None = None, name: str |
             raise ConfigError(f"override {text!r}: the Jet-RL block moved to policy.jet_rl, and the arm follows "
                               "NeMo-RL's switches: use `jetrl run --arm <arm>` or policy.jet_rl.* (docs/config.md)")
     apply_overrides(full, list(overrides or []))
-    user_keys |= {o.split("=", 1)[0].lstrip("+~") for o in overrides or []}
+    for text in overrides or []:
+        key = text.split("=", 1)[0].lstrip("+~")
+        if text.startswith("~"):  # a deleted key (or section) is no longer the user's
+            user_keys = {k for k in user_keys if k != key and not k.startswith(key + ".")}
+        else:
+            user_keys.add(key)
     resolved = resolve_tree(full)
+    user_keys = _move_legacy_data_keys(resolved, user_keys)
     verdicts = _account(resolved, user_keys)
     _drop(resolved, [v.key for v in verdicts if v.status == IGNORED])
     cfg = _build(RunConfig, resolved, "")
