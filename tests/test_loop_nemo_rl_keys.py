@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from jetrl_megatron.rl.batch import advantages, loss_mask, make_batch, scale_rewards
 from jetrl_megatron.rl.config import load_config
-from jetrl_megatron.rl.loop import advantages, loss_mask, make_batch, scale_rewards, validation_split
+from jetrl_megatron.rl.generation import validation_split
 from jetrl_megatron.rl.tasks import build_task
 
 

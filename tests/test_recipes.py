@@ -196,7 +196,7 @@ def test_plan_refuses_bad_layout():
 
 
 def test_model_weights_resolution(tmp_path, monkeypatch):
-    from jetrl_megatron.rl.loop import resolve_model_weights
+    from jetrl_megatron.rl.trainer import resolve_model_weights
 
     assert resolve_model_weights(load_config("tiny_cpu")) is None  # preset: random init
     assert resolve_model_weights(load_config("tiny_cpu", [f"policy.model_name={tmp_path}"])) == str(tmp_path)

@@ -31,7 +31,8 @@ def _exchange_rank(rank: int, world_size: int, tp: int, pp: int, out_dir: str) -
     from jetrl_megatron.megatron.optim import build_optimizer
     from jetrl_megatron.reshard import iter_canonical
     from jetrl_megatron.reshard.exchange import rollout_tensor_meta
-    from jetrl_megatron.rl.loop import RefitSource, Trainer, canonical_weights, local_rollout_tensors
+    from jetrl_megatron.rl.refit_source import RefitSource
+    from jetrl_megatron.rl.trainer import Trainer, canonical_weights, local_rollout_tensors
     from jetrl_megatron.rollout.refit import source_signature
 
     init_parallel(tp, pp)

@@ -207,7 +207,8 @@ def _gather_rank(rank: int, world_size: int, out_path: str) -> None:
     from jetrl_megatron.megatron.model import build_gpt, train_step, wrap_ddp
     from jetrl_megatron.megatron.optim import build_optimizer
     from jetrl_megatron.reshard import iter_canonical
-    from jetrl_megatron.rl.loop import RefitSource, Trainer, canonical_weights
+    from jetrl_megatron.rl.refit_source import RefitSource
+    from jetrl_megatron.rl.trainer import Trainer, canonical_weights
     from jetrl_megatron.rollout.refit import InplaceRefit, source_signature
 
     init_parallel(2, 1)

@@ -156,17 +156,17 @@ def test_tp2_trainer_with_one_tp2_rollout_engine_across_both_ranks(tmp_path, arm
 
 def test_engine_groups_layout(monkeypatch):
     """One engine per rollout-TP group of consecutive ranks."""
-    from jetrl_megatron.rl import loop
+    from jetrl_megatron.rl import generation
     from jetrl_megatron.rl.config import load_config
 
-    monkeypatch.setattr(loop, "_world", lambda: 4)
-    monkeypatch.setattr(loop, "_rank", lambda: 3)
-    assert loop.engine_groups(load_config("tiny_cpu", [])) == (4, 3)
+    monkeypatch.setattr(generation, "dist_world", lambda: 4)
+    monkeypatch.setattr(generation, "dist_rank", lambda: 3)
+    assert generation.engine_groups(load_config("tiny_cpu", [])) == (4, 3)
     cfg = load_config("tiny_cpu", ["policy.generation.vllm_cfg.tensor_parallel_size=2"])
-    assert loop.engine_groups(cfg) == (2, 1)  # ranks 2 and 3 share engine 1
+    assert generation.engine_groups(cfg) == (2, 1)  # ranks 2 and 3 share engine 1
     cfg3 = load_config("tiny_cpu", ["policy.generation.vllm_cfg.tensor_parallel_size=3"])
     with pytest.raises(ValueError, match="not a multiple of rollout TP 3"):
-        loop.engine_groups(cfg3)
+        generation.engine_groups(cfg3)
 
 
 def test_stale_vllm_shm_segment_gets_one_actionable_line(tmp_path):

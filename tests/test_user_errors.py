@@ -220,8 +220,8 @@ def _truncate(path: Path, keep: int) -> None:
 
 @pytest.mark.parametrize("record_sizes", [True, False])
 def test_truncated_newest_checkpoint_falls_back_with_a_warning(tmp_path, capsys, record_sizes):
+    from jetrl_megatron.rl.checkpoint_io import latest_checkpoint
     from jetrl_megatron.rl.config import load_config
-    from jetrl_megatron.rl.loop import latest_checkpoint
 
     cfg = load_config("tiny_cpu", [f"checkpointing.checkpoint_dir={tmp_path}"])
     step1 = _fake_checkpoint(tmp_path, 1, record_sizes=record_sizes)
@@ -257,7 +257,7 @@ class _RunsCode:
 
 
 def test_resume_refuses_a_pickle_that_would_run_code(tmp_path):
-    from jetrl_megatron.rl.loop import load_checkpoint
+    from jetrl_megatron.rl.checkpoint_io import load_checkpoint
 
     d = _fake_checkpoint(tmp_path, 1)
     marker = tmp_path / "ran"
@@ -369,18 +369,19 @@ def _save_tp_pp_checkpoints(rank: int, world_size: int, root: str) -> None:
     """Each layout: build the tiny trainer, save a run checkpoint, and (rank 0) keep the canonical tensors the
     rollout engine would be served (the FP8 cache's bytes + scales, BF16 rest) as the export's reference."""
     from jetrl_megatron.megatron.cpu import init_parallel
-    from jetrl_megatron.rl import loop
+    from jetrl_megatron.rl.checkpoint_io import save_checkpoint
     from jetrl_megatron.rl.config import load_config
     from jetrl_megatron.rl.tasks import PromptStream, build_task
+    from jetrl_megatron.rl.trainer import build_trainer, canonical_weights
 
     for tp, pp in ((2, 1), (1, 2)):
         init_parallel(tp, pp)
         cfg = load_config("tiny_cpu", [f"policy.megatron_cfg.tensor_model_parallel_size={tp}",
                                        f"policy.megatron_cfg.pipeline_model_parallel_size={pp}",
                                        f"checkpointing.checkpoint_dir={root}/tp{tp}_pp{pp}"])
-        trainer = loop.build_trainer(cfg)
-        loop.save_checkpoint(cfg, trainer, 1, PromptStream(build_task(cfg), seed=0))
-        ref = loop.canonical_weights(trainer)
+        trainer = build_trainer(cfg)
+        save_checkpoint(cfg, trainer, 1, PromptStream(build_task(cfg), seed=0))
+        ref = canonical_weights(trainer)
         if rank == 0:
             torch.save(ref, f"{root}/tp{tp}_pp{pp}_reference.pt")
 

@@ -3,7 +3,7 @@
 Why: with trainer TP x PP > 1 a rank's vLLM slice is copied from Megatron tensors that other ranks of its
 model-parallel group hold, so each rank keeps one persistent byte buffer per peer it sends to and one per peer it
 receives from; they are allocated at the first refit and never freed, because the engine's compiled refit program
-is built against their addresses. `rl.loop.RefitSource` allocates exactly what :func:`exchange_names` and
+is built against their addresses. `rl.refit_source.RefitSource` allocates exactly what :func:`exchange_names` and
 :func:`packed_layout` say, from the tensor lists its ranks exchange; `jetrl plan` runs the same two functions over
 the tensor lists :func:`rollout_tensor_meta` predicts (:func:`refit_buffer_bytes`), so the memory estimate counts
 the buffers the loop holds. What a rank's vLLM rank copies from its own tensors needs no buffer: the program reads
@@ -131,7 +131,7 @@ def _local_shape(model: ModelShape, tp: int, pmap: layout.ParamMap) -> tuple[int
 
 
 def rollout_tensor_meta(model: ModelShape, tp: int, pp: int, recipe: Fp8Recipe) -> dict[Key, list[TensorMeta]]:
-    """What `rl.loop.local_rollout_tensors` returns on each (pp, 0, tp) rank, for every tensor the refit reads.
+    """What `rl.trainer.local_rollout_tensors` returns on each (pp, 0, tp) rank, for every tensor the refit reads.
 
     jetrl: each FP8 linear (the recipe's `module_is_fp8`) as E4M3 codes + "<name>_scale_inv" FP32 128x128 block
     scales (the FP8 cache), everything else BF16; the other arms: the BF16 parameters. Parameters the refit never

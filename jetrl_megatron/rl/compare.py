@@ -119,7 +119,7 @@ def step_mean(rows: list[dict[str, Any]], key: str) -> float | None:
 
 
 def quarter_means(rows: list[dict[str, Any]], key: str) -> tuple[float, float] | None:
-    """Mean of ``key`` over the first and the last quarter of GRPO steps (as ``loop.summarize`` reports it)."""
+    """Mean of ``key`` over the first and the last quarter of GRPO steps (as ``summary.summarize`` reports it)."""
     vals = step_values(rows, key)
     if not vals:
         return None

@@ -261,7 +261,7 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
                  + 2 * (pc["embed"] + pc["head"])) / rtp / GiB
     out["vllm_weights"] = rollout_w
     kv_bytes = cfg.kv_cache_memory_bytes()
-    if kv_bytes is not None:  # the engine sizes its KV cache from this key on CUDA too (rl/loop.py start_engine)
+    if kv_bytes is not None:  # the engine sizes its KV cache from this key on CUDA too (rl/generation.py start_engine)
         out["kv_cache_budget"] = kv_bytes / GiB
         vllm_budget = rollout_w + out["kv_cache_budget"]
     else:

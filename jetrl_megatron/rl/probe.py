@@ -16,7 +16,9 @@ import torch
 
 
 def probe(recipe: str, model_dir: str, arm: str, overrides: list[str] | None = None, step: int = 10_000) -> dict:
-    from jetrl_megatron.rl import loop
+    from jetrl_megatron.rl import batch as batching
+    from jetrl_megatron.rl import dist, generation
+    from jetrl_megatron.rl import trainer as trainers
     from jetrl_megatron.rl.config import arm_overrides, load_config
     from jetrl_megatron.rl.metrics import mismatch_metrics, position_bins
     from jetrl_megatron.rl.tasks import PromptStream, build_task
@@ -25,20 +27,20 @@ def probe(recipe: str, model_dir: str, arm: str, overrides: list[str] | None = N
                                "policy.megatron_cfg.tensor_model_parallel_size=1",
                                "policy.megatron_cfg.pipeline_model_parallel_size=1",
                                "policy.generation.vllm_cfg.tensor_parallel_size=1"])
-    loop.init_distributed(cfg)
-    loop.seed_everything(cfg.grpo.seed)
+    dist.init_distributed(cfg)
+    dist.seed_everything(cfg.grpo.seed)
     task = build_task(cfg)
     stream = PromptStream(task, seed=cfg.grpo.seed + 1, shuffle=True)
-    trainer = loop.build_trainer(cfg)
-    engine = loop.start_engine(cfg, model_dir)
-    engine.refit(loop.canonical_weights(trainer))
+    trainer = trainers.build_trainer(cfg)
+    engine = generation.start_engine(cfg, model_dir)
+    engine.refit(trainers.canonical_weights(trainer))
     prompts = stream.take(cfg.grpo.num_prompts_per_step)
-    samples, _ = loop.rollout(cfg, engine, task, prompts, step)
-    batch = loop.make_batch(cfg, task, prompts, samples)
-    logp = loop.trainer_logprobs(cfg, trainer.model, batch.tokens)
+    samples, _ = generation.rollout(cfg, engine, task, prompts, step)
+    batch = batching.make_batch(cfg, task, prompts, samples)
+    logp = trainers.trainer_logprobs(cfg, trainer.model, batch.tokens)
     n = cfg.policy.generation.max_new_tokens
-    lt, m = loop.align_by_position(logp, batch, n)
-    lr, _ = loop.align_by_position(batch.gen_logprobs, batch, n)
+    lt, m = batching.align_by_position(logp, batch, n)
+    lr, _ = batching.align_by_position(batch.gen_logprobs, batch, n)
     out = mismatch_metrics(lt, lr, m, bins=position_bins(n, 4))
     out["reward/mean"] = float(batch.rewards.mean())
     out["num_tokens"] = float(batch.mask.sum())

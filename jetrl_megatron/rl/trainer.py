@@ -1,0 +1,305 @@
+"""The Megatron trainer of a run: building it (and the reference policy), its logprobs, the learning-rate schedule,
+the policy update over micro-batches, the supervised warm start, and writing the policy as an HF model directory."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from jetrl_megatron.errors import UserError, one_line
+from jetrl_megatron.rl import grpo
+from jetrl_megatron.rl.batch import (
+    RolloutBatch,
+    padded_length,
+)
+from jetrl_megatron.rl.config import RunConfig
+from jetrl_megatron.rl.dist import (
+    dist_rank,
+    dist_world,
+    dp_coords,
+    dp_gather,
+    dp_slice,
+    say,
+    torch_dist,
+)
+from jetrl_megatron.rl.logging import RunLogger
+
+
+def lr_at(cfg: RunConfig, step: int) -> float:
+    """Warmup then constant / linear / cosine decay to min_lr (NeMo-RL's megatron scheduler keys)."""
+    o, s = cfg.policy.megatron_cfg.optimizer, cfg.policy.megatron_cfg.scheduler
+    if s.lr_warmup_iters and step < s.lr_warmup_iters:
+        return s.lr_warmup_init + (o.lr - s.lr_warmup_init) * step / s.lr_warmup_iters
+    if s.lr_decay_style == "constant":
+        return o.lr
+    total = max(1, (s.lr_decay_iters or cfg.grpo.max_num_steps) - s.lr_warmup_iters)
+    frac = min(1.0, (step - s.lr_warmup_iters) / total)
+    if s.lr_decay_style == "linear":
+        return o.lr + (o.min_lr - o.lr) * frac
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+
+
+@dataclass
+class Trainer:
+    """This rank's Megatron model (DDP-wrapped), its optimizer, and an optional frozen reference model."""
+
+    model: Any
+    optimizer: Any
+    ref_model: Any | None
+    shape: Any
+    recipe: Any
+
+    @property
+    def gpt(self):
+        from jetrl_megatron.megatron.model import unwrap
+
+        return unwrap(self.model)
+
+
+def build_trainer(cfg: RunConfig) -> Trainer:
+    from jetrl_megatron.megatron.convert import load_hf_checkpoint
+    from jetrl_megatron.megatron.model import build_gpt, wrap_ddp
+    from jetrl_megatron.megatron.optim import build_optimizer
+    from jetrl_megatron.rl.plan import model_shape, trainer_settings
+
+    shape, recipe = model_shape(cfg), cfg.recipe
+    mc = cfg.policy.megatron_cfg
+    settings = trainer_settings(cfg)  # the same object `jetrl plan` estimates memory from
+    gpt = build_gpt(shape, recipe, sequence_parallel=mc.sequence_parallel, seed=cfg.grpo.seed,
+                    recompute_granularity="full" if mc.activation_checkpointing else None,
+                    **({"recompute_method": "uniform", "recompute_num_layers": 1} if mc.activation_checkpointing
+                       else {}))
+    weights = resolve_model_weights(cfg)
+    if weights is not None:
+        load_hf_checkpoint(gpt, weights)
+    ddp = wrap_ddp(gpt, **settings.ddp_kwargs())
+    opt = build_optimizer([ddp], **settings.optimizer_kwargs())
+    return Trainer(ddp, opt, None, shape, recipe)
+
+
+class ModelSourceError(UserError, FileNotFoundError):
+    """``policy.model_name`` names no weights this machine can read."""
+
+
+def resolve_model_weights(cfg: RunConfig) -> str | None:
+    """The HF checkpoint directory to start from, or None for a random init of a preset (``model_name`` equal to
+    ``model_preset``, e.g. ``tiny``). A hub id is looked up in the local Hugging Face cache / downloaded; failing that
+    the run stops instead of silently training a random model."""
+    name = cfg.policy.model_name
+    if Path(name).is_dir():
+        return name
+    if name == cfg.model_preset:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors"],
+                                 local_files_only=os.environ.get("HF_HUB_OFFLINE", "0") == "1")
+    except Exception as e:
+        raise ModelSourceError(
+            f"policy.model_name {name!r}: not a local directory and not obtainable from the Hugging Face hub "
+            f"({one_line(e, limit=200)}); point it at a local HF checkpoint, or set it to policy.jet_rl.model_preset "
+            f"({cfg.model_preset!r}) for a random init") from None
+
+
+def make_reference(cfg: RunConfig, trainer: Trainer):
+    """A frozen copy of the current policy (for the KL penalty), same shards and arm."""
+    from jetrl_megatron.megatron.model import build_gpt
+
+    ref = build_gpt(trainer.shape, trainer.recipe, seed=cfg.grpo.seed)
+    ref.load_state_dict(trainer.gpt.state_dict(), strict=True)
+    from jetrl_megatron.megatron.model import refresh_fp8_cache
+
+    for p in ref.parameters():
+        p.requires_grad_(False)
+        torch.autograd.graph.increment_version(p)
+    refresh_fp8_cache(ref)
+    return ref
+
+
+def trainer_logprobs(cfg: RunConfig, model, tokens: torch.Tensor) -> torch.Tensor:
+    from jetrl_megatron.megatron.model import token_logprobs
+
+    mine = dp_slice(tokens)
+    mbs = math.gcd(cfg.policy.logprob_batch_size, mine.shape[0])
+    return dp_gather(token_logprobs(model, mine, micro_batch_size=mbs).float().cpu())
+
+
+def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: torch.Tensor, logp_old: torch.Tensor,
+                  logp_ref: torch.Tensor | None, is_w: torch.Tensor | None, keep: torch.Tensor,
+                  step: int, logger: RunLogger) -> dict[str, float]:
+    """One optimizer step per ``train_global_batch_size`` slice of the rollout batch (micro-batched, DP-sharded)."""
+    from jetrl_megatron.megatron.model import train_step
+
+    lf = cfg.loss_fn
+    gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
+    dp, _, _ = dp_coords()
+    n_micro = gbs // (mbs * dp)
+    results = []
+    for mb_start in logger.bar(range(0, batch.tokens.shape[0], gbs), "update", total=batch.tokens.shape[0] // gbs):
+        sl = slice(mb_start, mb_start + gbs)
+        global_tokens = float(keep[sl].sum().clamp_min(1.0))
+        data = {"tokens": batch.tokens[sl], "mask": keep[sl], "adv": adv[sl], "logp_old": logp_old[sl]}
+        if logp_ref is not None:
+            data["logp_ref"] = logp_ref[sl]
+        if is_w is not None:
+            data["is_w"] = is_w[sl]
+        if lf.use_on_policy_kl_approximation and logp_ref is not None:
+            data["logp_gen"] = batch.gen_logprobs[sl]
+        data = {k: dp_slice(v) for k, v in data.items()}
+        # Megatron's schedule divides each micro-batch loss by n_micro and DDP averages over DP: undo both so the
+        # optimised objective is the sum over this step's response tokens / their global count (token-level).
+        seqs = float((~batch.truncated[sl]).sum().clamp_min(1)) if cfg.grpo.overlong_filtering else float(gbs)
+        norm = (global_tokens if lf.token_level_loss else seqs) / (n_micro * dp)
+
+        def loss_fn(lp, mb, norm=norm):
+            # force_on_policy_ratio (NeMo-RL): the ratio is pi / stop_grad(pi) = 1, with pi's gradient
+            old = lp.detach() if lf.force_on_policy_ratio else mb["logp_old"]
+            out = grpo.clipped_pg_loss(
+                lp, old, mb["adv"], mb["mask"], clip_low=lf.ratio_clip_min, clip_high=lf.ratio_clip_max,
+                clip_c=lf.ratio_clip_c, is_weights=mb.get("is_w"), logp_ref=mb.get("logp_ref"),
+                kl_coef=lf.reference_policy_kl_penalty, kl_type=lf.reference_policy_kl_type,
+                kl_input_clamp=lf.kl_input_clamp_value, kl_output_clamp=lf.kl_output_clamp_value,
+                token_level=lf.token_level_loss, normalizer=norm, kl_logp_gen=mb.get("logp_gen"))
+            return out.loss, {"pg_loss": out.pg_loss, "kl_ref": out.kl, "clip_frac": out.clip_frac,
+                              "ratio_mean": out.ratio_mean}
+
+        set_lr(trainer.optimizer, lr_at(cfg, step))
+        results.append(train_step(trainer.model, trainer.optimizer, data, loss_fn, micro_batch_size=mbs))
+    m = {
+        "train/loss": sum(r.loss for r in results) * 1.0,
+        "train/pg_loss": float(np.mean([r.metrics["pg_loss"] for r in results])) * n_micro * dp,
+        "train/clip_frac": float(np.mean([r.metrics["clip_frac"] for r in results])),
+        "train/ratio_mean": float(np.mean([r.metrics["ratio_mean"] for r in results])),
+        "train/kl_ref": float(np.mean([r.metrics["kl_ref"] for r in results])),
+        "train/grad_norm": float(np.mean([r.grad_norm for r in results if r.grad_norm is not None] or [math.nan])),
+        "train/skipped_steps": float(sum(r.skipped for r in results)),
+        "train/fp8_generation": float(results[-1].fp8_generation),
+        "train/lr": lr_at(cfg, step),
+    }
+    return m
+
+
+def sft_warmstart(cfg: RunConfig, trainer: Trainer, task, indices: list[int], logger: RunLogger) -> list[float]:
+    """A few supervised steps on the reference answers of the training prompts ``indices`` (never the held-out
+    ones) so the first GRPO rewards are not all zero."""
+    from jetrl_megatron.megatron.model import train_step
+
+    w = cfg.policy.jet_rl.sft_warmstart
+    if w.steps <= 0 or not hasattr(task, "sft_target"):
+        return []
+    rng = random.Random(cfg.grpo.seed + 17)
+    mbs = math.gcd(cfg.policy.train_micro_batch_size, w.batch_size)
+    dp, _, _ = dp_coords()
+    losses = []
+    for _ in logger.bar(range(w.steps), "sft warm-start"):
+        rows = []
+        for _ in range(w.batch_size):
+            p = task.prompt(indices[rng.randrange(len(indices))])
+            rows.append((list(p.token_ids), task.sft_target(p)))
+        longest = max(len(a) + len(b) for a, b in rows)
+        s = padded_length(longest, cfg.policy.make_sequence_length_divisible_by, mbs, cfg.fp8_token_multiple())
+        tokens = torch.zeros(len(rows), s, dtype=torch.long)
+        mask = torch.zeros(len(rows), s - 1)
+        for i, (a, b) in enumerate(rows):
+            tokens[i, :len(a) + len(b)] = torch.tensor(a + b)
+            mask[i, len(a) - 1:len(a) - 1 + len(b)] = 1.0
+        n_micro = w.batch_size // (mbs * dp)
+        norm = float(mask.sum()) / (n_micro * dp)
+        set_lr(trainer.optimizer, w.lr)
+        res = train_step(trainer.model, trainer.optimizer, {"tokens": dp_slice(tokens), "mask": dp_slice(mask)},
+                         lambda lp, mb, norm=norm: (grpo.sft_loss(lp, mb["mask"], norm), {}), micro_batch_size=mbs)
+        losses.append(res.loss * n_micro * dp)
+    say(f"sft warm-start: {w.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    return losses
+
+
+def write_model_dir(cfg: RunConfig, trainer: Trainer, path: Path, only_rank0: bool = False) -> str:
+    """A BF16 HF model directory of the current policy (collective). Written by every engine's first rank (each
+    passes its own path), or by global rank 0 only."""
+    from jetrl_megatron.rollout.model_dir import hf_config_for
+    from jetrl_megatron.rollout.model_dir import write_model_dir as _write
+
+    sd = canonical_weights(bf16_view(trainer))
+    writer = dist_rank() == 0 if only_rank0 else dist_rank() % cfg.policy.generation.vllm_cfg.tensor_parallel_size == 0
+    if writer:
+        _write(path, hf_config_for(trainer.shape, None), sd)
+    if dist_world() > 1:
+        torch_dist().barrier()
+    return str(path)
+
+
+def bf16_view(trainer: Trainer) -> Trainer:
+    from dataclasses import replace
+
+    return replace(trainer, recipe=trainer.recipe.replace(mode="bf16"))
+
+
+def optimizer_updates_per_step(cfg: RunConfig) -> int:
+    """Optimizer updates in one GRPO step: its responses split into global training batches."""
+    g = cfg.grpo
+    return g.num_prompts_per_step * g.num_generations_per_prompt // cfg.policy.train_global_batch_size
+
+
+def mp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_model_parallel_group()
+
+
+@torch.no_grad()
+def megatron_states(trainer: Trainer) -> dict[tuple[int, int, int], dict[str, torch.Tensor]]:
+    """Every model-parallel rank's rollout tensors (`local_rollout_tensors`, copied to CPU), keyed
+    (pp_rank, 0, tp_rank); collective over the MP group. Used for whole-model exports (initial model dir, probes);
+    the per-step refit exchanges only what each rank needs (`RefitSource`)."""
+    from megatron.core import parallel_state
+
+    local = {k: v.cpu().clone() for k, v in local_rollout_tensors(trainer).items()}
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    key = (parallel_state.get_pipeline_model_parallel_rank(), 0, parallel_state.get_tensor_model_parallel_rank())
+    if tp * pp == 1:
+        return {key: local}
+    # Pickling float8 tensors is not supported by torch's object collectives: send their bytes as uint8 views.
+    fp8 = {k for k, v in local.items() if v.dtype == torch.float8_e4m3fn}
+    packed = {k: (v.view(torch.uint8) if k in fp8 else v) for k, v in local.items()}
+    parts: list = [None] * (tp * pp)
+    torch_dist().all_gather_object(parts, (key, packed, fp8), group=mp_group())
+    return {k: {n: (t.view(torch.float8_e4m3fn) if n in f else t) for n, t in st.items()} for k, st, f in parts}
+
+
+def local_rollout_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This rank's tensors for the rollout engine, Megatron local names, as detached views (no copies).
+
+    jetrl: the FP8 cache's bytes + 128x128 scales (exactly what the trainer computes with) and BF16 non-GEMM tensors.
+    Other arms: the BF16 model weights (the engine of bf16_train_fp8_rollout / fake_quant quantizes them itself).
+    """
+    from jetrl_megatron.megatron.model import rollout_weights
+
+    if trainer.recipe.mode == "jetrl":
+        return dict(rollout_weights(trainer.model))
+    return {k: p.detach() for k, p in trainer.gpt.named_parameters()}
+
+
+def canonical_weights(trainer: Trainer, states: dict | None = None) -> dict[str, torch.Tensor]:
+    """The full HF-named state dict the rollout engine serves, made by the resharder (byte moves only)."""
+    from megatron.core import parallel_state
+
+    from jetrl_megatron.reshard.mover import MegatronShards, iter_canonical
+
+    states = megatron_states(trainer) if states is None else states
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    return dict(iter_canonical(MegatronShards(trainer.shape, tp, pp, None, states)))
