@@ -60,7 +60,7 @@ def build_layer(shape, recipe, device, attn_impl=None, lean_swiglu=False):
     layer = layer.to(device)
     cache = Fp8WeightCache(recipe)
     fp8 = [(n, m) for n, m in layer.named_modules()
-           if isinstance(m, (Fp8ColumnParallelLinear, Fp8RowParallelLinear)) and m.jetrl_mode == "jetrl"]
+           if isinstance(m, (Fp8ColumnParallelLinear, Fp8RowParallelLinear)) and m.jetrl_mode == "fp8"]
     for _, m in fp8:
         m.fp8_cache = cache
 

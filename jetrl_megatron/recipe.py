@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FP8_MODES = ("bf16", "bf16_train_fp8_rollout", "jetrl", "fake_quant")
+# The arms NeMo-RL's two switches select: (trainer FP8 on, rollout precision fp8) -> arm. fake_quant (an ablation)
+# has bf16_train_fp8_rollout's switches and is chosen explicitly.
+ARM_BY_SWITCHES = {(False, False): "bf16", (False, True): "bf16_train_fp8_rollout", (True, True): "jetrl"}
+TRAINER_GEMMS = ("bf16", "fp8", "fake_quant")  # what an FP8-eligible linear of the trainer runs
+ROLLOUT_WEIGHTS = ("bf16", "trainer_fp8", "self_quantized")  # what the rollout serves
 SCALE_FMTS = ("fp32", "pow2")
 GEMM_BACKENDS = ("auto", "emulated", "cublas", "triton", "deep_gemm")
 
@@ -104,15 +109,34 @@ class Fp8Recipe:
     def replace(self, **changes: Any) -> Fp8Recipe:
         return dataclasses.replace(self, **changes)
 
-    # ----------------------------------------------------------------- which modules are FP8
+    # ----------------------------------------------------------------- what the arm means (code asks these)
+    @property
+    def trainer_gemm(self) -> str:
+        """The trainer's FP8-eligible linears: ``fp8`` (the FP8 flow, jetrl), ``fake_quant`` (BF16 GEMMs on
+        quantize-dequantized operands) or ``bf16``."""
+        return {"jetrl": "fp8", "fake_quant": "fake_quant"}.get(self.mode, "bf16")
+
+    @property
+    def rollout_weights(self) -> str:
+        """What the rollout serves: ``trainer_fp8`` (the trainer's own FP8 bytes and scales), ``self_quantized``
+        (the rollout quantizes the BF16 weights it receives) or ``bf16``."""
+        return {"jetrl": "trainer_fp8", "bf16": "bf16"}.get(self.mode, "self_quantized")
+
     @property
     def trains_fp8(self) -> bool:
         """Whether the trainer's linear GEMMs run the FP8 flow (jetrl); fake_quant emulates it in BF16."""
-        return self.mode == "jetrl"
+        return self.trainer_gemm == "fp8"
 
     @property
     def rollout_fp8(self) -> bool:
-        return self.mode in ("jetrl", "bf16_train_fp8_rollout", "fake_quant")
+        return self.rollout_weights != "bf16"
+
+    @property
+    def switches(self) -> tuple[bool, bool]:
+        """NeMo-RL's (``fp8_cfg.enabled``, ``vllm_cfg.precision == fp8``) for this arm."""
+        return self.trains_fp8, self.rollout_fp8
+
+    # ----------------------------------------------------------------- which modules are FP8
 
     def layer_is_fp8(self, layer_idx: int, num_layers: int) -> bool:
         """0-based global decoder layer index -> whether its linears are FP8 under this recipe."""

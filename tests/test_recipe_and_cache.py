@@ -149,3 +149,21 @@ def test_cache_refuses_non_finite_and_stays_untouched():
     for k, (q, s) in cache.named_fp8().items():
         assert torch.equal(q.view(torch.uint8), before[k][0].view(torch.uint8)) and torch.equal(s, before[k][1])
         assert bool(torch.isfinite(s).all())
+
+
+def test_named_modes_of_each_arm():
+    """The questions the code asks of an arm, answered by the recipe (no arm string is compared elsewhere)."""
+    from jetrl_megatron.recipe import ARM_BY_SWITCHES, FP8_MODES
+
+    table = {  # arm: (trainer_gemm, rollout_weights, NeMo-RL switches)
+        "bf16": ("bf16", "bf16", (False, False)),
+        "bf16_train_fp8_rollout": ("bf16", "self_quantized", (False, True)),
+        "jetrl": ("fp8", "trainer_fp8", (True, True)),
+        "fake_quant": ("fake_quant", "self_quantized", (False, True)),
+    }
+    assert set(table) == set(FP8_MODES)
+    for arm, (gemm, weights, switches) in table.items():
+        r = Fp8Recipe(mode=arm)
+        assert (r.trainer_gemm, r.rollout_weights, r.switches) == (gemm, weights, switches), arm
+        assert r.trains_fp8 == (gemm == "fp8") and r.rollout_fp8 == (weights != "bf16")
+    assert all(Fp8Recipe(mode=arm).switches == switches for switches, arm in ARM_BY_SWITCHES.items())

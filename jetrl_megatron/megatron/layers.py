@@ -32,7 +32,7 @@ from jetrl_megatron.recipe import Fp8Recipe
 
 __all__ = ["Fp8ColumnParallelLinear", "Fp8RowParallelLinear", "Fp8GemmShapeError", "gemm_mode_of", "FP8_GEMM_MODES"]
 
-FP8_GEMM_MODES = ("jetrl", "fake_quant")
+FP8_GEMM_MODES = ("fp8", "fake_quant")
 _BLOCK = 128
 
 
@@ -41,10 +41,8 @@ class Fp8GemmShapeError(ValueError):
 
 
 def gemm_mode_of(recipe: Fp8Recipe, fp8_layer: bool) -> str:
-    """The GEMM flavour of one linear: the recipe's mode for FP8 layers, plain BF16 otherwise."""
-    if not fp8_layer or recipe.mode in ("bf16", "bf16_train_fp8_rollout"):
-        return "bf16"
-    return recipe.mode
+    """The GEMM flavour of one linear: the recipe's trainer GEMM for FP8 layers, plain BF16 otherwise."""
+    return recipe.trainer_gemm if fp8_layer else "bf16"
 
 
 def _gemm_input(input, allreduce_dgrad: bool, sequence_parallel: bool, tp_group):  # noqa: A002
@@ -80,7 +78,7 @@ class _Fp8Gemm:
             raise Fp8GemmShapeError(
                 f"{name}: per-rank FP8 GEMM weight is {n} x {k} at TP={tp}; {' and '.join(bad)} not a multiple of "
                 f"{_BLOCK}. Use a TP size that keeps every shard 128-aligned, or exclude this layer from FP8 "
-                f"(jet_rl.bf16_first_layers / bf16_last_layers / mode=bf16)."
+                f"(policy.generation.vllm_cfg.num_first_layers_in_bf16 / num_last_layers_in_bf16, or the bf16 arm)."
             )
 
     def _fp8_forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,

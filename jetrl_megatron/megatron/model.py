@@ -185,7 +185,7 @@ def fp8_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(module name, module) of every linear running the FP8 flow (mode 'jetrl') in this chunk."""
     gpt = unwrap(model)
     return [(n, m) for n, m in gpt.named_modules()
-            if isinstance(m, (Fp8ColumnParallelLinear, Fp8RowParallelLinear)) and m.jetrl_mode == "jetrl"]
+            if isinstance(m, (Fp8ColumnParallelLinear, Fp8RowParallelLinear)) and m.jetrl_mode == "fp8"]
 
 
 def refresh_fp8_cache(model: torch.nn.Module) -> int:
@@ -435,9 +435,9 @@ def rollout_weights(model, *, include_bf16: bool = True) -> dict[str, torch.Tens
     for n, m in gpt.named_modules():
         if not isinstance(m, (Fp8ColumnParallelLinear, Fp8RowParallelLinear)):
             continue
-        if not (m.jetrl_mode == "jetrl" or (recipe.rollout_fp8 and _layer_fp8(gpt, n))):
+        if not (m.jetrl_mode == "fp8" or (recipe.rollout_fp8 and _layer_fp8(gpt, n))):
             continue
-        if m.jetrl_mode == "jetrl":
+        if m.jetrl_mode == "fp8":
             q, sc = gpt.jetrl_fp8_cache.get(m.weight)
         else:
             with torch.no_grad():

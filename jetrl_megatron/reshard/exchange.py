@@ -148,7 +148,7 @@ def rollout_tensor_meta(model: ModelShape, tp: int, pp: int, recipe: Fp8Recipe) 
                 shape = _local_shape(model, tp, pmap)
                 local, suffix = layout.split_megatron_layer_name(pmap.megatron)
                 fp8 = False
-                if pmap.gemm and recipe.mode == "jetrl" and local is not None:
+                if pmap.gemm and recipe.rollout_weights == "trainer_fp8" and local is not None:
                     g = layers[local]
                     fp8 = recipe.module_is_fp8(f"decoder.layers.{g}.{suffix}", g, n_layers)
                 if fp8:

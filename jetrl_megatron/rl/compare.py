@@ -20,10 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from jetrl_megatron.recipe import ARM_BY_SWITCHES
 from jetrl_megatron.rl.config import arm_overrides as config_arm_overrides
 from jetrl_megatron.rl.logging import read_metrics, save_step_figure
 
-COMPARE_ARMS = ("bf16", "bf16_train_fp8_rollout", "jetrl")
+COMPARE_ARMS = tuple(ARM_BY_SWITCHES.values())  # the arms NeMo-RL's switches select (fake_quant: --arms)
 # per-step curves, averaged over seeds; the *_sampled keys exist only in runs that log sampled validation
 CURVE_KEYS = ("reward/mean", "reward/accuracy", "val/accuracy", "val/reward", "val/accuracy_sampled",
               "val/reward_sampled", "mismatch/k3_kl", "mismatch/token_mult_prob_error")

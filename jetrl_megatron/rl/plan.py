@@ -224,7 +224,7 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
                       pc["head"] + pc["final_norm"] if pp > 1 else 0)
     lin = layers_per_stage * pc["linear_per_layer"] / tp
     params = lin + layers_per_stage * pc["other_per_layer"] + stage_extra / tp
-    fp8_train = cfg.arm == "jetrl"
+    fp8_train = cfg.recipe.trains_fp8
     mbs, seq = cfg.policy.train_micro_batch_size, cfg.policy.max_total_sequence_length
     tokens = mbs * seq
     h, f = shape.hidden_size, shape.ffn_hidden_size
@@ -257,7 +257,7 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     kv_per_token = 2 * shape.num_layers * kv_heads_rank * shape.head_dim * 2
     seqs_per_engine = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt / layout.engines
     out["kv_cache_full_batch"] = kv_per_token * seqs_per_engine * cfg.policy.generation.vllm_cfg.max_model_len / GiB
-    rollout_w = (pc["linear_per_layer"] * shape.num_layers * (1 if cfg.arm != "bf16" else 2)
+    rollout_w = (pc["linear_per_layer"] * shape.num_layers * (1 if cfg.recipe.rollout_fp8 else 2)
                  + 2 * (pc["embed"] + pc["head"])) / rtp / GiB
     out["vllm_weights"] = rollout_w
     kv_bytes = cfg.kv_cache_memory_bytes()

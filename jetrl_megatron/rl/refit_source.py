@@ -143,8 +143,9 @@ def verify_served_fp8(cfg: RunConfig, trainer: Trainer, engine, states: dict) ->
     from jetrl_megatron.rl.verify import served_fp8_equal
 
     want = os.environ.get("JETRL_VERIFY_SERVED_FP8", "0" if torch.cuda.is_available() else "1") == "1"
-    if not (want and cfg.arm == "jetrl" and cfg.policy.generation.vllm_cfg.tensor_parallel_size == 1
-            and cfg.policy.megatron_cfg.pipeline_model_parallel_size == 1):
+    one_shard = cfg.policy.generation.vllm_cfg.tensor_parallel_size == 1 and \
+        cfg.policy.megatron_cfg.pipeline_model_parallel_size == 1
+    if not (want and cfg.recipe.rollout_weights == "trainer_fp8" and one_shard):
         return math.nan
     tp_states = [states[k] for k in sorted(states)]
     ok, bad = served_fp8_equal(engine, tp_states, trainer.shape)

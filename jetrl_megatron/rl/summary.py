@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from jetrl_megatron.recipe import ARM_BY_SWITCHES
 from jetrl_megatron.rl import health
 from jetrl_megatron.rl.config import RunConfig
 from jetrl_megatron.rl.dist import (
@@ -89,7 +90,7 @@ def run_arm_probe(cfg: RunConfig, model_dir: Path) -> dict[str, dict[str, float]
     import subprocess
 
     out: dict[str, dict[str, float]] = {}
-    for arm in ("bf16", "bf16_train_fp8_rollout", "jetrl"):
+    for arm in ARM_BY_SWITCHES.values():
         res = model_dir.parent / f"probe_{arm}.json"
         cmd = [sys.executable, "-m", "jetrl_megatron.rl.probe", "--recipe", str(model_dir.parent / "config.yaml"),
                "--model-dir", str(model_dir),

@@ -288,7 +288,7 @@ def local_rollout_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
     """
     from jetrl_megatron.megatron.model import rollout_weights
 
-    if trainer.recipe.mode == "jetrl":
+    if trainer.recipe.rollout_weights == "trainer_fp8":
         return dict(rollout_weights(trainer.model))
     return {k: p.detach() for k, p in trainer.gpt.named_parameters()}
 

@@ -45,8 +45,6 @@ from jetrl_megatron.rollout.refit import (
 
 log = logging.getLogger(__name__)
 
-FP8_ROLLOUT_MODES = ("jetrl", "bf16_train_fp8_rollout", "fake_quant")
-SELF_QUANTIZING_MODES = ("bf16_train_fp8_rollout", "fake_quant")
 
 
 @dataclass(frozen=True)
@@ -115,7 +113,7 @@ class RolloutEngine:
         self.shape = ModelShape.from_hf_config(hf_cfg)
         quant_cfg = hf_cfg.get("quantization_config")
         hf_overrides: dict[str, Any] = {}
-        if self.mode in FP8_ROLLOUT_MODES:
+        if self.recipe.rollout_fp8:
             if not quant_cfg:
                 # A BF16 directory: quantize it once with the trainer's quantizer (same bytes the trainer would send).
                 self._tmp = tempfile.TemporaryDirectory(prefix="jetrl_rollout_")
@@ -130,7 +128,7 @@ class RolloutEngine:
         self.fp8_names = fp8_weight_names(self.checkpoint_spec)
         # What refit() accepts from the trainer.
         self.refit_spec: dict[str, TensorSpec] = (
-            bf16_incoming_spec(self.checkpoint_spec) if self.mode in SELF_QUANTIZING_MODES
+            bf16_incoming_spec(self.checkpoint_spec) if self.recipe.rollout_weights == "self_quantized"
             else dict(self.checkpoint_spec))
         self.llm = self._start(hf_overrides)
         self.cpu_kernels = None if self.on_cuda else cpu_kernels_in_use(self.shape.head_dim)
@@ -140,7 +138,7 @@ class RolloutEngine:
         self._inplace: InplaceRefit | None = None
         self._inplace_key: tuple | None = None
         self.warmup_report: dict[str, float] | None = None
-        if self.config.fp8_gemm_warmup and self.mode in FP8_ROLLOUT_MODES:
+        if self.config.fp8_gemm_warmup and self.recipe.rollout_fp8:
             self.warmup_report = self.llm.collective_rpc("jetrl_warm_up_fp8")[0]
             log.info("FP8 GEMM warm-up: %d shape(s), %d calls, %.1f s", self.warmup_report["shapes"],
                      self.warmup_report["calls"], self.warmup_report["seconds"])
@@ -306,7 +304,7 @@ class RolloutEngine:
         """
         t0 = time.perf_counter()
         validate_refit(weights, self.refit_spec)
-        if self.mode in SELF_QUANTIZING_MODES:
+        if self.recipe.rollout_weights == "self_quantized":
             weights = quantize_bf16_weights(weights, self.fp8_names, self.recipe)
             validate_refit(weights, self.checkpoint_spec, check_finite=False)
         weights = dict(weights)
@@ -403,7 +401,7 @@ class RolloutEngine:
         self._inplace, self._inplace_key = None, None
         spec = self.checkpoint_spec
         prog = InplaceRefit(src, self.config.tensor_parallel_size, rank, live,
-                            self_quantizing=self.mode in SELF_QUANTIZING_MODES, recipe=self.recipe,
+                            self_quantizing=self.recipe.rollout_weights == "self_quantized", recipe=self.recipe,
                             checkpoint_spec=spec)
         self._inplace, self._inplace_key = prog, key
         log.info("in-place refit compiled: %d copies, %.1f MiB, %d direct / %d quantized / %d re-loaded tensors",
