@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from jetrl_megatron.fp8.format import BLOCK
 from jetrl_megatron.recipe import Fp8Recipe
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
-BLOCK = 128
 
 _DEFAULT_RECIPE = Fp8Recipe()
 

@@ -26,6 +26,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
+from jetrl_megatron.fp8.format import BLOCK as _BLOCK
 from jetrl_megatron.fp8.linear import fake_quant_linear, fp8_linear
 from jetrl_megatron.fp8.weights import Fp8WeightCache
 from jetrl_megatron.recipe import Fp8Recipe
@@ -33,7 +34,6 @@ from jetrl_megatron.recipe import Fp8Recipe
 __all__ = ["Fp8ColumnParallelLinear", "Fp8RowParallelLinear", "Fp8GemmShapeError", "gemm_mode_of", "FP8_GEMM_MODES"]
 
 FP8_GEMM_MODES = ("fp8", "fake_quant")
-_BLOCK = 128
 
 
 class Fp8GemmShapeError(ValueError):

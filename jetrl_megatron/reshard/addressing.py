@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from jetrl_megatron.fp8.format import BLOCK
+from jetrl_megatron.fp8.format import cdiv as _cdiv
 from jetrl_megatron.megatron.layout import qkv_slot_of_k, qkv_slot_of_q, qkv_slot_of_v
 from jetrl_megatron.megatron.models import ModelShape
 
-BLOCK = 128
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 ROW_SPLIT = ("q", "k", "v", "gate", "up")   # column-parallel: rows split over TP
 COL_SPLIT = ("o", "down")                   # row-parallel: columns split over TP
@@ -30,8 +31,6 @@ VLLM_PARAM = {"q": "self_attn.qkv_proj", "k": "self_attn.qkv_proj", "v": "self_a
               "down": "mlp.down_proj"}
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def proj_shape(shape: ModelShape, proj: str) -> tuple[int, int]:

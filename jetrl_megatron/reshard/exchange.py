@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from jetrl_megatron.fp8.format import cdiv as _cdiv
 from jetrl_megatron.megatron import layout
 from jetrl_megatron.megatron.models import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
@@ -30,8 +31,6 @@ TensorMeta = tuple[str, torch.dtype, tuple[int, ...]]
 ALIGN = 16  # bytes: every tensor starts at an aligned offset of its buffer, so its typed view is valid
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)

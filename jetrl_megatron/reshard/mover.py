@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from jetrl_megatron.fp8.format import SCALE_SUFFIX
+from jetrl_megatron.fp8.format import cdiv as _cdiv
 from jetrl_megatron.megatron import layout
 from jetrl_megatron.megatron.models import ModelShape
 from jetrl_megatron.reshard.addressing import BLOCK, ParamPlan, vllm_padded_vocab, vllm_rank_plans
 from jetrl_megatron.reshard.preflight import validate_reshard
 
-SCALE_SUFFIX = "_scale_inv"
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -33,8 +34,6 @@ def raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_VIEW[t.element_size()])
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def widen(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

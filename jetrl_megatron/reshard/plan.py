@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jetrl_megatron.fp8.format import cdiv as _cdiv
 from jetrl_megatron.megatron import layout
 from jetrl_megatron.megatron.models import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
@@ -23,8 +24,6 @@ _VLLM_PROJS = {"self_attn.qkv_proj": ("q", "k", "v"), "self_attn.o_proj": ("o",)
                "mlp.gate_up_proj": ("gate", "up"), "mlp.down_proj": ("down",)}
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass

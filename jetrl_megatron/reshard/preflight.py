@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jetrl_megatron.fp8.format import BLOCK
 from jetrl_megatron.megatron.models import ModelShape
-
-BLOCK = 128
 
 
 class ReshardError(ValueError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 128
+from jetrl_megatron.fp8.format import BLOCK
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -16,13 +16,13 @@ from collections.abc import Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
+from jetrl_megatron.fp8.format import SCALE_SUFFIX
 from jetrl_megatron.fp8.quant import quantize_128x128
 from jetrl_megatron.megatron.models import ModelShape, get_model_shape
 from jetrl_megatron.recipe import Fp8Recipe
 
 LINEAR_PROJS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-SCALE_SUFFIX = "_scale_inv"
 
 
 def linear_weight_names(shape: ModelShape) -> list[str]:

@@ -7,7 +7,7 @@ heavy: the vLLM-facing classes live in `quant_method.py` and are imported only w
 
 from __future__ import annotations
 
-QUANT_METHOD = "jetrl_fp8"
+from jetrl_megatron.fp8.format import QUANT_METHOD
 
 _registered = False
 

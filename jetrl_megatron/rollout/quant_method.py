@@ -19,11 +19,10 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 from vllm.model_executor.parameter import BlockQuantScaleParameter, ModelWeightParameter
 
+from jetrl_megatron.fp8.format import QUANT_METHOD
 from jetrl_megatron.fp8.linear import fp8_linear_forward
 from jetrl_megatron.fp8.quant import BLOCK, FP8_DTYPE
 from jetrl_megatron.recipe import Fp8Recipe
-
-QUANT_METHOD = "jetrl_fp8"
 
 
 class JetRLFp8Config(QuantizationConfig):

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from jetrl_megatron.fp8.format import BLOCK as _BLOCK
+from jetrl_megatron.fp8.format import SCALE_SUFFIX
 from jetrl_megatron.fp8.quant import FP8_DTYPE, quantize_128x128
 from jetrl_megatron.recipe import Fp8Recipe
 
-SCALE_SUFFIX = "_scale_inv"
 # HF projection -> (vLLM fused module, position in the fused module). Qwen3, Qwen2 and Llama share these names.
 FUSED_PARTS = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -210,7 +211,6 @@ def expected_engine_checksums(weights: Mapping[str, torch.Tensor]
 # ------------------------------------------------------------------------------------------------ in-place refit
 # HF checkpoint projections that make up a fused vLLM module, in fused order (used when a module must be re-loaded).
 FUSED_MEMBERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_BLOCK = 128
 
 
 @dataclass(frozen=True)
