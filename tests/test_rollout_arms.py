@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("megatron.core")
 
-from test_rollout_engine import deadline  # noqa: E402
+from deadline import deadline  # noqa: E402
 
 from jetrl_megatron.megatron.models import get_model_shape  # noqa: E402
 from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402

@@ -8,8 +8,12 @@ import torch
 
 pytest.importorskip("vllm")
 
-from test_rollout_engine import _live_model, deadline  # noqa: E402
-from test_rollout_reference import ReferenceModel, vllm_cpu_attention  # noqa: E402
+from deadline import deadline  # noqa: E402
+from rollout_reference import (  # noqa: E402
+    ReferenceModel,
+    live_model,  # noqa: E402
+    vllm_cpu_attention,
+)
 
 from jetrl_megatron.megatron.models import get_model_shape  # noqa: E402
 from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
@@ -32,7 +36,7 @@ def test_bf16_layers_unquantized_and_bit_exact(tmp_path):
     with deadline(240, "bf16-layers engine"):
         engine = RolloutEngine(RolloutConfig(model_dir=model_dir, recipe=RECIPE))
         try:
-            layers = _live_model(engine).model.layers
+            layers = live_model(engine).model.layers
             for i, layer in enumerate(layers):
                 want = UnquantizedLinearMethod if i in (0, 3) else JetRLFp8LinearMethod
                 for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("vllm")
 
 from deadline import deadline  # noqa: E402
-from test_rollout_reference import ReferenceModel, vllm_cpu_attention  # noqa: E402
+from rollout_reference import ReferenceModel, live_model, vllm_cpu_attention  # noqa: E402
 
 from jetrl_megatron.fp8.linear import fp8_linear_forward  # noqa: E402
 from jetrl_megatron.megatron.models import get_model_shape  # noqa: E402
@@ -40,10 +40,6 @@ def _per_test_deadline():
         yield
 
 
-def _live_model(engine):
-    return engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
@@ -51,7 +47,7 @@ def setup(tmp_path_factory):
     model_dir = write_tiny_model_dir(tmp_path_factory.mktemp("tiny_fp8"), seed=0, recipe=RECIPE)
     with deadline(240, "engine start"):
         engine = RolloutEngine(RolloutConfig(model_dir=model_dir, recipe=RECIPE, seed=0))
-    isa = _live_model(engine).model.layers[0].self_attn.attn.isa
+    isa = live_model(engine).model.layers[0].self_attn.attn.isa
     sd0 = load_state_dict(model_dir)
     yield engine, sd0, vllm_cpu_attention(isa)
     engine.shutdown()
@@ -82,7 +78,7 @@ def test_plugin_serves_checkpoint_bytes_and_linear_identity(setup):
     engine, sd, _ = setup
     from jetrl_megatron.rollout.quant_method import JetRLFp8LinearMethod
 
-    layer = _live_model(engine).model.layers[1]
+    layer = live_model(engine).model.layers[1]
     mods = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
             "down": layer.mlp.down_proj}
     p = "model.layers.1."
@@ -95,7 +91,7 @@ def test_plugin_serves_checkpoint_bytes_and_linear_identity(setup):
         want_s = torch.cat([sd[p + n + ".weight_scale_inv"] for n in parts[key]])
         assert torch.equal(mod.weight.data.view(torch.uint8), want_w.view(torch.uint8)), key
         assert torch.equal(mod.weight_scale_inv.data, want_s), key
-    assert _live_model(engine).lm_head.weight.dtype == torch.bfloat16  # lm_head stays unquantized
+    assert live_model(engine).lm_head.weight.dtype == torch.bfloat16  # lm_head stays unquantized
 
     captured = {}
     handles = [m.register_forward_hook(lambda mod, inp, out, k=k: captured.__setitem__(k, (inp[0].clone(),
