@@ -41,8 +41,8 @@ from jetrl_megatron.megatron import numerics  # noqa: E402
 from jetrl_megatron.megatron.cpu import init_parallel, teardown_parallel  # noqa: E402
 from jetrl_megatron.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear  # noqa: E402
 from jetrl_megatron.megatron.model import megatron_config, seed_everything  # noqa: E402
-from jetrl_megatron.megatron.models import get_model_shape  # noqa: E402
 from jetrl_megatron.megatron.spec import gpt_layer_spec  # noqa: E402
+from jetrl_megatron.model.shapes import get_model_shape  # noqa: E402
 from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
 
 try:

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from jetrl_megatron.megatron import layout
-from jetrl_megatron.megatron.models import get_model_shape
+from jetrl_megatron.model import layout
+from jetrl_megatron.model.shapes import get_model_shape
 from jetrl_megatron.reshard import MegatronShards, VllmRefitProgram, canonical_layer_tensors, iter_vllm_rank
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from jetrl_megatron.megatron.models import get_model_shape
+from jetrl_megatron.model.shapes import get_model_shape
 from jetrl_megatron.rl.config import arm_overrides
 
 ARMS = ("bf16", "bf16_train_fp8_rollout", "jetrl")

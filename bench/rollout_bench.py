@@ -49,7 +49,7 @@ def _bf16_sdpa(q, k, v):
 def agree(args) -> dict:
     from test_rollout_reference import ReferenceModel, sdpa_fp32_attention
 
-    from jetrl_megatron.megatron.models import get_model_shape
+    from jetrl_megatron.model.shapes import get_model_shape
     from jetrl_megatron.recipe import Fp8Recipe
     from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
     from jetrl_megatron.rollout.model_dir import (
@@ -103,7 +103,7 @@ def throughput(args) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
-    from jetrl_megatron.megatron.models import get_model_shape
+    from jetrl_megatron.model.shapes import get_model_shape
     from jetrl_megatron.recipe import Fp8Recipe
     from jetrl_megatron.rollout import plugin
     from jetrl_megatron.rollout.model_dir import hf_config_for

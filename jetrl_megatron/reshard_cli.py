@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from jetrl_megatron.errors import one_line
-from jetrl_megatron.megatron.models import ModelShape, get_model_shape
+from jetrl_megatron.model.shapes import ModelShape, get_model_shape
 from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.reshard.export import write_hf_checkpoint
 from jetrl_megatron.reshard.mover import SCALE_SUFFIX, MegatronShards, iter_canonical

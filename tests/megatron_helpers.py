@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from jetrl_megatron.fp8.linear import fp8_linear_forward
 from jetrl_megatron.fp8.quant import quantize_128x128
-from jetrl_megatron.megatron.models import ModelShape, get_model_shape
+from jetrl_megatron.model.shapes import ModelShape, get_model_shape
 
 TINY = get_model_shape("tiny")
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -38,9 +38,9 @@ def parity_report(workdir: str) -> dict:
     from jetrl_megatron.megatron import cpu
     from jetrl_megatron.megatron.convert import load_hf_checkpoint
     from jetrl_megatron.megatron.model import build_gpt, token_logprobs
-    from jetrl_megatron.megatron.models import get_model_shape
-    from jetrl_megatron.megatron.vllm_cpu_ops import cpu_kernels_in_use
+    from jetrl_megatron.model.shapes import get_model_shape
     from jetrl_megatron.rollout.model_dir import load_state_dict, write_tiny_model_dir
+    from jetrl_megatron.vllm_cpu.ops import cpu_kernels_in_use
 
     model_dir = write_tiny_model_dir(os.path.join(workdir, "bf16"), preset="tiny", seed=3)
     sd = load_state_dict(model_dir)

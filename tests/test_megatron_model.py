@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from jetrl_megatron.fp8 import ops
 from jetrl_megatron.fp8.weights import StaleFp8WeightError
 from jetrl_megatron.megatron import cpu
-from jetrl_megatron.megatron.models import get_model_shape
+from jetrl_megatron.model.shapes import get_model_shape
 from jetrl_megatron.recipe import Fp8Recipe
 
 FAMILIES = ("qwen3", "llama", "qwen2")

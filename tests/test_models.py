@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-from jetrl_megatron.megatron.models import PRESETS, ModelShape, get_model_shape
+from jetrl_megatron.model.shapes import PRESETS, ModelShape, get_model_shape
 
 _HF_CLASS = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen2": Qwen2Config}
 

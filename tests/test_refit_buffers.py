@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jetrl_megatron.megatron.models import get_model_shape
+from jetrl_megatron.model.shapes import get_model_shape
 from jetrl_megatron.recipe import Fp8Recipe
 
 SHAPE = get_model_shape("tiny")

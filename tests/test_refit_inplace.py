@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 
 from deadline import deadline  # noqa: E402
 
-from jetrl_megatron.megatron.models import get_model_shape  # noqa: E402
+from jetrl_megatron.model.shapes import get_model_shape  # noqa: E402
 from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
 from jetrl_megatron.reshard import iter_vllm_rank, megatron_from_canonical  # noqa: E402
 from jetrl_megatron.rollout.model_dir import (  # noqa: E402

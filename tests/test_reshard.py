@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from jetrl_megatron.fp8.quant import dequantize_128x128, quantize_128x128
-from jetrl_megatron.megatron import layout
-from jetrl_megatron.megatron.models import PRESETS, ModelShape
+from jetrl_megatron.model import layout
+from jetrl_megatron.model.shapes import PRESETS, ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.reshard import (
     MegatronShards,

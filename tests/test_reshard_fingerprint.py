@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from jetrl_megatron.megatron.models import PRESETS
+from jetrl_megatron.model.shapes import PRESETS
 from jetrl_megatron.reshard import (
     MegatronShards,
     ReshardError,

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from jetrl_megatron.megatron.models import get_model_shape  # noqa: E402
+from jetrl_megatron.model.shapes import get_model_shape  # noqa: E402
 from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
 from jetrl_megatron.reshard import export_hf_fp8, iter_vllm_rank, megatron_from_canonical  # noqa: E402
 from jetrl_megatron.rollout.model_dir import quantize_state_dict, random_hf_state_dict  # noqa: E402

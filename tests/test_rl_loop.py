@@ -173,7 +173,7 @@ def test_stale_vllm_shm_segment_gets_one_actionable_line(tmp_path):
     """A crashed TP=2 CPU run leaves vLLM's fixed-name shared-memory segments; the next run says how to clear them."""
     import glob
 
-    from jetrl_megatron.megatron.vllm_cpu_ops import shm_all_reduce_available
+    from jetrl_megatron.vllm_cpu.ops import shm_all_reduce_available
 
     if not shm_all_reduce_available():
         pytest.skip("this vllm-cpu build has no shared-memory communicator (vLLM uses torch.distributed instead)")

@@ -15,7 +15,7 @@ from rollout_reference import (  # noqa: E402
     vllm_cpu_attention,
 )
 
-from jetrl_megatron.megatron.models import get_model_shape  # noqa: E402
+from jetrl_megatron.model.shapes import get_model_shape  # noqa: E402
 from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
 from jetrl_megatron.rollout.model_dir import load_state_dict, write_tiny_model_dir  # noqa: E402
 

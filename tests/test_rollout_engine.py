@@ -18,7 +18,7 @@ from deadline import deadline  # noqa: E402
 from rollout_reference import ReferenceModel, live_model, vllm_cpu_attention  # noqa: E402
 
 from jetrl_megatron.fp8.linear import fp8_linear_forward  # noqa: E402
-from jetrl_megatron.megatron.models import get_model_shape  # noqa: E402
+from jetrl_megatron.model.shapes import get_model_shape  # noqa: E402
 from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
 from jetrl_megatron.rollout.model_dir import (  # noqa: E402
     load_state_dict,

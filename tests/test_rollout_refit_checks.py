@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from jetrl_megatron.fp8.quant import quantize_128x128
-from jetrl_megatron.megatron.models import get_model_shape
+from jetrl_megatron.model.shapes import get_model_shape
 from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.rollout.model_dir import (
     fp8_weight_names,

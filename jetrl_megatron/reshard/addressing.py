@@ -14,8 +14,8 @@ from functools import lru_cache
 
 from jetrl_megatron.fp8.format import BLOCK
 from jetrl_megatron.fp8.format import cdiv as _cdiv
-from jetrl_megatron.megatron.layout import qkv_slot_of_k, qkv_slot_of_q, qkv_slot_of_v
-from jetrl_megatron.megatron.models import ModelShape
+from jetrl_megatron.model.layout import qkv_slot_of_k, qkv_slot_of_q, qkv_slot_of_v
+from jetrl_megatron.model.shapes import ModelShape
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 ROW_SPLIT = ("q", "k", "v", "gate", "up")   # column-parallel: rows split over TP

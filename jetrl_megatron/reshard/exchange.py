@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from jetrl_megatron.fp8.format import cdiv as _cdiv
-from jetrl_megatron.megatron import layout
-from jetrl_megatron.megatron.models import ModelShape
+from jetrl_megatron.model import layout
+from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.reshard.addressing import BLOCK
 from jetrl_megatron.reshard.mover import SCALE_SUFFIX

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from jetrl_megatron.megatron.models import ModelShape
+from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.reshard.mover import SCALE_SUFFIX, MegatronShards, iter_canonical
 from jetrl_megatron.reshard.preflight import ReshardError

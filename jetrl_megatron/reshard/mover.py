@@ -21,8 +21,8 @@ import torch
 
 from jetrl_megatron.fp8.format import SCALE_SUFFIX
 from jetrl_megatron.fp8.format import cdiv as _cdiv
-from jetrl_megatron.megatron import layout
-from jetrl_megatron.megatron.models import ModelShape
+from jetrl_megatron.model import layout
+from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.reshard.addressing import BLOCK, ParamPlan, vllm_padded_vocab, vllm_rank_plans
 from jetrl_megatron.reshard.preflight import validate_reshard
 
@@ -62,7 +62,7 @@ class MegatronShards:
     """All Megatron ranks' local state dicts, keyed (pp_rank, vp_stage, tp_rank).
 
     Each dict holds its chunk's layers under local indices (decoder.layers.0 is the chunk's first layer); the
-    global index is the chunk's PP/VPP offset + local (megatron.layout.pp_layer_range).
+    global index is the chunk's PP/VPP offset + local (model.layout.pp_layer_range).
     """
 
     shape: ModelShape

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jetrl_megatron.fp8.format import cdiv as _cdiv
-from jetrl_megatron.megatron import layout
-from jetrl_megatron.megatron.models import ModelShape
+from jetrl_megatron.model import layout
+from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.reshard.addressing import (
     BLOCK,

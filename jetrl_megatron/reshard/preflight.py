@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jetrl_megatron.fp8.format import BLOCK
-from jetrl_megatron.megatron.models import ModelShape
+from jetrl_megatron.model.shapes import ModelShape
 
 
 class ReshardError(ValueError):

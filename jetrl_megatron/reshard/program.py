@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from jetrl_megatron.megatron import layout
-from jetrl_megatron.megatron.models import ModelShape
+from jetrl_megatron.model import layout
+from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.reshard.mover import (
     CopyPair,
     DstFactory,

@@ -295,7 +295,7 @@ def rollout_state(model: dict[str, Any], shape, recipe, pp: int, pp_rank: int) -
     """One rank's Megatron state dict as the resharder's input: the recipe's FP8 linears quantized 128x128 (the
     trainer's own weight quantizer, so the bytes equal its FP8 cache) with '<name>_scale_inv', the rest as saved."""
     from jetrl_megatron.fp8 import ops
-    from jetrl_megatron.megatron.layout import pp_layer_range
+    from jetrl_megatron.model.layout import pp_layer_range
 
     offset = pp_layer_range(shape.num_layers, pp, pp_rank).start
     out: dict[str, torch.Tensor] = {}
@@ -317,7 +317,7 @@ def load_run_checkpoint(path: Path, recipe_changes: dict[str, Any] | None = None
     """(MegatronShards, ModelShape, Fp8Recipe) of a run checkpoint at any TP x PP (DP replica 0's rank files).
 
     The recipe is the run's ``jet_rl`` section with ``recipe_changes`` applied (e.g. another mode)."""
-    from jetrl_megatron.megatron.models import ModelShape
+    from jetrl_megatron.model.shapes import ModelShape
     from jetrl_megatron.recipe import Fp8Recipe
     from jetrl_megatron.reshard.mover import MegatronShards
 

@@ -538,7 +538,7 @@ def check_ranges(cfg: RunConfig) -> None:
 def check_bf16_layers(cfg: RunConfig) -> None:
     """``vllm_cfg.num_first_layers_in_bf16`` / ``num_last_layers_in_bf16`` must fit the model's layer count (when
     it is known here: a preset or a local model directory; a hub id is checked when the trainer is built)."""
-    from jetrl_megatron.megatron.models import get_model_shape
+    from jetrl_megatron.model.shapes import get_model_shape
 
     v = cfg.policy.generation.vllm_cfg
     first, last = v.num_first_layers_in_bf16, v.num_last_layers_in_bf16

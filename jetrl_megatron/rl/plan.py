@@ -23,7 +23,7 @@ GiB = 1024**3
 def model_shape(cfg: RunConfig):
     """The model's shape from ``policy.jet_rl.model_preset``, else ``policy.model_name`` (a preset, or a local HF
     directory / config.json); a hub id is not looked up here (no download in a plan)."""
-    from jetrl_megatron.megatron.models import get_model_shape
+    from jetrl_megatron.model.shapes import get_model_shape
 
     try:
         return get_model_shape(cfg.model_preset or cfg.policy.model_name)

@@ -24,8 +24,7 @@ from typing import Any
 import torch
 
 from jetrl_megatron.errors import UserError, one_line
-from jetrl_megatron.megatron.models import ModelShape
-from jetrl_megatron.megatron.vllm_cpu_ops import cpu_kernels_in_use
+from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.rollout import plugin, worker_ops
 from jetrl_megatron.rollout.model_dir import quantize_model_dir, read_config
@@ -42,6 +41,7 @@ from jetrl_megatron.rollout.refit import (
     source_signature,
     validate_refit,
 )
+from jetrl_megatron.vllm_cpu.ops import cpu_kernels_in_use
 
 log = logging.getLogger(__name__)
 

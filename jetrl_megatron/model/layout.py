@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from jetrl_megatron.megatron.models import ModelShape
+from jetrl_megatron.model.shapes import ModelShape
 
 # ----------------------------------------------------------------------------------------------------------------
 # Divisibility helpers

