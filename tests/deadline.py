@@ -1,4 +1,4 @@
-"""A wall-clock limit for test steps that start vLLM: it can hang instead of raising (shared/VLLM_CPU.md)."""
+"""A wall-clock limit for test steps that start vLLM: it can hang instead of raising (docs/vllm_cpu.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Helpers shared by the Megatron tests (no tests here): tiny HF checkpoints and an independent reference forward.
 
-The reference forward is written from the rollout numerics conventions (shared/DESIGN.md §10) on HF-named tensors,
+The reference forward is written from the rollout numerics conventions (docs/precision.md) on HF-named tensors,
 using only the foundation's FP8 functions — no code from jetrl_megatron.megatron — so the Megatron model is checked
 against an independent implementation.
 """

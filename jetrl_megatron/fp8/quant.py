@@ -1,7 +1,7 @@
 """Reference FP8 quantizers (pure torch, CPU and CUDA): the precision contract in code.
 
 Every kernel in `kernels.py` and every backend is tested bit-for-bit against these functions, and vLLM's
-`per_token_group_quant_fp8` semantics are tested bit-for-bit against them too. The formula (DESIGN §3):
+`per_token_group_quant_fp8` semantics are tested bit-for-bit against them too. The formula (docs/precision.md):
 
     amax = max(|x_group|) in FP32;   s = max(amax, eps) / 448   (FP32 *tensor* division)
     pow2: s = 2 ** ceil(log2(s))     (exact, via frexp)

@@ -2,7 +2,7 @@
 
 Why: FP8 activation quantization amplifies 1-ulp BF16 differences in its inputs (a flipped E4M3 code is up to a
 1/8 relative jump), so the trainer's norms, residual adds, RoPE and attention must round exactly like vLLM's CPU
-path (shared/DESIGN.md §10). The conventions, read in vLLM 0.32 (``vllm/ir/ops/layernorm.py``,
+path (docs/precision.md, "Rollout-matched numerics"). The conventions, read in vLLM 0.32 (``vllm/ir/ops/layernorm.py``,
 ``rotary_embedding/base.py`` + the CPU ``rotary_embedding`` kernel, the CPU attention backend):
 
 * fused residual add + RMSNorm: ``s = x.float() + residual.float()``; the residual carried on is ``s.to(bf16)``;
