@@ -1,6 +1,7 @@
 """Fused Triton FP8 quantization kernels, bit-identical to the pure-torch twins in `fp8/quant.py`.
 
-Why fused: an eager 1x128 quant of a 4096x4096 activation costs more than the FP8 GEMM that consumes it (docs/precision.md).
+Why fused: an eager 1x128 quant of a 4096x4096 activation costs more than the FP8 GEMM that consumes it
+(docs/precision.md).
 Each kernel here reads its input once and writes every output directly in the layout the GEMMs consume:
 
     quant_act(x (M,K))          -> q (M,K) row-major, s (M,K/128) column-major (strides (1, M))
