@@ -2,7 +2,8 @@
 
 FProp/DGrad are BlockWise1x128 x BlockWise128x128, WGrad is BlockWise1x128 x BlockWise1x128. Layout rules
 (docs/precision.md): A row-major, B the `.t()` view of a row-major (out, red) tensor; 1x128 scales column-major;
-the 128x128 scale is the `.t()` view of a row-major (ceil(out/128), L4) tensor whose K-block dim is zero-padded to a multiple of 4.
+the 128x128 scale is the `.t()` view of a row-major (ceil(out/128), L4) tensor whose K-block dim is zero-padded
+to a multiple of 4.
 The old `torch._scaled_mm` is never used here: with 128x128 scales and ceil(K/128) % 4 != 0 it is silently wrong.
 cuBLAS may pick different kernels for different M, so this backend has no batch-invariant mode.
 """
