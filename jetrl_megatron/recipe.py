@@ -20,6 +20,9 @@ TRAINER_GEMMS = ("bf16", "fp8", "fake_quant")  # what an FP8-eligible linear of 
 ROLLOUT_WEIGHTS = ("bf16", "trainer_fp8", "self_quantized")  # what the rollout serves
 SCALE_FMTS = ("fp32", "pow2")
 GEMM_BACKENDS = ("auto", "emulated", "cublas", "triton", "deep_gemm")
+# Element-wise kernels of the rollout-matched numerics (RMSNorm, RoPE, residual add, SwiGLU): the Triton kernels and
+# their torch twins are bit-identical, so this picks speed, not numbers.
+ELEMENTWISE_IMPLS = ("auto", "torch", "triton")
 
 # Module-name keywords that are BF16 whatever the recipe says (embeddings, lm_head, norms, attention core).
 ALWAYS_BF16_KEYWORDS = ("embed", "lm_head", "output_layer", "norm", "core_attention", "rotary")

@@ -90,3 +90,27 @@ def test_batch_metrics_and_importance_without_correction():
     assert m["reward/mean"] == pytest.approx(float(b.rewards.mean()))
     assert m["policy/response_len"] == pytest.approx(sum(len(s[2]) for s in samples) / len(samples))
     assert m["policy/is_kept_frac"] == 1.0
+
+
+def test_numerics_switches_come_from_the_config_and_the_environment_wins(monkeypatch):
+    from jetrl_megatron.fp8 import ops
+    from jetrl_megatron.megatron import numerics
+    from jetrl_megatron.rl.dist import apply_numerics_switches
+
+    prev_ew, prev_ref = numerics.elementwise_impl(), ops.set_reference_quant(False)
+    try:
+        monkeypatch.delenv("JETRL_ELEMENTWISE", raising=False)
+        monkeypatch.delenv("JETRL_FP8_REFERENCE_QUANT", raising=False)
+        apply_numerics_switches(load_config("tiny_cpu", ["policy.jet_rl.elementwise=torch",
+                                                         "policy.jet_rl.fp8_reference_quant=true"]))
+        assert numerics.elementwise_impl() == "torch" and ops._REFERENCE_QUANT[0] is True
+        monkeypatch.setenv("JETRL_ELEMENTWISE", "triton")
+        monkeypatch.setenv("JETRL_FP8_REFERENCE_QUANT", "0")
+        apply_numerics_switches(load_config("tiny_cpu", ["policy.jet_rl.elementwise=torch",
+                                                         "policy.jet_rl.fp8_reference_quant=true"]))
+        assert numerics.elementwise_impl() == "triton" and ops._REFERENCE_QUANT[0] is False
+    finally:
+        numerics.set_elementwise_impl(prev_ew)
+        ops.set_reference_quant(prev_ref)
+    with pytest.raises(Exception, match="policy.jet_rl.elementwise"):
+        load_config("tiny_cpu", ["policy.jet_rl.elementwise=cuda"])

@@ -16,12 +16,20 @@ from jetrl_megatron.fp8.quant import BLOCK, dequantize_1x128, quantize_1x128, qu
 from jetrl_megatron.recipe import Fp8Recipe
 
 _kernels: ModuleType | None | bool = False  # False: not looked up yet
+_REFERENCE_QUANT = [os.environ.get("JETRL_FP8_REFERENCE_QUANT") == "1"]
+
+
+def set_reference_quant(on: bool) -> bool:
+    """Quantize CUDA tensors with the pure-torch reference instead of the Triton kernels (bit-identical; for
+    checking); returns the previous setting. A run sets it from ``policy.jet_rl.fp8_reference_quant``."""
+    prev, _REFERENCE_QUANT[0] = _REFERENCE_QUANT[0], bool(on)
+    return prev
 
 
 def _cuda_kernels(x: torch.Tensor) -> ModuleType | None:
-    """The Triton kernel module for CUDA tensors (None on CPU, or with JETRL_FP8_REFERENCE_QUANT=1)."""
+    """The Triton kernel module for CUDA tensors (None on CPU, or with the reference quantizer selected)."""
     global _kernels
-    if not x.is_cuda or os.environ.get("JETRL_FP8_REFERENCE_QUANT") == "1":
+    if not x.is_cuda or _REFERENCE_QUANT[0]:
         return None
     if _kernels is False:
         try:

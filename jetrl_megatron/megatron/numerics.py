@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from jetrl_megatron.recipe import ELEMENTWISE_IMPLS
 from jetrl_megatron.vllm_cpu import ops as vllm_cpu_ops
 
 __all__ = [
@@ -58,7 +59,6 @@ __all__ = [
 ]
 
 # ------------------------------------------------------------------------------- element-wise kernel selection
-ELEMENTWISE_IMPLS = ("auto", "torch", "triton")
 _ELEMENTWISE = [os.environ.get("JETRL_ELEMENTWISE", "auto")]
 _TRITON_MOD: list = []
 _TRITON_FAILED: list[str] = []  # auto mode: a kernel that failed to build/run switches this process to the twins

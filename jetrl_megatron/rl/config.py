@@ -36,7 +36,14 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from jetrl_megatron.recipe import ARM_BY_SWITCHES, FP8_MODES, GEMM_BACKENDS, Fp8Recipe, RecipeError
+from jetrl_megatron.recipe import (
+    ARM_BY_SWITCHES,
+    ELEMENTWISE_IMPLS,
+    FP8_MODES,
+    GEMM_BACKENDS,
+    Fp8Recipe,
+    RecipeError,
+)
 from jetrl_megatron.rl.config_schema import RunConfigFields
 from jetrl_megatron.rl.config_yaml import ConfigError, apply_overrides, leaf_paths, load_tree, resolve_tree
 from jetrl_megatron.rl.nemo_rl_keys import IGNORED, IMPLEMENTED, REFUSED, KeyVerdict, classify
@@ -412,6 +419,7 @@ def build_fp8_recipe(cfg: RunConfig, arm: str) -> Fp8Recipe:
                           f" must be equal here ({v.pow2_weight_scaling_factors} vs "
                           f"{v.pow2_activation_scaling_factors}): one scale format for weights and activations")
     _choice(jr.gemm_backend, GEMM_BACKENDS, "policy.jet_rl.gemm_backend")
+    _choice(jr.elementwise, ELEMENTWISE_IMPLS, "policy.jet_rl.elementwise")
     backend = jr.gemm_backend
     if v.use_deep_gemm:
         if backend not in ("auto", "deep_gemm"):

@@ -201,6 +201,11 @@ class JetRlCfg:
     # ablation) can only be chosen here, on top of the bf16_train_fp8_rollout switches.
     arm: str | None = None
     gemm_backend: str = "auto"  # auto | emulated | cublas | triton | deep_gemm (trainer and rollout FP8 GEMMs)
+    # Numerics switches (bit-identical choices). An environment variable, when set, wins: JETRL_ELEMENTWISE,
+    # JETRL_FP8_REFERENCE_QUANT, JETRL_VERIFY_SERVED_FP8 (docs/config.md).
+    elementwise: str = "auto"  # auto | torch | triton: the element-wise kernels of the rollout-matched numerics
+    fp8_reference_quant: bool = False  # quantize CUDA tensors with the torch reference instead of Triton
+    verify_served_fp8: bool | None = None  # compare vLLM's FP8 weights with the trainer's each step (None: CPU)
     batch_invariant: bool = False
     amax_eps: float = 1e-10
     model_preset: str | None = None  # architecture preset for plan / reshard checks without a download

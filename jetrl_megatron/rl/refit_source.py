@@ -4,7 +4,6 @@ exchanged point-to-point over the model-parallel group; and the check that vLLM 
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import torch
@@ -12,6 +11,7 @@ import torch
 from jetrl_megatron.rl.config import RunConfig
 from jetrl_megatron.rl.dist import (
     dist_rank,
+    env_flag,
     torch_dist,
 )
 from jetrl_megatron.rl.trainer import (
@@ -138,11 +138,12 @@ class RefitSource:
 def verify_served_fp8(cfg: RunConfig, trainer: Trainer, engine, states: dict) -> float:
     """1.0 when vLLM's live FP8 linears equal the trainer's cache byte for byte, 0.0 otherwise, NaN if not checked.
 
-    Checked in the jetrl arm when rollout TP = 1 and PP = 1, on CPU or with JETRL_VERIFY_SERVED_FP8=1 (it reads
-    every FP8 weight back from the engine)."""
+    Checked in the jetrl arm when rollout TP = 1 and PP = 1, on CPU or with ``policy.jet_rl.verify_served_fp8``
+    (``JETRL_VERIFY_SERVED_FP8`` wins when set; it reads every FP8 weight back from the engine)."""
     from jetrl_megatron.rl.verify import served_fp8_equal
 
-    want = os.environ.get("JETRL_VERIFY_SERVED_FP8", "0" if torch.cuda.is_available() else "1") == "1"
+    want = env_flag("JETRL_VERIFY_SERVED_FP8", cfg.policy.jet_rl.verify_served_fp8)
+    want = not torch.cuda.is_available() if want is None else want
     one_shard = cfg.policy.generation.vllm_cfg.tensor_parallel_size == 1 and \
         cfg.policy.megatron_cfg.pipeline_model_parallel_size == 1
     if not (want and cfg.recipe.rollout_weights == "trainer_fp8" and one_shard):
