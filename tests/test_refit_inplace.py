@@ -329,7 +329,7 @@ def test_inplace_program_on_cuda_replays_as_cuda_graph():
     refit.run()
     torch.cuda.synchronize()
     want2, _ = _stand_in_live(second, 1, 0, device="cuda")
-    assert refit.program._graph is not None and refit.verify() == []
+    assert refit.program.has_cuda_graph and refit.verify() == []
     assert all(_same_bytes(live[n].tensor, t) for n, t in want2.items())
 
 
@@ -367,7 +367,7 @@ def test_engine_inplace_refit_on_cuda_across_sleep_wake_with_graph(tmp_path):
             assert not report.rebuilt, "vLLM's wake_up moved the live parameters: the program had to be rebuilt"
             assert report.verified
             _assert_serves(engine, w)
-        assert engine._inplace.program._graph is not None
+        assert engine._inplace.program.has_cuda_graph
         assert engine.score(SEQS) != scores
     finally:
         engine.shutdown()

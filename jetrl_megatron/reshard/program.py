@@ -101,6 +101,16 @@ class VllmRefitProgram:
         self.bytes = sum(d.numel() * d.element_size() for d, _ in pairs)
         self._graph: torch.cuda.CUDAGraph | None = None
 
+    def rebind_sources(self, src) -> None:
+        """Look the source tensors up in ``src`` from now on: the same tensors held by another ``MegatronShards``
+        object (the caller's, after the program was planned over a recording view). ``check_sources`` still
+        compares every address, so a different tensor is caught, not silently copied from."""
+        self._src = src
+
+    @property
+    def has_cuda_graph(self) -> bool:
+        return self._graph is not None
+
     def check_sources(self) -> None:
         for (key, name), ptr in self._src_ptrs.items():
             t = self._src.states[key].get(name)

@@ -371,9 +371,9 @@ class RolloutEngine:
             self._build_inplace(src, rank, live, key)
         prog = self._inplace
         assert prog is not None
-        prog.program._src = src  # same tensors (checked by the signature); look them up in the caller's object
+        prog.program.rebind_sources(src)  # same tensors (checked by the signature); look them up in the caller's object
         prog.check_finite()
-        if (not rebuilt and self.config.refit_cuda_graph and self.on_cuda and prog.program._graph is None
+        if (not rebuilt and self.config.refit_cuda_graph and self.on_cuda and not prog.program.has_cuda_graph
                 and not prog.quantize and not prog.reload):
             # Captured on the first reuse, not at build: a source set that moved every step would pay a capture
             # per step for nothing.

@@ -305,7 +305,7 @@ class InplaceRefit:
             self.program = VllmRefitProgram(view, rollout_tp, rank, dst_factory=dst_for)
         except (KeyError, ValueError) as e:
             raise RefitError.refused([str(e.args[0] if e.args else e)]) from None
-        self.program._src = src  # staleness is checked against the caller's tensors, not the recording view
+        self.program.rebind_sources(src)  # staleness is checked against the caller's tensors, not the recording view
         unread = sorted(f"{n} (pp, vp, tp rank {k})" for k, st in recording.items() for n in st if n not in st.read)
         if unread:
             problems.append(f"{len(unread)} trainer tensor(s) map to no engine parameter: {_short(unread)}")
