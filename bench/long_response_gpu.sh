@@ -10,17 +10,18 @@ length=${1:?short|long}
 out=${2:?OUT_DIR}
 shift 2
 case $length in
-  short) ov=() ;;
+  short) ov=(); parallel=6 ;;
   # long: the warm start continues from the short experiment's (run it first, same machine) for 100 steps at 2K
   long) ov=(data.train.num_terms=409 policy.generation.max_new_tokens=2068 policy.max_total_sequence_length=2112
             policy.generation.vllm_cfg.max_model_len=2112 policy.generation.vllm_kwargs.kv_cache_memory_bytes=12884901888
             grpo.max_num_steps=15 grpo.max_val_samples=32
-            policy.model_name=/tmp/jetrl_long/short/warmstart/model policy.jet_rl.sft_warmstart.steps=100) ;;
+            policy.model_name=/tmp/jetrl_long/short/warmstart/model policy.jet_rl.sft_warmstart.steps=100)
+        parallel=2 ;;  # one run peaks near 49 GiB at 2K tokens: four at once ran out of the H200's 140 GiB
   *) echo "usage: $0 short|long OUT_DIR" >&2; exit 2 ;;
 esac
 work=/tmp/jetrl_long/$length
 # TIME_LIMIT (seconds) stops the harness so the outputs written so far are still copied out
-timeout "${TIME_LIMIT:-0}" python -m jetrl_megatron.cli compare --recipe count_150m_gpu --seeds "${SEEDS:-2}" --parallel "${PARALLEL:-6}" \
+timeout "${TIME_LIMIT:-0}" python -m jetrl_megatron.cli compare --recipe count_150m_gpu --seeds "${SEEDS:-2}" --parallel "${PARALLEL:-$parallel}" \
   --out "$work" "${ov[@]}" "$@" 2>&1 | tail -n 60 || status=$?
 mkdir -p "$out"
 (cd "$work" && find . -path '*/model*' -prune -o -path '*/checkpoints' -prune -o -type f \
