@@ -44,7 +44,7 @@ from jetrl_megatron.recipe import (
     Fp8Recipe,
     RecipeError,
 )
-from jetrl_megatron.rl.config_schema import RunConfigFields
+from jetrl_megatron.rl.config_schema import RunConfigFields, schema_defaults
 from jetrl_megatron.rl.config_yaml import ConfigError, apply_overrides, leaf_paths, load_tree, resolve_tree
 from jetrl_megatron.rl.nemo_rl_keys import IGNORED, IMPLEMENTED, REFUSED, KeyVerdict, classify
 
@@ -241,10 +241,6 @@ def _parent_path(entry: str, directory: Path) -> Path:
     return RECIPES_DIR / f"{entry}.yaml"
 
 
-def _schema_defaults() -> dict[str, Any]:
-    return {f.name: dataclasses.asdict(f.default_factory()) for f in dataclasses.fields(RunConfigFields)}
-
-
 def _drop(tree: dict[str, Any], keys: list[str]) -> None:
     """Remove ``keys`` (dotted leaves) from ``tree``, and the sections they leave empty."""
     for key in keys:
@@ -258,12 +254,12 @@ def _drop(tree: dict[str, Any], keys: list[str]) -> None:
                 chain[depth - 1].pop(parts[depth - 1], None)
 
 
-def _account(resolved: dict[str, Any], user_keys: set[str]) -> list[KeyVerdict]:
+def _account(resolved: dict[str, Any]) -> list[KeyVerdict]:
     """Every leaf of the resolved config in one status; unknown or refused keys stop the load here."""
     verdicts = [classify(k, v, RunConfigFields) for k, v in leaf_paths(resolved).items()]
     unknown = [v.key for v in verdicts if v.status == "unknown"]
     if unknown:
-        known = [v.key for v in verdicts if v.status != "unknown"] + list(leaf_paths(_schema_defaults()))
+        known = [v.key for v in verdicts if v.status != "unknown"] + list(leaf_paths(schema_defaults()))
         lines = []
         for k in unknown:
             near = difflib.get_close_matches(k, known, n=1, cutoff=0.75)
@@ -344,7 +340,7 @@ def load_config_file(path: Path, overrides: list[str] | None = None, name: str |
     validate, derive the arm and the FP8 recipe."""
     tree = load_tree(Path(path), _parent_path)
     user_keys = set(leaf_paths(OmegaConf.to_container(tree, resolve=False)))
-    full = OmegaConf.merge(OmegaConf.create(_schema_defaults()), tree)
+    full = OmegaConf.merge(OmegaConf.create(schema_defaults()), tree)
     for text in overrides or []:
         if text.split("=", 1)[0].lstrip("+~").startswith("jet_rl."):
             raise ConfigError(f"override {text!r}: the Jet-RL block moved to policy.jet_rl, and the arm follows "
@@ -358,13 +354,14 @@ def load_config_file(path: Path, overrides: list[str] | None = None, name: str |
             user_keys.add(key)
     resolved = resolve_tree(full)
     user_keys = _move_legacy_data_keys(resolved, user_keys)
-    verdicts = _account(resolved, user_keys)
+    verdicts = _account(resolved)
     _drop(resolved, [v.key for v in verdicts if v.status == IGNORED])
     cfg = _build(RunConfig, resolved, "")
     cfg.name = name or Path(path).stem
-    cfg.key_report = [v for v in verdicts if v.key in user_keys or any(v.key.startswith(u + ".") for u in user_keys)]
-    cfg.defaulted = sorted(v.key for v in verdicts if v.status == IMPLEMENTED and v.key not in user_keys
-                           and not any(v.key.startswith(u + ".") for u in user_keys))
+    by_user = [v.key in user_keys or any(v.key.startswith(u + ".") for u in user_keys) for v in verdicts]
+    cfg.key_report = [v for v, mine in zip(verdicts, by_user, strict=True) if mine]
+    cfg.defaulted = sorted(v.key for v, mine in zip(verdicts, by_user, strict=True)
+                           if v.status == IMPLEMENTED and not mine)
     return resolve(cfg)
 
 

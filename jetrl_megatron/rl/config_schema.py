@@ -11,6 +11,7 @@ Defaults are the tiny CPU values; recipes set the rest.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -301,6 +302,11 @@ class LoggerCfg:
 class ClusterCfg:
     gpus_per_node: int = 0  # 0 = CPU run
     num_nodes: int = 1
+
+
+def schema_defaults() -> dict[str, Any]:
+    """Every section of the schema with its default values, as plain data."""
+    return {f.name: dataclasses.asdict(f.default_factory()) for f in dataclasses.fields(RunConfigFields)}
 
 
 @dataclass

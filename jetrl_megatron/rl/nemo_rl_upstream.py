@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jetrl_megatron.rl.config_schema import RunConfigFields
+from jetrl_megatron.rl.config_schema import RunConfigFields, schema_defaults
 from jetrl_megatron.rl.config_yaml import leaf_paths, load_tree, resolve_tree
 from jetrl_megatron.rl.nemo_rl_keys import IGNORED, IMPLEMENTED, REFUSED, rule_for, schema_status
 
@@ -103,7 +103,7 @@ def key_status(key: str) -> tuple[str, str]:
 
 def markdown_table(upstream: dict[str, list[Any]]) -> str:
     """The key table: every key of NeMo-RL v0.7.0's Megatron GRPO YAMLs, then this project's own keys."""
-    project = {k for k in leaf_paths(_schema_defaults()) if k not in upstream}
+    project = {k for k in leaf_paths(schema_defaults()) if k not in upstream}
     lines = ["| key | status | note | values in NeMo-RL's YAMLs |", "|---|---|---|---|"]
     for key in sorted(upstream):
         status, note = key_status(key)
@@ -119,8 +119,3 @@ def markdown_table(upstream: dict[str, list[Any]]) -> str:
             "value. A rule with accepted values refuses any other value with its note.")
     return head + "\n\n" + "\n".join(lines) + "\n"
 
-
-def _schema_defaults() -> dict[str, Any]:
-    import dataclasses
-
-    return {f.name: dataclasses.asdict(f.default_factory()) for f in dataclasses.fields(RunConfigFields)}
