@@ -36,8 +36,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jetrl_megatron.fp8.weights import Fp8WeightCache  # noqa: E402
 from jetrl_megatron.megatron import numerics  # noqa: E402
+from jetrl_megatron.megatron.context import Fp8ModelContext  # noqa: E402
 from jetrl_megatron.megatron.cpu import init_parallel, teardown_parallel  # noqa: E402
 from jetrl_megatron.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear  # noqa: E402
 from jetrl_megatron.megatron.model import megatron_config, seed_everything  # noqa: E402
@@ -55,14 +55,12 @@ def build_layer(shape, recipe, device, attn_impl=None, lean_swiglu=False):
     from megatron.core.transformer.spec_utils import build_module
 
     config = megatron_config(shape, recipe, use_te_activation_func=lean_swiglu)
-    spec = gpt_layer_spec(shape, recipe, 0, attn_impl=attn_impl, lean_swiglu=lean_swiglu)
-    layer = build_module(spec, config=config, layer_number=1)
+    ctx = Fp8ModelContext.create(shape, recipe, range(1), attn_impl)
+    layer = build_module(gpt_layer_spec(ctx, 0, lean_swiglu=lean_swiglu), config=config, layer_number=1)
     layer = layer.to(device)
-    cache = Fp8WeightCache(recipe)
+    cache = ctx.cache
     fp8 = [(n, m) for n, m in layer.named_modules()
-           if isinstance(m, (Fp8ColumnParallelLinear, Fp8RowParallelLinear)) and m.jetrl_mode == "fp8"]
-    for _, m in fp8:
-        m.fp8_cache = cache
+           if isinstance(m, (Fp8ColumnParallelLinear, Fp8RowParallelLinear)) and m.gemm_mode == "fp8"]
 
     def refresh():
         cache.refresh((f"{n}.weight", m.weight) for n, m in fp8)
@@ -237,12 +235,12 @@ def format_profile(label: str, prof: dict) -> str:
 
 def e2e_smoke() -> dict:
     """Whole tiny GPTModel on this device: build, jetrl logprobs, 3 train steps (DDP + Megatron optimizer)."""
-    from jetrl_megatron.megatron.model import build_gpt, token_logprobs, train_step, wrap_ddp
-    from jetrl_megatron.megatron.optim import build_optimizer
+    from jetrl_megatron.megatron.model import token_logprobs, train_step
+    from jetrl_megatron.megatron.policy import build_policy
 
     shape = get_model_shape("tiny")
-    model = wrap_ddp(build_gpt(shape, Fp8Recipe(mode="jetrl")))
-    opt = build_optimizer([model], lr=3e-3)
+    policy = build_policy(shape, Fp8Recipe(mode="jetrl"), optimizer={"lr": 3e-3})
+    model, opt = policy.model, policy.optimizer
     toks = torch.randint(0, shape.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
     lp0 = token_logprobs(model, toks)
     losses = [train_step([model], opt, {"tokens": toks}, lambda lp, mb: (-lp.mean(), {}), micro_batch_size=2).loss

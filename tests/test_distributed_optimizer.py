@@ -47,17 +47,14 @@ def _loss(lp, mb):
 
 
 def _build(shape, sd, dist: bool, overlap: bool, clip: float = CLIP):
-    from jetrl_megatron.megatron.convert import load_hf_checkpoint
-    from jetrl_megatron.megatron.model import build_gpt, wrap_ddp
-    from jetrl_megatron.megatron.optim import build_optimizer
+    from jetrl_megatron.megatron.policy import build_policy
     from jetrl_megatron.recipe import Fp8Recipe
 
-    model = build_gpt(shape, Fp8Recipe(mode="jetrl"))
-    load_hf_checkpoint(model, sd)
-    ddp = wrap_ddp(model, grad_reduce_in_fp32=False, use_distributed_optimizer=dist, overlap_param_gather=overlap)
-    opt = build_optimizer([ddp], lr=LR, weight_decay=WD, clip_grad=clip, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
-                          adam_eps=EPS, use_distributed_optimizer=dist)
-    return ddp, opt
+    policy = build_policy(shape, Fp8Recipe(mode="jetrl"), weights=sd, grad_reduce_in_fp32=False,
+                          use_distributed_optimizer=dist, overlap_param_gather=overlap,
+                          optimizer={"lr": LR, "weight_decay": WD, "clip_grad": clip, "adam_beta1": BETAS[0],
+                                     "adam_beta2": BETAS[1], "adam_eps": EPS})
+    return policy.model, policy.optimizer
 
 
 def _params(ddp) -> dict[str, torch.Tensor]:
@@ -69,9 +66,9 @@ def _params(ddp) -> dict[str, torch.Tensor]:
 def _cache_matches_weights(ddp) -> bool:
     """The FP8 cache holds exactly quant(current BF16 weight) for every FP8 linear."""
     from jetrl_megatron.fp8 import ops
-    from jetrl_megatron.megatron.model import fp8_linears, unwrap
+    from jetrl_megatron.megatron.model import fp8_context, fp8_linears
 
-    cache = unwrap(ddp).jetrl_fp8_cache
+    cache = fp8_context(ddp).cache
     for _, m in fp8_linears(ddp):
         q, s = cache.get(m.weight)
         q2, s2 = ops.quant_weight(m.weight.detach(), cache.recipe)
@@ -94,18 +91,18 @@ def _state_numel(opt) -> dict[str, int]:
 
 
 def _step(ddp, opt, batch, record_grads: bool = False) -> dict:
-    from jetrl_megatron.megatron.model import forward_backward, unwrap
+    from jetrl_megatron.megatron.model import forward_backward, fp8_context, unwrap
 
     opt.zero_grad()
     loss, _ = forward_backward([ddp], batch, _loss, micro_batch_size=1, grad_scale_func=opt.scale_loss)
     grads = ({n: p.main_grad.float().clone() for n, p in unwrap(ddp).named_parameters()} if record_grads else None)
     ok, grad_norm, _ = opt.step()
     return {"loss": loss, "ok": ok, "grad_norm": float(grad_norm), "grads": grads, "params": _params(ddp),
-            "cache_ok": _cache_matches_weights(ddp), "generation": unwrap(ddp).jetrl_fp8_cache.generation}
+            "cache_ok": _cache_matches_weights(ddp), "generation": fp8_context(ddp).cache.generation}
 
 
 def _run(rank: int, world_size: int, out_dir: str) -> None:
-    from jetrl_megatron.megatron.model import refresh_fp8_cache, unwrap
+    from jetrl_megatron.megatron.model import fp8_context, refresh_fp8_cache, unwrap
 
     shape = tiny_shape("qwen3")
     sd = hf_state(shape, seed=31, std=0.02)
@@ -115,7 +112,7 @@ def _run(rank: int, world_size: int, out_dir: str) -> None:
     for name, (dist, overlap, clip) in VARIANTS.items():
         ddp, opt = _build(shape, sd, dist, overlap, clip)
         r: dict = {"init": _params(ddp), "distributed": opt.distributed, "steps": [],
-                   "generation0": unwrap(ddp).jetrl_fp8_cache.generation}
+                   "generation0": fp8_context(ddp).cache.generation}
         if overlap:
             # What the buffer holds when Megatron returns from its step (before the wrapper's forced all-gather):
             # only this rank's shard is new; a refresh at that point would quantize stale weights.
@@ -320,19 +317,22 @@ def test_checkpoint_resume_at_dp2_is_exact(ranks):
 
 
 # ------------------------------------------------------------------------------------------------ config -> trainer
-def test_optimizer_follows_ddp_and_refuses_a_mismatch(mp):
-    from jetrl_megatron.megatron.model import build_gpt, wrap_ddp
-    from jetrl_megatron.megatron.optim import build_optimizer
+def test_one_flag_sets_ddp_and_optimizer_and_bad_combinations_are_refused(mp):
+    """DDP and the optimizer read one use_distributed_optimizer flag (they cannot disagree); combinations Megatron
+    cannot run are refused with the key named."""
+    from jetrl_megatron.megatron.policy import build_policy
     from jetrl_megatron.recipe import Fp8Recipe
 
-    ddp = wrap_ddp(build_gpt(tiny_shape("qwen3"), Fp8Recipe(mode="jetrl")), use_distributed_optimizer=True)
-    assert build_optimizer([ddp], lr=LR).distributed  # None: follows the DDP config
-    with pytest.raises(ValueError, match="use_distributed_optimizer"):
-        build_optimizer([ddp], lr=LR, use_distributed_optimizer=False)
+    for dist in (True, False):
+        policy = build_policy(tiny_shape("qwen3"), Fp8Recipe(mode="jetrl"), use_distributed_optimizer=dist,
+                              optimizer={"lr": LR})
+        assert policy.optimizer.distributed is dist
+        assert bool(policy.model.ddp_config.use_distributed_optimizer) is dist
     with pytest.raises(ValueError, match="TransformerEngine"):
-        build_optimizer([ddp], lr=LR, use_precision_aware_optimizer=True)
+        build_policy(tiny_shape("qwen3"), Fp8Recipe(mode="jetrl"), use_distributed_optimizer=True,
+                     optimizer={"lr": LR, "use_precision_aware_optimizer": True})
     with pytest.raises(ValueError, match="overlap_param_gather"):
-        wrap_ddp(build_gpt(tiny_shape("qwen3"), Fp8Recipe(mode="jetrl")), overlap_param_gather=True)
+        build_policy(tiny_shape("qwen3"), Fp8Recipe(mode="jetrl"), overlap_param_gather=True)
 
 
 def test_trainer_and_plan_read_the_same_settings():
@@ -342,9 +342,9 @@ def test_trainer_and_plan_read_the_same_settings():
     on = load_config("qwen3_8b_tp1")
     off = load_config("qwen3_8b_tp1", ["policy.megatron_cfg.optimizer.use_distributed_optimizer=false"])
     s_on, s_off = trainer_settings(on), trainer_settings(off)
-    assert s_on.ddp_kwargs()["use_distributed_optimizer"] and s_on.optimizer_kwargs()["use_distributed_optimizer"]
-    assert not s_off.ddp_kwargs()["use_distributed_optimizer"]
-    assert s_on.optimizer_kwargs()["lr"] == on.policy.megatron_cfg.optimizer.lr == 1e-6
+    assert s_on.policy_kwargs()["use_distributed_optimizer"]
+    assert not s_off.policy_kwargs()["use_distributed_optimizer"]
+    assert s_on.policy_kwargs()["optimizer"]["lr"] == on.policy.megatron_cfg.optimizer.lr == 1e-6
     text_on, ok_on = plan_report(on, show_config=False)
     text_off, ok_off = plan_report(off, show_config=False)
     assert ok_on and "distributed optimizer" in text_on and "sharded over DP=8" in text_on

@@ -35,15 +35,13 @@ def _loss(lp, mb):
 
 
 def _build(shape, sd, dist: bool, fp32: bool):
-    from jetrl_megatron.megatron.convert import load_hf_checkpoint
-    from jetrl_megatron.megatron.model import build_gpt, wrap_ddp
-    from jetrl_megatron.megatron.optim import build_optimizer
+    from jetrl_megatron.megatron.policy import build_policy
     from jetrl_megatron.recipe import Fp8Recipe
 
-    model = build_gpt(shape, Fp8Recipe(mode="jetrl"))
-    load_hf_checkpoint(model, sd)
-    ddp = wrap_ddp(model, grad_reduce_in_fp32=fp32, use_distributed_optimizer=dist)
-    return ddp, build_optimizer([ddp], lr=3e-3, weight_decay=0.1, clip_grad=1.0, use_distributed_optimizer=dist)
+    policy = build_policy(shape, Fp8Recipe(mode="jetrl"), weights=sd, grad_reduce_in_fp32=fp32,
+                          use_distributed_optimizer=dist,
+                          optimizer={"lr": 3e-3, "weight_decay": 0.1, "clip_grad": 1.0})
+    return policy.model, policy.optimizer
 
 
 def _step(ddp, opt, batch) -> dict:
@@ -194,10 +192,10 @@ def test_use_of_released_buffers_raises_a_clear_error(dp1):
     assert got["param_grads_left"] == "0" and r["held_after_misuse"] == 0  # refused before anything was written
 
 
-def test_only_ddp_from_wrap_ddp_is_accepted():
+def test_only_the_ddp_model_of_build_policy_is_accepted():
     from jetrl_megatron.megatron.grad_buffers import release_grad_buffers
 
-    with pytest.raises(TypeError, match="wrap_ddp"):
+    with pytest.raises(TypeError, match="build_policy"):
         release_grad_buffers(torch.nn.Linear(2, 2))
 
 

@@ -174,13 +174,12 @@ def test_jetrl_vs_bf16_and_fake_quant_close(mp):
 def test_optimizer_hook_refresh_skip_and_loss_decrease(mp):
     """jetrl mode: a few steps reduce the loss; the cache is refreshed exactly once per successful step and
     matches the new master weights; a NaN step is skipped, weights and cache untouched."""
-    from jetrl_megatron.megatron.model import fp8_linears, token_logprobs, train_step, unwrap, wrap_ddp
-    from jetrl_megatron.megatron.optim import build_optimizer
+    from jetrl_megatron.megatron.model import fp8_linears, token_logprobs, train_step
+    from jetrl_megatron.megatron.policy import build_policy
 
     shape = tiny_shape("qwen3")
-    model = wrap_ddp(_build(shape, "jetrl", hf_state(shape, seed=9)))
-    opt = build_optimizer([model], lr=3e-3)
-    cache = unwrap(model).jetrl_fp8_cache
+    policy = build_policy(shape, Fp8Recipe(mode="jetrl"), weights=hf_state(shape, seed=9), optimizer={"lr": 3e-3})
+    model, opt, cache = policy.model, policy.optimizer, policy.context.cache
     toks = _tokens(b=4, s=32, seed=10)
     calls = []
     orig_refresh = cache.refresh
@@ -341,3 +340,26 @@ def test_vllm_cpu_attention_op_forward_close_and_backward_is_fp32_sdpa():
     ref.backward(g.float())
     assert torch.equal(q.grad, qf.grad.bfloat16())
     assert torch.equal(k.grad, kr.grad.view(2, 2, 2, 48, 128).sum(2).bfloat16())
+
+
+def test_fp32_residual_add_twin_equals_autograd_of_the_same_math():
+    """The residual add's own autograd Function (shared with the Triton kernel) gives exactly the values and
+    gradients that autograd gives for ``out.float() + residual.to(out.dtype).float()``, for FP32 and BF16
+    residuals and for an FP32 output."""
+    from jetrl_megatron.megatron.numerics import fp32_residual_add
+
+    gen = torch.Generator().manual_seed(3)
+    for out_dt, res_dt in ((torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                           (torch.float32, torch.float32)):
+        out0 = torch.randn(4, 2, 48, generator=gen).to(out_dt)
+        res0 = (torch.randn(4, 2, 48, generator=gen) * 3).to(res_dt)
+        ds = torch.randn(4, 2, 48, generator=gen)
+        a, r = out0.clone().requires_grad_(), res0.clone().requires_grad_()
+        a2, r2 = out0.clone().requires_grad_(), res0.clone().requires_grad_()
+        s = fp32_residual_add((a, None), r, 0.0)
+        s_ref = a2.float() + r2.to(out_dt).float()
+        s.backward(ds)
+        s_ref.backward(ds)
+        assert s.dtype == torch.float32 and torch.equal(s, s_ref), (out_dt, res_dt)
+        assert a.grad.dtype == out_dt and torch.equal(a.grad, a2.grad), (out_dt, res_dt)
+        assert r.grad.dtype == res_dt and torch.equal(r.grad, r2.grad), (out_dt, res_dt)

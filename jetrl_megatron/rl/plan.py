@@ -50,17 +50,12 @@ class TrainerSettings:
     # (megatron/grad_buffers.py). Not a recipe key: NeMo-RL's Megatron worker frees them unconditionally too.
     release_grad_buffers: bool = True
 
-    def ddp_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``megatron.model.wrap_ddp``."""
-        return {"grad_reduce_in_fp32": self.grad_reduce_in_fp32,
-                "use_distributed_optimizer": self.use_distributed_optimizer}
-
-    def optimizer_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``megatron.optim.build_optimizer``."""
-        out = asdict(self)
-        out.pop("grad_reduce_in_fp32")
-        out.pop("release_grad_buffers")
-        return out
+    def policy_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``megatron.policy.build_policy`` (DDP and optimizer settings)."""
+        optimizer = asdict(self)
+        flags = {k: optimizer.pop(k) for k in ("grad_reduce_in_fp32", "use_distributed_optimizer")}
+        optimizer.pop("release_grad_buffers")
+        return {**flags, "optimizer": optimizer}
 
     def describe(self, dp: int) -> str:
         """One line for `jetrl plan`: which optimizer layout the memory estimate assumed, and the keys behind it."""

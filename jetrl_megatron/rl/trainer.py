@@ -69,24 +69,17 @@ class Trainer:
 
 
 def build_trainer(cfg: RunConfig) -> Trainer:
-    from jetrl_megatron.megatron.convert import load_hf_checkpoint
-    from jetrl_megatron.megatron.model import build_gpt, wrap_ddp
-    from jetrl_megatron.megatron.optim import build_optimizer
+    from jetrl_megatron.megatron.policy import build_policy
     from jetrl_megatron.rl.plan import model_shape, trainer_settings
 
     shape, recipe = model_shape(cfg), cfg.recipe
     mc = cfg.policy.megatron_cfg
     settings = trainer_settings(cfg)  # the same object `jetrl plan` estimates memory from
-    gpt = build_gpt(shape, recipe, sequence_parallel=mc.sequence_parallel, seed=cfg.grpo.seed,
-                    recompute_granularity="full" if mc.activation_checkpointing else None,
-                    **({"recompute_method": "uniform", "recompute_num_layers": 1} if mc.activation_checkpointing
-                       else {}))
-    weights = resolve_model_weights(cfg)
-    if weights is not None:
-        load_hf_checkpoint(gpt, weights)
-    ddp = wrap_ddp(gpt, **settings.ddp_kwargs())
-    opt = build_optimizer([ddp], **settings.optimizer_kwargs())
-    return Trainer(ddp, opt, None, shape, recipe)
+    recompute = ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+                 if mc.activation_checkpointing else {"recompute_granularity": None})
+    policy = build_policy(shape, recipe, weights=resolve_model_weights(cfg), sequence_parallel=mc.sequence_parallel,
+                          seed=cfg.grpo.seed, **recompute, **settings.policy_kwargs())
+    return Trainer(policy.model, policy.optimizer, None, shape, recipe)
 
 
 class ModelSourceError(UserError, FileNotFoundError):

