@@ -174,3 +174,69 @@ def test_exported_checkpoint_in_stock_vllm_block_fp8(tmp_path, monkeypatch, scal
         assert torch.equal(stock, ours), (d.mean().item(), d.max().item())
     else:
         assert d.mean() < 0.5  # sanity only: the same model, scales rounded to powers of two
+
+
+def _record(name: str, stats: dict) -> None:
+    """Append this run's numbers to $JETRL_GPU_REPORT_DIR/<name>.jsonl (with the vLLM version), when set."""
+    import json
+    import os
+
+    import vllm
+
+    out = os.environ.get("JETRL_GPU_REPORT_DIR")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{name}.jsonl"), "a") as f:
+            f.write(json.dumps({"vllm": vllm.__version__, **stats}) + "\n")
+
+
+def test_plugin_serves_the_trainer_fp8_bytes_and_refits_by_both_loader_paths(tmp_path):
+    """The `jetrl_fp8` plugin on this vLLM: a model directory written from the Megatron trainer's FP8 cache is
+    served; the bytes it serves are the trainer's (read-back checksum of every parameter); its prompt logprobs track
+    the trainer's FP8 forward (GPU vLLM runs its own element-wise kernels, so the bound is relative: much closer to
+    the trainer on the same weights than two weight sets are to each other); a refit through vLLM's
+    ``reload_weights`` (this project's loop) and through the model's plain ``load_weights`` (NeMo-RL's vLLM worker)
+    serves the new trainer bytes, identically."""
+    from jetrl_megatron.megatron import cpu
+    from jetrl_megatron.megatron.convert import load_hf_checkpoint
+    from jetrl_megatron.megatron.model import build_gpt, rollout_weights, token_logprobs
+    from jetrl_megatron.model.shapes import get_model_shape
+    from jetrl_megatron.recipe import Fp8Recipe
+    from jetrl_megatron.reshard.mover import MegatronShards, iter_canonical
+    from jetrl_megatron.rollout.model_dir import hf_config_for, random_hf_state_dict, write_model_dir
+
+    recipe, shape = Fp8Recipe(), get_model_shape("tiny")
+    cpu.init_parallel(1, 1)
+    gpt = build_gpt(shape, recipe)
+    seqs = [p + q for p, q in zip(_prompts(seed=1), _prompts(seed=2), strict=True)]
+    tokens = torch.tensor(seqs, device="cuda")
+
+    def trainer_side(seed: int) -> tuple[dict, torch.Tensor]:
+        load_hf_checkpoint(gpt, random_hf_state_dict(shape, seed=seed, logit_std=1.0))  # refreshes the FP8 cache
+        local = {k: v.cpu().clone() for k, v in rollout_weights(gpt).items()}  # the cache's bytes + BF16 tensors
+        canonical = dict(iter_canonical(MegatronShards(shape, 1, 1, None, {(0, 0, 0): local})))
+        return canonical, token_logprobs(gpt, tokens).float().cpu()
+
+    w0, lp_train0 = trainer_side(0)
+    w1, lp_train1 = trainer_side(1)
+    apart = (lp_train0 - lp_train1).abs().mean().item()
+    assert apart > 0.05, apart  # the two weight sets are distinguishable
+    engine = _engine(write_model_dir(tmp_path / "m0", hf_config_for(shape, recipe), w0))
+    try:
+        served0 = torch.tensor(engine.score(seqs))
+        d0 = (served0 - lp_train0).abs()
+        engine.refit(w1, verify=True)  # reload_weights; every live parameter read back against the trainer's bytes
+        served1 = torch.tensor(engine.score(seqs))
+        d1 = (served1 - lp_train1).abs()
+        engine.llm.apply_model(lambda model: model.load_weights(((k, v.cuda()) for k, v in w0.items())))
+        engine.llm.reset_prefix_cache()
+        plain0 = torch.tensor(engine.score(seqs))
+    finally:
+        engine.shutdown()
+    stats = {"weights_apart_mean": apart, "initial_mean": d0.mean().item(), "initial_max": d0.max().item(),
+             "refit_mean": d1.mean().item(), "refit_max": d1.max().item(),
+             "load_weights_equals_initial": bool(torch.equal(plain0, served0))}
+    print("trainer FP8 forward vs plugin:", stats)
+    _record("plugin_vs_trainer", {**stats, "served0": served0.tolist(), "served1": served1.tolist()})
+    assert d0.mean().item() < TP_REL_BOUND * apart and d1.mean().item() < TP_REL_BOUND * apart
+    assert torch.equal(plain0, served0), "model.load_weights (NeMo-RL's path) served other logprobs than the start"
