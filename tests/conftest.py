@@ -29,7 +29,8 @@ def pytest_pyfunc_call(pyfuncitem):
     if pyfuncitem.get_closest_marker("own_process") is None or os.environ.get(OWN_PROCESS_ENV):
         return None
     root = str(pyfuncitem.config.rootpath)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-s", "-p", "no:cacheprovider", pyfuncitem.nodeid]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-s", "-p", "no:cacheprovider", "--tb=short",
+           "--show-capture=no", pyfuncitem.nodeid]  # the captured logs would bury the child's traceback
     proc = subprocess.run(cmd, cwd=root, env={**os.environ, OWN_PROCESS_ENV: "1"}, capture_output=True, text=True,
                           timeout=1200)
     out = proc.stdout + proc.stderr
@@ -41,7 +42,8 @@ def pytest_pyfunc_call(pyfuncitem):
     if proc.returncode == 0 and "skipped" in summary:
         reasons = [ln for ln in out.splitlines() if ln.startswith("SKIPPED")]
         pytest.skip(f"in its own process: {reasons[-1] if reasons else summary}")
-    pytest.fail(f"in its own process (rc={proc.returncode}): {summary}", pytrace=False)
+    errors = [ln for ln in out.splitlines() if ln.startswith("E ")][-15:]  # the child's assertion / exception lines
+    pytest.fail(f"in its own process (rc={proc.returncode}): {summary}\n" + "\n".join(errors), pytrace=False)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -231,13 +231,15 @@ class RolloutEngine:
                     setattr(parallel_state, name, None)
 
         client = self.llm.llm_engine.engine_core
-        saved = engine_core_module.cleanup_dist_env_and_memory
-        if self._external_process_group:
+        # vLLM >= 0.26 tears the environment down from the engine core's shutdown; older releases (0.20) do not
+        saved = getattr(engine_core_module, "cleanup_dist_env_and_memory", None)
+        if self._external_process_group and saved is not None:
             engine_core_module.cleanup_dist_env_and_memory = forget_vllm_groups
         try:
             client.shutdown()  # once: it detaches vLLM's own finalizer
         finally:
-            engine_core_module.cleanup_dist_env_and_memory = saved
+            if saved is not None:
+                engine_core_module.cleanup_dist_env_and_memory = saved
         self.llm = None
         gc.collect()
         if self._external_process_group:
