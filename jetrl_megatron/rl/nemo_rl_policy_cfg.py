@@ -1,0 +1,212 @@
+"""What a NeMo-RL ``policy`` config must say for the Jet-RL Megatron worker, and the one recipe both sides read.
+
+In a NeMo-RL run the FP8 recipe is written once, in ``policy.generation.vllm_kwargs.hf_overrides.quantization_config``
+(the HF ``quantization_config`` vLLM builds the ``jetrl_fp8`` method from, with the recipe under ``jet_rl``); the
+training worker reads the same dict, so trainer and rollout cannot disagree. NeMo-RL's own FP8 switches stay off:
+``vllm_cfg.precision: fp8`` would make its vLLM worker re-quantize the BF16 weights it receives, and
+``fp8_cfg.enabled`` would turn on TransformerEngine FP8 training; here the FP8 linears are this project's and vLLM
+serves the trainer's bytes.
+
+Plain dicts in, :class:`~jetrl_megatron.recipe.Fp8Recipe` out; no NeMo-RL import. Every refusal names the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from jetrl_megatron.errors import UserError
+from jetrl_megatron.fp8.format import BLOCK, QUANT_METHOD
+from jetrl_megatron.model.shapes import ModelShape
+from jetrl_megatron.recipe import Fp8Recipe, RecipeError
+
+__all__ = ["PolicyConfigError", "QUANT_CONFIG_KEY", "RULES", "READS", "jetrl_vllm_kwargs", "recipe_from_policy",
+           "check_policy", "model_shape", "PolicyPlan", "policy_plan", "uses_jetrl"]
+
+QUANT_CONFIG_KEY = "policy.generation.vllm_kwargs.hf_overrides.quantization_config"
+_MISSING = object()
+
+# Where a key lives: in NeMo-RL v0.7.0's base GRPO YAMLs ("yaml"), only read by NeMo-RL's code with a default
+# ("code"), or this integration's own entries inside NeMo-RL's ``vllm_kwargs`` pass-through ("ours").
+YAML, CODE, OURS = "yaml", "code", "ours"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``policy.<path>`` must be one of ``allowed`` (``default`` when absent; ``_MISSING``: the key is required)."""
+
+    path: str
+    allowed: tuple
+    why: str
+    where: str = YAML
+    default: Any = _MISSING
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("megatron_cfg.enabled", (True,), "it is a Megatron policy worker"),
+    Rule("generation.backend", ("vllm",), "the FP8 bytes are served by vLLM's jetrl_fp8 method"),
+    Rule("generation.vllm_cfg.precision", ("bfloat16",), "with 'fp8' NeMo-RL's vLLM worker re-quantizes the weights "
+         f"it receives; the FP8 recipe goes in {QUANT_CONFIG_KEY}"),
+    Rule("megatron_cfg.fp8_cfg.enabled", (False,), "that is TransformerEngine FP8 training; the Jet-RL model runs its "
+         "own FP8 linears", default=False),
+    Rule("generation.vllm_kwargs.quantization", (QUANT_METHOD,), "vLLM must load the trainer's FP8 bytes with this "
+         "project's quantization method", where=OURS),
+    Rule("sequence_packing.enabled", (False,), "the Jet-RL attention takes right-padded rows (no packed sequences)",
+         default=False),
+    Rule("megatron_cfg.context_parallel_size", (1,), "context parallelism is not supported", default=1),
+    Rule("megatron_cfg.num_layers_in_first_pipeline_stage", (None,), "the Jet-RL model splits layers evenly over "
+         "pipeline stages", default=None),
+    Rule("megatron_cfg.num_layers_in_last_pipeline_stage", (None,), "the Jet-RL model splits layers evenly over "
+         "pipeline stages", default=None),
+    Rule("megatron_cfg.peft.enabled", (False,), "LoRA adapters are not FP8 linears", default=False),
+    Rule("megatron_cfg.mtp_num_layers", (0, None), "multi-token prediction is not supported", default=0),
+    Rule("megatron_cfg.use_linear_ce_fusion_loss", (False,), "it replaces GPTModel's forward, bypassing the "
+         "rollout-matched output layer", where=CODE, default=False),
+    Rule("draft.enabled", (False,), "draft-model training is not supported", default=False),
+)
+
+# Every policy key this module reads: the rules' and these (the contract test checks them against NeMo-RL).
+READS: dict[str, str] = {
+    **{r.path: r.where for r in RULES},
+    "model_name": YAML,
+    "hf_config_overrides": YAML,
+    "megatron_cfg.sequence_parallel": YAML,
+    "generation.vllm_cfg.kv_cache_dtype": YAML,
+    "generation.vllm_cfg.num_first_layers_in_bf16": YAML,
+    "generation.vllm_cfg.num_last_layers_in_bf16": YAML,
+    "generation.vllm_cfg.pow2_weight_scaling_factors": CODE,
+    "generation.vllm_cfg.pow2_activation_scaling_factors": CODE,
+    "generation.vllm_kwargs": YAML,
+    "generation.vllm_kwargs.hf_overrides.quantization_config": OURS,
+}
+
+
+class PolicyConfigError(UserError):
+    """A NeMo-RL policy key is missing or has a value the Jet-RL worker cannot run with; the message names it."""
+
+
+def _get(policy: Mapping[str, Any], path: str, default: Any = _MISSING) -> Any:
+    """``policy`` value at ``path`` (relative to ``policy.``); a missing key raises unless a default is given."""
+    if path not in READS:
+        raise KeyError(f"policy.{path} is read but not listed in READS (the NeMo-RL contract table)")
+    node: Any = policy
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            if default is _MISSING:
+                raise PolicyConfigError(f"policy.{path}: missing (the Jet-RL worker needs it; see docs/nemo_rl.md)")
+            return default
+        node = node[part]
+    return node
+
+
+def jetrl_vllm_kwargs(recipe: Fp8Recipe, num_layers: int) -> dict[str, Any]:
+    """The ``policy.generation.vllm_kwargs`` entries that serve the trainer's FP8 bytes with this recipe."""
+    return {"quantization": QUANT_METHOD,
+            "hf_overrides": {"quantization_config": recipe.hf_quantization_config(num_layers,
+                                                                                 quant_method=QUANT_METHOD)}}
+
+
+def recipe_from_policy(policy: Mapping[str, Any]) -> Fp8Recipe:
+    """The run's recipe: ``<QUANT_CONFIG_KEY>.jet_rl`` (must be the jetrl arm)."""
+    qc = _get(policy, "generation.vllm_kwargs.hf_overrides.quantization_config")
+    if not isinstance(qc, Mapping) or not isinstance(qc.get("jet_rl"), Mapping):
+        raise PolicyConfigError(f"{QUANT_CONFIG_KEY}.jet_rl: missing; it holds the FP8 recipe both the trainer and "
+                                "vLLM read (jetrl_megatron.rl.nemo_rl_policy_cfg.jetrl_vllm_kwargs writes it)")
+    try:
+        recipe = Fp8Recipe.from_dict(dict(qc["jet_rl"]))
+    except RecipeError as e:
+        raise PolicyConfigError(f"{QUANT_CONFIG_KEY}.{e}") from None
+    if not (recipe.trains_fp8 and recipe.rollout_weights == "trainer_fp8"):
+        raise PolicyConfigError(
+            f"{QUANT_CONFIG_KEY}.jet_rl.mode: {recipe.mode!r} (trainer_gemm={recipe.trainer_gemm}, rollout_weights="
+            f"{recipe.rollout_weights}); the Jet-RL worker trains in FP8 and serves the trainer's bytes (mode 'jetrl'; "
+            "for BF16 or NeMo-RL's own FP8 rollout use NeMo-RL's MegatronPolicyWorker)")
+    return recipe
+
+
+def _require(policy: Mapping[str, Any], path: str, allowed: tuple, why: str, default: Any = _MISSING) -> None:
+    value = _get(policy, path, default)
+    if value not in allowed:
+        want = " or ".join(repr(a) for a in allowed)
+        raise PolicyConfigError(f"policy.{path}: {value!r}; the Jet-RL worker needs {want}: {why}")
+
+
+def check_policy(policy: Mapping[str, Any], num_layers: int) -> Fp8Recipe:
+    """Refuse a policy config the Jet-RL worker cannot run; return its recipe. ``num_layers``: the model's."""
+    for rule in RULES:
+        _require(policy, rule.path, rule.allowed, rule.why, rule.default)
+    kv = _get(policy, "generation.vllm_cfg.kv_cache_dtype", "auto")
+    if isinstance(kv, str) and kv.startswith("fp8"):
+        raise PolicyConfigError(f"policy.generation.vllm_cfg.kv_cache_dtype: {kv!r}; an FP8 KV cache is not part of "
+                                "the Jet-RL precision flow (use 'auto')")
+
+    recipe = recipe_from_policy(policy)
+    qc = _get(policy, "generation.vllm_kwargs.hf_overrides.quantization_config")
+    if qc.get("quant_method") != QUANT_METHOD:
+        raise PolicyConfigError(f"{QUANT_CONFIG_KEY}.quant_method: {qc.get('quant_method')!r}; must be "
+                                f"{QUANT_METHOD!r}")
+    if list(qc.get("weight_block_size") or []) != [BLOCK, BLOCK]:
+        raise PolicyConfigError(f"{QUANT_CONFIG_KEY}.weight_block_size: {qc.get('weight_block_size')!r}; must be "
+                                f"[{BLOCK}, {BLOCK}]")
+    want = set(recipe.hf_quantization_config(num_layers)["ignored_layers"])
+    have = set(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [])
+    if have != want:
+        raise PolicyConfigError(
+            f"{QUANT_CONFIG_KEY}.ignored_layers: vLLM would keep other modules BF16 than the trainer "
+            f"(bf16_first_layers={recipe.bf16_first_layers}, bf16_last_layers={recipe.bf16_last_layers}): only in "
+            f"the config {sorted(have - want)[:4]}, missing {sorted(want - have)[:4]}; write the dict with "
+            "jetrl_megatron.rl.nemo_rl_policy_cfg.jetrl_vllm_kwargs")
+    # NeMo-RL's own names for the same knobs: when set they must agree with the recipe, never silently differ.
+    for key, value in (("generation.vllm_cfg.num_first_layers_in_bf16", recipe.bf16_first_layers),
+                       ("generation.vllm_cfg.num_last_layers_in_bf16", recipe.bf16_last_layers)):
+        got = _get(policy, key, value)
+        if got != value:
+            raise PolicyConfigError(f"policy.{key}: {got!r} disagrees with the recipe in {QUANT_CONFIG_KEY}.jet_rl "
+                                    f"({value}); set both to the same value")
+    for key in ("generation.vllm_cfg.pow2_weight_scaling_factors",
+                "generation.vllm_cfg.pow2_activation_scaling_factors"):
+        got = _get(policy, key, None)
+        if got is not None and bool(got) != (recipe.scale_fmt == "pow2"):
+            raise PolicyConfigError(f"policy.{key}: {got!r} disagrees with {QUANT_CONFIG_KEY}.jet_rl.scale_fmt "
+                                    f"({recipe.scale_fmt!r})")
+    return recipe
+
+
+def model_shape(policy: Mapping[str, Any]) -> ModelShape:
+    """The architecture of ``policy.model_name`` (HF config, with ``policy.hf_config_overrides`` applied, as NeMo-RL
+    applies them)."""
+    from transformers import AutoConfig
+
+    name = _get(policy, "model_name")
+    overrides = _get(policy, "hf_config_overrides", None) or {}
+    try:
+        cfg = AutoConfig.from_pretrained(name, trust_remote_code=True, **overrides).to_dict()
+    except OSError as e:
+        raise PolicyConfigError(f"policy.model_name: cannot read the HF config of {name!r} ({e})") from None
+    try:
+        return ModelShape.from_hf_config(cfg, name=str(name))
+    except ValueError as e:
+        raise PolicyConfigError(f"policy.model_name: {name!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class PolicyPlan:
+    """What the hosted Jet-RL model is, from a checked NeMo-RL policy config."""
+
+    shape: ModelShape
+    recipe: Fp8Recipe
+    sequence_parallel: bool
+
+
+def policy_plan(policy: Mapping[str, Any], shape: ModelShape | None = None) -> PolicyPlan:
+    """Check ``policy`` (:func:`check_policy`) and return the model's shape, the recipe and sequence parallelism;
+    ``shape`` None reads ``policy.model_name``'s HF config."""
+    shape = shape or model_shape(policy)
+    recipe = check_policy(policy, shape.num_layers)
+    return PolicyPlan(shape, recipe, bool(_get(policy, "megatron_cfg.sequence_parallel", False)))
+
+
+def uses_jetrl(policy: Mapping[str, Any]) -> bool:
+    """Whether a policy config asks for the Jet-RL flow (vLLM's quantization method is ``jetrl_fp8``)."""
+    return _get(policy, "generation.vllm_kwargs.quantization", None) == QUANT_METHOD
