@@ -216,6 +216,13 @@ def _nemo_python(nemo_root: Path, code: str, cwd: Path) -> subprocess.CompletedP
                           timeout=300)
 
 
+def _nemo_output_lines(nemo_root: Path, code: str, cwd: Path) -> list[str]:
+    """stdout lines of ``code`` run beside NeMo-RL's source; fails with its stderr when it exits non-zero."""
+    out = _nemo_python(nemo_root, code, cwd)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()
+
+
 def test_example_recipe_loads_with_nemo_rls_loader_and_passes(nemo_root, tmp_path):
     configs = nemo_root / "examples" / "configs"
     shutil.copy(RECIPE, configs / RECIPE.name)
@@ -223,9 +230,7 @@ def test_example_recipe_loads_with_nemo_rls_loader_and_passes(nemo_root, tmp_pat
             "from nemo_rl.utils.config import load_config, register_omegaconf_resolvers; "
             "register_omegaconf_resolvers(); "
             f"print(json.dumps(OmegaConf.to_container(load_config({str(configs / RECIPE.name)!r}), resolve=True)))")
-    out = _nemo_python(nemo_root, code, tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    cfg = json.loads(out.stdout.strip().splitlines()[-1])
+    cfg = json.loads(_nemo_output_lines(nemo_root, code, tmp_path)[-1])
     policy = cfg["policy"]
     shape = get_model_shape("llama3.1-8b")
     assert policy["model_name"] == "meta-llama/Llama-3.1-8B-Instruct"
@@ -339,10 +344,8 @@ def test_nemo_rl_registry_import(nemo_root):
             "from jetrl_megatron.nemo_rl.registry import register_actor_environments, WORKER_FQN; "
             "register_actor_environments(r.ACTOR_ENVIRONMENT_REGISTRY); print(r.get_actor_python_env(WORKER_FQN)); "
             f"print(r.get_actor_python_env({MEGATRON_WORKER_FQN!r}))")
-    out = _nemo_python(nemo_root, code, nemo_root)
-    assert out.returncode == 0, out.stderr[-2000:]
-    ours, megatron = out.stdout.strip().splitlines()[-2:]
-    assert ours == megatron and "mcore" in megatron, out.stdout
+    ours, megatron = _nemo_output_lines(nemo_root, code, nemo_root)[-2:]
+    assert ours == megatron and "mcore" in megatron, (ours, megatron)
 
 
 # ------------------------------------------------------------------------------------------------ check_policy
