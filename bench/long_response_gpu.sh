@@ -1,30 +1,48 @@
 #!/bin/bash
-# The long-response learning experiment on one GPU (docs/rl.md): every arm x 2 seeds from one BF16 warm start,
-# six runs sharing the GPU. Usage: bash bench/long_response_gpu.sh short|long OUT_DIR
-# short: ~256-token responses (51 terms), 30 GRPO steps; long: ~2K-token responses (409 terms), 15 GRPO steps,
-# warm-started from the short experiment's warm start plus 100 supervised steps at that length.
+# The long-response learning experiment on one GPU (docs/rl.md): every arm x 2 seeds from one BF16 warm start per
+# response length. Usage: bash bench/long_response_gpu.sh warmstart|short|long OUT_DIR [overrides...]
+#   warmstart  both shared warm starts, nothing else: the short one (255-token answers) until the mean per-token loss
+#              of 10 steps reaches 0.008 (at most 800 steps), then the long one (1025-token answers) continuing from
+#              it until 0.004 (at most 200 steps). A loss target, not a step count: the step at which this model goes
+#              from "cannot answer" to "answers" moved between runs, and GRPO needs a start that answers sometimes.
+#   short      the three arms x 2 seeds at 255 tokens, six runs at once, 40 GRPO steps (reuses the warm start)
+#   long       the same at 1025 tokens, three runs at once (one peaks near 49 GiB at 2K tokens), 20 GRPO steps
 # Everything the runs write stays in /tmp/jetrl_long/<length>; OUT_DIR gets the metrics, summaries, logs and plots
-# (not the model directories).
+# (not the model directories). TIME_LIMIT (seconds) stops the harness so what was written is still copied out.
 set -euo pipefail
-length=${1:?short|long}
+mode=${1:?warmstart|short|long}
 out=${2:?OUT_DIR}
 shift 2
-case $length in
-  short) ov=(); parallel=6 ;;
-  # long: the warm start continues from the short experiment's (run it first, same machine) for 100 steps at 2K
-  long) ov=(data.train.num_terms=409 policy.generation.max_new_tokens=2068 policy.max_total_sequence_length=2112
-            policy.generation.vllm_cfg.max_model_len=2112 policy.generation.vllm_kwargs.kv_cache_memory_bytes=12884901888
-            grpo.max_num_steps=15 grpo.max_val_samples=32
-            policy.model_name=/tmp/jetrl_long/short/warmstart/model policy.jet_rl.sft_warmstart.steps=100)
-        parallel=2 ;;  # one run peaks near 49 GiB at 2K tokens: four at once ran out of the H200's 140 GiB
-  *) echo "usage: $0 short|long OUT_DIR" >&2; exit 2 ;;
+# the long task: 205 terms x 5 characters = 1025 response tokens; 1056 new tokens leave room to run on; prompt <= 32
+long_ov=(data.train.num_terms=205 policy.generation.max_new_tokens=1056 policy.max_total_sequence_length=1088
+         policy.generation.vllm_cfg.max_model_len=1088 grpo.max_num_steps=20 grpo.max_val_samples=32
+         policy.model_name=/tmp/jetrl_long/short/warmstart/model policy.jet_rl.sft_warmstart.steps=200
+         policy.jet_rl.sft_warmstart.stop_at_loss=0.004)
+short_ov=(grpo.max_num_steps=40)
+common=(logger.tensorboard_enabled=false)
+compare() {  # length parallel [flags...]
+  local length=$1 parallel=$2
+  shift 2
+  local -n ov="${length}_ov"
+  timeout "${TIME_LIMIT:-0}" python -m jetrl_megatron.cli compare --recipe count_150m_gpu --seeds "${SEEDS:-2}" \
+    --parallel "${PARALLEL:-$parallel}" --out "/tmp/jetrl_long/$length" "$@" "${common[@]}" "${ov[@]}" \
+    "${extra[@]}" 2>&1 | tail -n 60
+}
+extra=("$@")
+status=0
+case $mode in
+  warmstart) compare short 1 --warmstart-only || status=$?
+             [ "$status" = 0 ] && { compare long 1 --warmstart-only || status=$?; } ;;
+  short) compare short 6 --reuse || status=$? ;;
+  long) PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} compare long 3 --reuse \
+          || status=$? ;;
+  *) echo "usage: $0 warmstart|short|long OUT_DIR [overrides...]" >&2; exit 2 ;;
 esac
-work=/tmp/jetrl_long/$length
-# TIME_LIMIT (seconds) stops the harness so the outputs written so far are still copied out
-timeout "${TIME_LIMIT:-0}" python -m jetrl_megatron.cli compare --recipe count_150m_gpu --seeds "${SEEDS:-2}" --parallel "${PARALLEL:-$parallel}" \
-  --out "$work" "${ov[@]}" "$@" 2>&1 | tail -n 60 || status=$?
 mkdir -p "$out"
-(cd "$work" && find . -path '*/model*' -prune -o -path '*/checkpoints' -prune -o -type f \
-  \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.png' -o -name '*.log' -o -name 'config.yaml' \) \
-  -print0 | tar czf "$out/$length.tgz" --null -T -)
-exit "${status:-0}"
+for length in short long; do
+  [ -d "/tmp/jetrl_long/$length" ] || continue
+  (cd "/tmp/jetrl_long/$length" && find . -path '*/model*' -prune -o -path '*/checkpoints' -prune -o -type f \
+    \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.png' -o -name '*.log' -o -name 'config.yaml' \) \
+    -print0 | tar czf "$out/${mode}_$length.tgz" --null -T -)
+done
+exit "$status"

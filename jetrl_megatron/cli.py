@@ -75,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--reuse", action="store_true",
                    help="skip a run whose log dir holds an ok summary.json and the same configuration (without it, "
                         "every run starts afresh and its earlier output is removed)")
+    c.add_argument("--warmstart-only", action="store_true",
+                   help="stop after the shared BF16 warm start (run the arms later with --reuse, which keeps it)")
     p = sub.add_parser("plan", help="validate a recipe: config, layout, resharder preflight, memory estimate")
     _recipe_args(p)
     p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory to check the estimate against")
@@ -255,10 +257,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
                       file=sys.stderr)
                 return 1
             reuse = reuse and not ran  # runs from an earlier warm start are not this comparison's
+            if args.warmstart_only:
+                print(f"warm start ready: {compare.warmstart_model(out)} (the arms: the same command with --reuse "
+                      f"instead of --warmstart-only)")
+                return 0
     arm_runs = {arm: {s: compare.run_dir(out, arm, s) for s in seeds} for arm in arms}
     agg = compare.aggregate(arm_runs)
     meta = {"recipe": base.name, "overrides": list(args.overrides), "steps": base.grpo.max_num_steps,
             "seeds": seeds, "arms": arms, "warmstart": str(compare.warmstart_model(out)),
+            "warmstart_sft": compare.warmstart_summary(out),
             "wall_s": time.time() - t0}
     paths = compare.write_outputs(agg, meta, out)
     print(paths["md"].read_text())

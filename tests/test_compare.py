@@ -233,9 +233,10 @@ def _numbers(x):
         yield x
 
 
-def _compare(out: Path, *extra: str) -> subprocess.CompletedProcess:
+def _compare(out: Path, *extra: str, overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``extra``: flags; ``overrides``: config overrides after FAST's (the last of a key wins)."""
     cmd = [sys.executable, "-m", "jetrl_megatron.cli", "compare", "--recipe", "tiny_cpu", "--arms", "bf16,jetrl",
-           "--seeds", "2", "--out", str(out), *extra, *FAST]
+           "--seeds", "2", "--out", str(out), *extra, *FAST, *overrides]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=420,
                        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
@@ -284,6 +285,7 @@ def test_compare_e2e_shared_warmstart(tmp_path):
     assert nums and all(math.isfinite(x) for x in nums)
     md = (out / "compare.md").read_text()
     assert "| bf16 | 2 |" in md and "| jetrl | 2 |" in md and str(model) in md
+    assert f"({ws['sft_steps']} supervised steps, last loss" in md and ws["sft_steps"] == 3
     assert md.split("\n\n")[0] in r.stdout  # the tables are printed
     assert (out / "compare.png").stat().st_size > 5000
 
@@ -292,6 +294,38 @@ def test_compare_e2e_shared_warmstart(tmp_path):
     r2 = _compare(out, "--reuse")
     assert r2.stdout.count("reusing") == 5 and "jetrl_megatron.cli run" not in r2.stdout
     assert time.time() - t1 < 60
+
+
+@pytest.mark.slow
+def test_compare_warmstart_only_stops_at_the_loss_target(tmp_path):
+    """--warmstart-only writes the shared warm start and nothing else; stop_at_loss ends it at the first step whose
+    window mean reaches the target (here a target any loss meets: the window's end), and --reuse keeps it."""
+    out = tmp_path / "cmp"
+    stop = ("policy.jet_rl.sft_warmstart.steps=40", "policy.jet_rl.sft_warmstart.stop_at_loss=1000",
+            "policy.jet_rl.sft_warmstart.stop_window=4")
+    r = _compare(out, "--warmstart-only", overrides=stop)
+    assert "warm start ready" in r.stdout and "reached stop_at_loss 1000 at step 4 of at most 40" in r.stdout
+    ws = json.loads((out / "warmstart" / "summary.json").read_text())
+    assert ws["ok"] and ws["sft_steps"] == 4 and len(ws["sft_loss_curve"]) == 4
+    assert (out / "warmstart" / "model" / "config.json").is_file()
+    assert not (out / "bf16").exists() and not (out / "compare.json").exists()
+    # a target no loss meets runs every step
+    r = _compare(tmp_path / "cmp2", "--warmstart-only", overrides=(
+        "policy.jet_rl.sft_warmstart.steps=5", "policy.jet_rl.sft_warmstart.stop_at_loss=1e-12",
+        "policy.jet_rl.sft_warmstart.stop_window=2"))
+    assert "reached stop_at_loss" not in r.stdout
+    assert json.loads((tmp_path / "cmp2" / "warmstart" / "summary.json").read_text())["sft_steps"] == 5
+    r = _compare(out, "--warmstart-only", "--reuse", overrides=stop)
+    assert r.stdout.count("reusing") == 1
+
+
+def test_stop_at_loss_range_is_checked():
+    from jetrl_megatron.rl.config import ConfigError, load_config
+
+    for bad in ("policy.jet_rl.sft_warmstart.stop_at_loss=0", "policy.jet_rl.sft_warmstart.stop_at_loss=-1",
+                "policy.jet_rl.sft_warmstart.stop_window=0"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0].replace(".", r"\.")):
+            load_config("tiny_cpu", [bad])
 
 
 def test_compare_stops_at_a_failed_run(tmp_path, capsys):

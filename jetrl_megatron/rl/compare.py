@@ -297,14 +297,31 @@ def atomic_write(path: Path, text: str) -> Path:
     return path
 
 
+def warmstart_summary(out: Path) -> dict[str, Any]:
+    """The warm start's own summary (steps run, last loss), or {} when it is missing (an older run dir)."""
+    try:
+        s = json.loads((out / "warmstart" / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: s[k] for k in ("sft_steps", "sft_loss") if s.get(k) is not None}
+
+
+def warmstart_note(meta: dict[str, Any]) -> str:
+    ws = meta.get("warmstart_sft") or {}
+    if "sft_steps" not in ws:
+        return ""
+    loss = f", last loss {ws['sft_loss']:.4g}" if "sft_loss" in ws else ""
+    return f" ({ws['sft_steps']} supervised steps{loss})"
+
+
 def report(arms: dict[str, Stats], meta: dict[str, Any]) -> str:
     """compare.md: both tables and a note on what was compared."""
     note = (f"recipe `{meta['recipe']}`, {meta['steps']} GRPO steps per run, seeds {meta['seeds']}, arms "
             f"{', '.join(meta['arms'])}. Every arm and seed starts from the one BF16 warm start at "
-            f"`{meta['warmstart']}`; the same seed gives every arm the same data order, sampling seeds and "
-            f"validation prompts. Numbers are mean ± sample std across seeds (min/max in compare.json); mismatch "
-            f"= mean over steps on response tokens (rollout vs trainer log-probs of the sampled tokens). "
-            f"Wall {meta['wall_s']:.0f} s.")
+            f"`{meta['warmstart']}`{warmstart_note(meta)}; the same seed gives every arm the same data order, "
+            f"sampling seeds and validation prompts. Numbers are mean ± sample std across seeds (min/max in "
+            f"compare.json); mismatch = mean over steps on response tokens (rollout vs trainer log-probs of the "
+            f"sampled tokens). Wall {meta['wall_s']:.0f} s.")
     return (f"{summary_table(arms)}\n\nMismatch by response position (mean over steps, mean ± std across seeds):\n\n"
             f"{position_table(arms)}\n\n{note}\n")
 

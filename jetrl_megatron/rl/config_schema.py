@@ -185,9 +185,14 @@ class TokenizerCfg:
 class SftWarmstartCfg:
     """Supervised warm start on the task's reference answers (random-init models), before GRPO."""
 
-    steps: int = 0
+    steps: int = 0  # with stop_at_loss: the most steps
     lr: float = 3e-3
     batch_size: int = 32
+    # Stop early once the mean per-token loss of the last ``stop_window`` steps (all DP ranks) is at or below this.
+    # Why: the step count at which a random-init model crosses from "cannot answer" to "answers" moves with the seed,
+    # lr and task length; a loss target lands the warm start where GRPO has room to improve (docs/rl.md).
+    stop_at_loss: float | None = None
+    stop_window: int = 10
     # Write the warmed-up policy here as an HF model directory (rank 0). ``jetrl compare`` does this once so every
     # arm and seed starts from the same weights; with ``grpo.max_num_steps: 0`` the run stops after writing it.
     save_model_dir: str | None = None

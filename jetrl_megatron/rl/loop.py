@@ -220,7 +220,7 @@ def start_rollout(cfg: RunConfig, trainer: Trainer, task, stream: PromptStream, 
 def warm_start_only(cfg: RunConfig, logger: RunLogger, sft_losses: list[float]) -> dict[str, Any]:
     """``grpo.max_num_steps: 0`` with a warm-start directory: the run ends once the warmed-up policy is written."""
     logger.close()
-    summary = {"ok": True, "recipe": cfg.name, "mode": cfg.arm, "steps": 0,
+    summary = {"ok": True, "recipe": cfg.name, "mode": cfg.arm, "steps": 0, "sft_steps": len(sft_losses),
                "sft_loss": sft_losses[-1] if sft_losses else None,
                "sft_loss_curve": sft_losses[::max(1, len(sft_losses) // 50)],
                "model_dir": cfg.policy.jet_rl.sft_warmstart.save_model_dir}

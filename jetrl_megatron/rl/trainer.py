@@ -215,8 +215,20 @@ def sft_warmstart(cfg: RunConfig, trainer: Trainer, task, indices: list[int], lo
         res = train_step(trainer.model, trainer.optimizer, {"tokens": dp_slice(tokens), "mask": dp_slice(mask)},
                          lambda lp, mb, norm=norm: (grpo.sft_loss(lp, mb["mask"], norm), {}), micro_batch_size=mbs)
         losses.append(res.loss * n_micro * dp)
-    say(f"sft warm-start: {w.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        if w.stop_at_loss is not None and len(losses) >= w.stop_window \
+                and window_loss(losses, w.stop_window) <= w.stop_at_loss:
+            say(f"sft warm-start: mean loss of the last {w.stop_window} steps reached stop_at_loss "
+                f"{w.stop_at_loss:g} at step {len(losses)} of at most {w.steps}")
+            break
+    say(f"sft warm-start: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     return losses
+
+
+def window_loss(losses: list[float], window: int) -> float:
+    """The mean of the last ``window`` warm-start losses over every DP rank, so all ranks stop at the same step."""
+    x = torch.tensor([sum(losses[-window:]) / window], dtype=torch.float64,
+                     device="cuda" if torch.cuda.is_available() else "cpu")
+    return float(dp_gather(x).mean())
 
 
 def write_model_dir(cfg: RunConfig, trainer: Trainer, path: Path, only_rank0: bool = False) -> str:
