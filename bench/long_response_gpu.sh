@@ -1,12 +1,13 @@
 #!/bin/bash
 # The long-response learning experiment on one GPU (docs/rl.md): every arm x 2 seeds from one BF16 warm start per
 # response length. Usage: bash bench/long_response_gpu.sh warmstart|short|long OUT_DIR [overrides...]
-#   warmstart  both shared warm starts, nothing else: the short one (255-token answers) until the mean per-token loss
-#              of 10 steps reaches 0.008 (at most 800 steps), then the long one (1025-token answers) continuing from
-#              it until 0.004 (at most 200 steps). A loss target, not a step count: the step at which this model goes
-#              from "cannot answer" to "answers" moved between runs, and GRPO needs a start that answers sometimes.
-#   short      the three arms x 2 seeds at 255 tokens, six runs at once, 40 GRPO steps (reuses the warm start)
-#   long       the same at 1025 tokens, three runs at once (one peaks near 49 GiB at 2K tokens), 20 GRPO steps
+#   warmstart  both shared warm starts, nothing else: the short one (255-token answers, the recipe's 800 steps: per-token
+#              loss 5.1 -> 0.0025, held-out greedy 0.86), then the long one (1025-token answers) continuing from it
+#              until the mean per-token loss of 10 steps is 0.001 (at most 200 steps; 124 were needed on 2026-12-02).
+#   short      the three arms x 2 seeds at 255 tokens, six runs at once, 30 GRPO steps (reuses the warm start; ~10-12
+#              s per step with six sharing the GPU)
+#   long       the same at 1025 tokens, six runs at once (106 GiB of the H200 in use at the peak sample), 10 GRPO steps
+#              (~17 s per step shared; 300 s in all). At 2K tokens one run peaks near 49 GiB: PARALLEL=2 there.
 # Everything the runs write stays in /tmp/jetrl_long/<length>; OUT_DIR gets the metrics, summaries, logs and plots
 # (not the model directories). TIME_LIMIT (seconds) stops the harness so what was written is still copied out.
 set -euo pipefail
@@ -15,10 +16,10 @@ out=${2:?OUT_DIR}
 shift 2
 # the long task: 205 terms x 5 characters = 1025 response tokens; 1056 new tokens leave room to run on; prompt <= 32
 long_ov=(data.train.num_terms=205 policy.generation.max_new_tokens=1056 policy.max_total_sequence_length=1088
-         policy.generation.vllm_cfg.max_model_len=1088 grpo.max_num_steps=20 grpo.max_val_samples=32
+         policy.generation.vllm_cfg.max_model_len=1088 grpo.max_num_steps=10 grpo.max_val_samples=32
          policy.model_name=/tmp/jetrl_long/short/warmstart/model policy.jet_rl.sft_warmstart.steps=200
-         policy.jet_rl.sft_warmstart.stop_at_loss=0.004)
-short_ov=(grpo.max_num_steps=40)
+         policy.jet_rl.sft_warmstart.stop_at_loss=0.001)
+short_ov=(grpo.max_num_steps=30)
 common=(logger.tensorboard_enabled=false)
 compare() {  # length parallel [flags...]
   local length=$1 parallel=$2
@@ -34,7 +35,7 @@ case $mode in
   warmstart) compare short 1 --warmstart-only || status=$?
              [ "$status" = 0 ] && { compare long 1 --warmstart-only || status=$?; } ;;
   short) compare short 6 --reuse || status=$? ;;
-  long) PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} compare long 3 --reuse \
+  long) PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} compare long 6 --reuse \
           || status=$? ;;
   *) echo "usage: $0 warmstart|short|long OUT_DIR [overrides...]" >&2; exit 2 ;;
 esac

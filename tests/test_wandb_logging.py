@@ -48,6 +48,19 @@ def _records(path: Path) -> list:
     return out
 
 
+def _complete_records(path: Path, timeout_s: float = 60.0) -> list:
+    """The file's records once wandb's service has written the run's ``exit`` record. Why wait: ``wandb.finish()``
+    hands the run to a separate service process, which may still be writing when it returns on a loaded machine."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = _records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.5)
+
+
 def _key(item) -> str:
     return item.key or "/".join(item.nested_key)
 
@@ -124,9 +137,9 @@ def test_wandb_offline_matches_logged(offline_env):
     assert len(runs) == 1, runs
     files = list(runs[0].glob("run-*.wandb"))
     assert len(files) == 1, files
-    records = _records(files[0])
+    records = _complete_records(files[0])
     hist = _history(records)
-    assert sorted(hist) == steps
+    assert sorted(hist) == steps, [r.WhichOneof("record_type") for r in records]
     for step in steps:  # every logged scalar, exactly; the NaN, the bool and the string are dropped as in TB
         assert hist[step] == logged[step], step
     last = {k: v for s in steps for k, v in logged[s].items()}

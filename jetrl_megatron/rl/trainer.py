@@ -214,9 +214,9 @@ def sft_warmstart(cfg: RunConfig, trainer: Trainer, task, indices: list[int], lo
         set_lr(trainer.optimizer, w.lr)
         res = train_step(trainer.model, trainer.optimizer, {"tokens": dp_slice(tokens), "mask": dp_slice(mask)},
                          lambda lp, mb, norm=norm: (grpo.sft_loss(lp, mb["mask"], norm), {}), micro_batch_size=mbs)
-        losses.append(res.loss * n_micro * dp)
+        losses.append(per_token_loss(res.loss))
         if w.stop_at_loss is not None and len(losses) >= w.stop_window \
-                and window_loss(losses, w.stop_window) <= w.stop_at_loss:
+                and sum(losses[-w.stop_window:]) / w.stop_window <= w.stop_at_loss:
             say(f"sft warm-start: mean loss of the last {w.stop_window} steps reached stop_at_loss "
                 f"{w.stop_at_loss:g} at step {len(losses)} of at most {w.steps}")
             break
@@ -224,10 +224,13 @@ def sft_warmstart(cfg: RunConfig, trainer: Trainer, task, indices: list[int], lo
     return losses
 
 
-def window_loss(losses: list[float], window: int) -> float:
-    """The mean of the last ``window`` warm-start losses over every DP rank, so all ranks stop at the same step."""
-    x = torch.tensor([sum(losses[-window:]) / window], dtype=torch.float64,
-                     device="cuda" if torch.cuda.is_available() else "cpu")
+def per_token_loss(rank_loss: float) -> float:
+    """The batch's mean loss per response token, the same on every DP rank (so all ranks stop at the same step).
+
+    ``train_step`` returns this rank's micro-batch mean of sum(nll) / norm, with norm = the batch's response tokens
+    / (micro-batches x DP): that is DP x (this rank's nll sum) / (the batch's tokens), whose mean over DP ranks is
+    the per-token loss. (Until 2026-12-02 the warm start logged it times micro-batches x DP: 4x in count_150m_gpu.)"""
+    x = torch.tensor([rank_loss], dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
     return float(dp_gather(x).mean())
 
 
