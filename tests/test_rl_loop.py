@@ -78,6 +78,10 @@ def test_jetrl_e2e_served_bytes_and_resume(tmp_path):
     # vLLM's live FP8 linears equal the trainer's FP8 cache byte for byte after every refit
     assert all(r["refit/served_fp8_equal"] == 1.0 for r in rows)
     assert all(r["train/fp8_generation"] > 0 for r in rows)
+    # no KL term and one optimizer update per step (16 samples, global batch 16, 2 micro-batches): the loss is the
+    # policy-gradient loss, both the token mean over the step's batch (pg_loss was 2x, the micro-batch count, until
+    # 2026-12-02)
+    assert all(r["train/pg_loss"] == pytest.approx(r["train/loss"], rel=1e-5, abs=1e-9) for r in rows)
     # trainer MP 1: the refit reads the FP8 cache in place; the cache re-quantizes into the same tensors every step,
     # so the copy program compiled at the engine's first refit is replayed (never rebuilt)
     assert all(r["refit/rebuilt"] == 0.0 for r in rows)

@@ -173,7 +173,9 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
         results.append(train_step(trainer.model, trainer.optimizer, data, loss_fn, micro_batch_size=mbs))
     m = {
         "train/loss": sum(r.loss for r in results) * 1.0,
-        "train/pg_loss": float(np.mean([r.metrics["pg_loss"] for r in results])) * n_micro * dp,
+        # the micro-batch metrics are not divided by Megatron (only the loss is): their mean is already the token
+        # mean over this rank's share, scaled like train/loss
+        "train/pg_loss": float(np.mean([r.metrics["pg_loss"] for r in results])),
         "train/clip_frac": float(np.mean([r.metrics["clip_frac"] for r in results])),
         "train/ratio_mean": float(np.mean([r.metrics["ratio_mean"] for r in results])),
         "train/kl_ref": float(np.mean([r.metrics["kl_ref"] for r in results])),
