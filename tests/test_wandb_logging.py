@@ -11,6 +11,7 @@ import json
 import random
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,8 +52,6 @@ def _records(path: Path) -> list:
 def _complete_records(path: Path, timeout_s: float = 60.0) -> list:
     """The file's records once wandb's service has written the run's ``exit`` record. Why wait: ``wandb.finish()``
     hands the run to a separate service process, which may still be writing when it returns on a loaded machine."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     while True:
         records = _records(path)

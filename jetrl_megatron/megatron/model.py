@@ -242,7 +242,8 @@ def _micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> lis
     return [{k: v[i:i + micro_batch_size] for k, v in batch.items()} for i in range(0, b, micro_batch_size)]
 
 
-def _device() -> torch.device:
+def compute_device() -> torch.device:
+    """This rank's device: its current CUDA device, or the CPU without CUDA (the embedded CPU path)."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -251,7 +252,7 @@ def _broadcast_from_last_stage(t: torch.Tensor | None, shape: Sequence[int]) -> 
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         assert t is not None
         return t
-    buf = t.contiguous() if t is not None else torch.empty(tuple(shape), dtype=torch.float32, device=_device())
+    buf = t.contiguous() if t is not None else torch.empty(tuple(shape), dtype=torch.float32, device=compute_device())
     torch.distributed.broadcast(buf, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                 group=parallel_state.get_pipeline_model_parallel_group())
     return buf
@@ -288,7 +289,7 @@ def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None 
     """
     chunks = _as_chunks(model)
     gpt = unwrap(chunks[0])
-    tokens = tokens.to(_device())
+    tokens = tokens.to(compute_device())
     b, s = tokens.shape
     mbs = micro_batch_size or b
     mbatches = _micro_batches({"tokens": tokens}, mbs)
@@ -337,7 +338,7 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
 
     chunks = _as_chunks(model)
     gpt = unwrap(chunks[0])
-    mbatches = _micro_batches({k: v.to(_device()) for k, v in batch.items()}, micro_batch_size)
+    mbatches = _micro_batches({k: v.to(compute_device()) for k, v in batch.items()}, micro_batch_size)
     s = mbatches[0]["tokens"].shape[1]
     config = gpt.config
     config.finalize_model_grads_func = finalize_model_grads

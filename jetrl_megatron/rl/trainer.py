@@ -232,7 +232,9 @@ def per_token_loss(rank_loss: float) -> float:
     ``train_step`` returns this rank's micro-batch mean of sum(nll) / norm, with norm = the batch's response tokens
     / (micro-batches x DP): that is DP x (this rank's nll sum) / (the batch's tokens), whose mean over DP ranks is
     the per-token loss. (Until 2026-12-02 the warm start logged it times micro-batches x DP: 4x in count_150m_gpu.)"""
-    x = torch.tensor([rank_loss], dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    from jetrl_megatron.megatron.model import compute_device
+
+    x = torch.tensor([rank_loss], dtype=torch.float64, device=compute_device())
     return float(dp_gather(x).mean())
 
 
