@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from small_run import small_run
 
 from jetrl_megatron.rl import compare
 from jetrl_megatron.rl.config import load_config
@@ -204,10 +205,7 @@ def test_finished_needs_ok_and_same_config(tmp_path):
 # keys the arm itself sets (NeMo-RL's switches that select it, and the restated arm) and the per-run paths
 ARM_KEYS = {"policy.jet_rl.arm", "policy.megatron_cfg.fp8_cfg.enabled", "policy.generation.vllm_cfg.precision"}
 PATH_KEYS = {"logger.log_dir", "checkpointing.checkpoint_dir"}
-FAST = ["grpo.max_num_steps=2", "grpo.val_period=1", "grpo.max_val_samples=8", "grpo.num_prompts_per_step=4",
-        "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8",
-        "policy.logprob_batch_size=8", "policy.jet_rl.sft_warmstart.steps=3",
-        "policy.jet_rl.sft_warmstart.batch_size=16", "policy.jet_rl.progress_bars=false"]
+FAST = small_run(3, val_period=1, max_num_steps=2, final_arm_probe=None)  # compare sets the probe itself
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

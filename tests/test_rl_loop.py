@@ -10,19 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from small_run import NO_VAL, small_run
 
 from jetrl_megatron.rl.config import arm_overrides
 from jetrl_megatron.rl.metrics import MISMATCH_KEYS
 
 pytestmark = pytest.mark.slow
 
-# Small and fast: 4 prompts x 4 samples, 2 micro-batches of 8, a 2-step warm-start; validation before GRPO, every
-# 2 steps and at the last step (tiny_cpu's val_at_start / val_at_end), on 8 of the held-out prompts.
-SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16",
-         "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8", "policy.jet_rl.sft_warmstart.steps=2",
-         "policy.jet_rl.sft_warmstart.batch_size=16", "policy.jet_rl.final_arm_probe=false",
-         "policy.jet_rl.progress_bars=false", "grpo.val_period=2", "grpo.max_val_samples=8"]
-NO_VAL = ["grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false"]
+# Small and fast: a 2-step warm-start; validation before GRPO, every 2 steps and at the last step (tiny_cpu's
+# val_at_start / val_at_end), on 8 of the held-out prompts.
+SMALL = small_run(2, val_period=2)
 
 REQUIRED = ["reward/mean", "reward/accuracy", "policy/approx_entropy", "train/loss", "train/pg_loss",
             "train/clip_frac", "train/grad_norm", "time/rollout", "time/logprob", "time/update", "time/refit",

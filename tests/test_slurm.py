@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from slurm_cluster import REQUIRE_ENV, LocalSlurm, ensure_installed
+from small_run import small_run
 
 from jetrl_megatron import slurm
 from jetrl_megatron.cli import main
@@ -37,11 +38,7 @@ from jetrl_megatron.rl.config import REPO_ROOT, load_config
 CLI = [sys.executable, "-m", "jetrl_megatron.cli"]
 TEMPLATE = REPO_ROOT / "slurm" / "jetrl.sbatch"
 # A tiny run: 4 prompts x 4 samples, 2 warm-start steps, 2 GRPO steps, no validation / probe / plot.
-SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16",
-         "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8", "policy.jet_rl.sft_warmstart.steps=2",
-         "policy.jet_rl.sft_warmstart.batch_size=16", "grpo.max_num_steps=2", "grpo.val_period=0",
-         "grpo.val_at_start=false", "grpo.val_at_end=false", "policy.jet_rl.final_arm_probe=false",
-         "policy.jet_rl.progress_bars=false", "policy.jet_rl.plot_enabled=false"]
+SMALL = small_run(2, max_num_steps=2, plot=False)
 TP2 = ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.generation.vllm_cfg.tensor_parallel_size=2"]
 
 

@@ -24,17 +24,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from small_run import small_run
 
 from jetrl_megatron.cli import main
 from jetrl_megatron.errors import UserError
 
 CLI = [sys.executable, "-m", "jetrl_megatron.cli"]
-# no validation at all: no periodic one (val_period 0), none before GRPO or at the last step
-SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16",
-         "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8", "policy.jet_rl.sft_warmstart.steps=0",
-         "policy.jet_rl.final_arm_probe=false", "policy.jet_rl.progress_bars=false", "grpo.val_period=0",
-         "grpo.val_at_start=false", "grpo.val_at_end=false", "logger.tensorboard_enabled=false",
-         "policy.jet_rl.plot_enabled=false"]
+# no warm start, no validation, no TensorBoard or plot
+SMALL = small_run(0, tensorboard=False, plot=False)
 
 
 def _env(**extra: str) -> dict[str, str]:
