@@ -14,6 +14,13 @@ their ``torch.cuda.*Tensor`` name, because Megatron's mixed-precision optimizer 
 
 They are applied only when CUDA is absent, at most once per process, and can be undone (tests).
 Megatron's files are never edited; this module only rebinds attributes at runtime.
+
+A sixth, scoped (:func:`host_offload_scope`): Megatron's hybrid CPU-offload optimizer decides what to offload by
+``tensor.is_cuda`` and moves state with ``.cpu()`` / ``pin_memory()`` / CUDA streams. Inside the scope, on a CPU-only
+box, every tensor counts as device memory except host copies (results of ``.cpu()``, ``.to("cpu")``,
+``pin_memory()``, ``device="cpu"`` factories, and whatever is computed from them); moving between the two makes a
+copy, as it would on a GPU, and the stream calls are no-ops. So the optimizer runs its real offload path (a host
+copy, a D2H gradient copy, a host Adam step, an H2D parameter copy) on one device.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ import contextlib
 import datetime
 import os
 import socket
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -37,6 +45,7 @@ __all__ = [
     "teardown_parallel",
     "free_port",
     "spawn",
+    "host_offload_scope",
 ]
 
 
@@ -53,6 +62,13 @@ class _CudaToCpuMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        host = _STATE.get("host")
+        if host is not None:
+            return host.call(self._redirect, func, args, kwargs)
+        return self._redirect(func, args, kwargs)
+
+    @staticmethod
+    def _redirect(func, args, kwargs):
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
@@ -65,6 +81,103 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and (_is_cuda_device(args[1]) or type(args[1]) is int):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
+
+
+_IS_CUDA_GET = torch.Tensor.is_cuda.__get__
+_TO_HOST = (torch.Tensor.cpu, torch.Tensor.pin_memory)
+
+
+class _HostTensors:
+    """The CPU tensors that stand for host memory inside :func:`host_offload_scope` (all others are "device")."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref] = {}
+
+    def __contains__(self, t: Any) -> bool:
+        r = self._refs.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return r is not None and r() is t
+
+    def add(self, t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            key = id(t)
+            self._refs[key] = weakref.ref(t, lambda _r, k=key: self._refs.pop(k, None))
+        elif isinstance(t, (list, tuple)):
+            for x in t:
+                self.add(x)
+
+    def _any_host(self, xs: Any) -> bool:
+        for x in xs:
+            if x in self or (isinstance(x, (list, tuple)) and self._any_host(x)):
+                return True
+        return False
+
+    def call(self, redirect: Callable, func, args: tuple, kwargs: dict) -> Any:
+        if func == _IS_CUDA_GET:
+            return args[0] not in self
+        dev = kwargs.get("device")
+        to_dev = args[1] if func is torch.Tensor.to and len(args) > 1 else kwargs.get("device") \
+            if func is torch.Tensor.to else None
+        kwargs.pop("pin_memory", None)
+        src_host = bool(args) and args[0] in self
+        if func in _TO_HOST or (func is torch.Tensor.to and _is_cpu_device(to_dev)):
+            # a D2H move is a copy; pinning has no meaning without an accelerator
+            out = args[0] if func is torch.Tensor.pin_memory else redirect(func, args, kwargs)
+            out = out.clone() if out is args[0] and not src_host else out
+            self.add(out)
+            return out
+        if func is torch.Tensor.cuda or (func is torch.Tensor.to and _is_cuda_device(to_dev)):
+            out = redirect(func, args, kwargs)
+            return out.clone() if out is args[0] and src_host else out  # an H2D move is a copy
+        out = redirect(func, args, kwargs)
+        name = getattr(func, "__name__", "")
+        in_place = name.endswith("_") and not name.endswith("__")
+        if not in_place and (_is_cpu_device(dev) or self._any_host(args) or self._any_host(kwargs.values())):
+            self.add(out)
+        return out
+
+
+def _is_cpu_device(dev: Any) -> bool:
+    return (isinstance(dev, torch.device) and dev.type == "cpu") or dev == "cpu"
+
+
+class _NoStream:
+    """Stands for a CUDA stream or event on a CPU-only box: ordering is already sequential."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any) -> _NoStream:
+        return self
+
+    def wait(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def host_offload_scope() -> Iterator[None]:
+    """Run Megatron's hybrid CPU-offload optimizer on a CPU-only box through its real offload path (module doc).
+
+    A no-op with CUDA or outside CPU mode. Re-entrant: an inner scope keeps the outer scope's host tensors.
+    """
+    if not _STATE["active"] or _STATE.get("host") is not None:
+        yield
+        return
+    saved = (torch.cuda.current_stream, torch.cuda.Stream, torch.cuda.stream)
+    _STATE["host"] = _STATE.setdefault("host_tensors", _HostTensors())
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+    torch.cuda.Stream = _NoStream
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        torch.cuda.current_stream, torch.cuda.Stream, torch.cuda.stream = saved
+        _STATE["host"] = None
 
 
 _STATE: dict[str, Any] = {"active": False}

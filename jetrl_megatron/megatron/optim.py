@@ -21,16 +21,25 @@ of the BF16 param buffer and Megatron all-gathers the buffer inside ``step()`` (
 overlap_param_gather on, Megatron defers that all-gather to the next forward's pre-hooks; the wrapper then forces
 it before the refresh, because the FP8 cache must be quantized from the gathered weights, not from a buffer in
 which only this rank's shard is new.
+
+CPU offload (``optimizer_cpu_offload``): inside the distributed optimizer Megatron's ``HybridDeviceOptimizer`` holds
+this rank's FP32 masters and Adam moments (a fraction on the host) and copies the updated masters into the BF16
+shard itself; the distributed optimizer then all-gathers as above, so the refresh is the same. Every call into it
+runs in :func:`~jetrl_megatron.megatron.cpu.host_offload_scope` (its real offload path on a CPU-only box). Its
+checkpoint loader first takes a throw-away step on random gradients to create the Adam state (``dummy_step``),
+which writes into the BF16 weights; the wrapper writes the loaded masters back over them, so a resume is exact.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from jetrl_megatron.megatron.cpu import host_offload_scope
 from jetrl_megatron.megatron.grad_buffers import GradBuffersReleasedError
 from jetrl_megatron.megatron.model import refresh_fp8_cache, unwrap
 
@@ -58,6 +67,66 @@ def _is_distributed(opt) -> bool:
     return isinstance(opt, DistributedOptimizer)
 
 
+def _hybrid(opt) -> Any:
+    """Megatron's ``HybridDeviceOptimizer`` inside ``opt`` (CPU offload), or None."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    inner = getattr(opt, "optimizer", None)
+    return inner if isinstance(inner, HybridDeviceOptimizer) else None
+
+
+def _restore_after_hybrid_load(hdo) -> None:
+    """After Megatron's checkpoint load into a hybrid optimizer: the loaded state handed to its sub-optimizers, the
+    device part's Adam state back on its parameters' device, and the BF16 shards from the loaded FP32 masters.
+
+    Why: Megatron's ``dp_reshardable`` loader writes the loaded tensors into the hybrid optimizer's ``state`` but,
+    unlike its other loaders, does not hand them to the sub-optimizers (``_sync_hdo_state_to_sub_optimizers``), so
+    they would keep stepping the masters of the loader's ``dummy_step``. That sync moves the state of every optimizer
+    of the host class to the host; without TransformerEngine the device part is torch's AdamW too. And the
+    ``dummy_step`` (random gradients) wrote into the BF16 shards, which only the masters can restore.
+    """
+    hdo._sync_hdo_state_to_sub_optimizers()
+    for model_param, master in hdo.param_to_fp32_param.items():
+        model_param.data.copy_(master)
+    gpu = hdo.gpu_optimizer
+    if gpu is None:
+        return
+    for param, state in gpu.state.items():
+        orig = hdo.inner_param_to_orig_param.get(param, param)
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.device != param.device:  # fused AdamW: 'step' too
+                state[k] = hdo.state[orig][k] = v.to(param.device)
+
+
+def _fp32_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, per_tensor: bool,
+                  *args: Any) -> tuple[torch.Tensor, None]:
+    """The L2 norm of a list of tensors accumulated in FP32 (what amp_C / TransformerEngine's multi_tensor_l2norm
+    return), for Megatron's local fallback, which rounds each tensor's norm and the total to the tensors' dtype."""
+    norms = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensor_lists[0]])
+    return torch.linalg.vector_norm(norms).reshape(1), None
+
+
+@contextlib.contextmanager
+def _fp32_grad_norm():
+    """The gradient norm in FP32 under CPU offload without TransformerEngine / Apex.
+
+    Why: the hybrid optimizer clips and measures the BF16 gradients in the grad buffer (Megatron's precision-aware
+    path) instead of FP32 copies, and Megatron's local norm fallback would return a BF16-rounded norm (6.0625 for
+    6.0728 on the tiny test model): a different clip factor and a wrong logged grad norm.
+    """
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    if clip_grads.l2_norm_impl is not local_multi_tensor_l2_norm:
+        yield
+        return
+    clip_grads.l2_norm_impl = _fp32_l2_norm
+    try:
+        yield
+    finally:
+        clip_grads.l2_norm_impl = local_multi_tensor_l2_norm
+
+
 class Fp8RefreshingOptimizer:
     """Wraps a Megatron optimizer; ``step()`` has Megatron's return value ``(ok, grad_norm, num_zeros)``."""
 
@@ -71,16 +140,31 @@ class Fp8RefreshingOptimizer:
         """True when the FP32 main params and Adam state are sharded over data-parallel ranks."""
         return any(_is_distributed(o) for o in _inner_optimizers(self.optimizer))
 
+    @property
+    def offloaded(self) -> bool:
+        """True when Megatron's hybrid CPU-offload optimizer holds the FP32 masters and Adam state."""
+        return any(_hybrid(o) is not None for o in _inner_optimizers(self.optimizer))
+
+    def _scope(self) -> contextlib.AbstractContextManager:
+        """Calls into the hybrid optimizer: its offload path on a CPU-only box, and an FP32 gradient norm."""
+        if not self.offloaded:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(host_offload_scope())
+        stack.enter_context(_fp32_grad_norm())
+        return stack
+
     def step(self) -> tuple[bool, Any, Any]:
         for chunk in self.model_chunks:
             if getattr(chunk, "grad_buffers_released", False):
                 raise GradBuffersReleasedError("optimizer step while the DDP grad buffers are released: there are no "
                                                "gradients to apply (run forward/backward after zero_grad_buffer())")
-        ok, grad_norm, num_zeros = self.optimizer.step()
-        self.stats.steps += 1
-        # Megatron keeps the FP32 copies of the gradients (main_param.grad: 4 B/param, /DP when distributed) until
-        # the next zero_grad(), i.e. through the rollout phase; nothing reads them after the step.
-        self.optimizer.zero_grad(set_to_none=True)
+        with self._scope():
+            ok, grad_norm, num_zeros = self.optimizer.step()
+            self.stats.steps += 1
+            # Megatron keeps the FP32 copies of the gradients (main_param.grad: 4 B/param, /DP when distributed)
+            # until the next zero_grad(), i.e. through the rollout phase; nothing reads them after the step.
+            self.optimizer.zero_grad(set_to_none=True)
         if not ok:
             self.stats.skipped += 1
             self.stats.skipped_at.append(self.stats.steps)
@@ -112,15 +196,23 @@ class Fp8RefreshingOptimizer:
             if not _is_distributed(opt):
                 parts.append({"kind": "megatron", "state": opt.state_dict()})
                 continue
-            shards = opt.get_parameter_state_dp_reshardable()
+            if (hdo := _hybrid(opt)) is not None and not hdo.state:
+                raise ValueError("optimizer checkpoint before the first step: the CPU-offload optimizer has no state "
+                                 "yet (save after a step)")
+            with self._scope():
+                shards = opt.get_parameter_state_dp_reshardable()
             for key, per_dtype in shards.items():
                 if isinstance(key, int):
                     for buckets in per_dtype.values():
                         for bucket in buckets:
                             for entry in bucket:
                                 entry["padding"] = False  # Megatron's loader skips padding entries by this flag
+            state = opt.state_dict()
+            for group in state["optimizer"]["param_groups"]:  # the hybrid optimizer's sub-optimizer classes: a
+                for k in [k for k, v in group.items() if isinstance(v, type)]:  # weights-only load refuses them
+                    del group[k]
             parts.append({"kind": "distributed", "dp_size": opt.data_parallel_group.size(),
-                          "state": opt.state_dict(), "param_state": shards})
+                          "state": state, "param_state": shards})
         return {"format": "jetrl_optimizer_v1", "parts": parts}
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
@@ -149,8 +241,16 @@ class Fp8RefreshingOptimizer:
             if part["dp_size"] != dp:
                 raise ValueError(f"distributed-optimizer checkpoint was sharded over DP={part['dp_size']}, this run "
                                  f"has DP={dp}: resharding optimizer state is not supported")
-            opt.load_state_dict({**part["state"], "param_state": part["param_state"],
-                                 "param_state_sharding_type": "dp_reshardable"})
+            if (hdo := _hybrid(opt)) is not None:  # the classes checkpoint_state dropped, from this optimizer
+                classes = {k: v for k, v in hdo.defaults.items() if isinstance(v, type)}
+                groups = [{**classes, **g} for g in part["state"]["optimizer"]["param_groups"]]
+                part = {**part, "state": {**part["state"], "optimizer": {**part["state"]["optimizer"],
+                                                                          "param_groups": groups}}}
+            with self._scope():
+                opt.load_state_dict({**part["state"], "param_state": part["param_state"],
+                                     "param_state_sharding_type": "dp_reshardable"})
+                if (hdo := _hybrid(opt)) is not None:
+                    _restore_after_hybrid_load(hdo)
             # With torch's Adam (no TransformerEngine / Apex), Megatron's loader gives every parameter the *same*
             # 'step' tensor; Adam increments each parameter's step in place, so a shared tensor would advance once
             # per parameter and corrupt the bias correction after a resume.

@@ -60,7 +60,7 @@ def build_policy(shape: ModelShape, recipe: Fp8Recipe, *,
     the optimizer all-gathers after its step, lazily in the next forward's pre-hooks with ``overlap_param_gather``;
     the optimizer forces that gather before it re-quantizes the cache). ``optimizer``: keyword arguments of
     Megatron's ``OptimizerConfig`` (``lr``, ``weight_decay``, ``clip_grad``, ``adam_beta1``, ``adam_beta2``,
-    ``adam_eps``, ``use_precision_aware_optimizer``, ...).
+    ``adam_eps``, ``use_precision_aware_optimizer``, ``optimizer_cpu_offload``, ``optimizer_offload_fraction``, ...).
     """
     if overlap_param_gather and not use_distributed_optimizer:
         raise ValueError("build_policy: overlap_param_gather needs use_distributed_optimizer=True")
@@ -90,14 +90,42 @@ def _wrap_ddp(gpt: torch.nn.Module, *, grad_reduce_in_fp32: bool, use_distribute
 def _megatron_adam(model: ReleasableGradDDP, *, use_distributed_optimizer: bool, lr: float = 1e-5,
                    weight_decay: float = 0.0, clip_grad: float = 1.0, adam_beta1: float = 0.9,
                    adam_beta2: float = 0.999, adam_eps: float = 1e-8, use_precision_aware_optimizer: bool = False,
+                   optimizer_cpu_offload: bool = False, optimizer_offload_fraction: float = 0.0,
                    **optimizer_config: Any) -> Fp8RefreshingOptimizer:
     """Megatron's mixed-precision Adam (FP32 main params, constant loss scale 1.0) with the FP8 refresh hook.
 
     ``use_precision_aware_optimizer`` needs TransformerEngine's FusedAdam (not a dependency here): refused
-    without it.
+    without it. ``optimizer_cpu_offload``: Megatron's ``HybridDeviceOptimizer`` keeps ``optimizer_offload_fraction``
+    of this rank's FP32 master params and Adam moments on the host and steps them there (torch's CPU AdamW), the rest
+    on the GPU. Megatron runs it only inside its distributed optimizer, through the precision-aware code path
+    (the hybrid optimizer holds the FP32 masters itself, so that path needs no TransformerEngine); both are required
+    and set here.
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from jetrl_megatron.megatron.cpu import host_offload_scope
+
+    if optimizer_cpu_offload:
+        if not use_distributed_optimizer:
+            raise ValueError("policy.megatron_cfg.optimizer.optimizer_cpu_offload needs "
+                             "policy.megatron_cfg.optimizer.use_distributed_optimizer=true (Megatron runs its hybrid "
+                             "CPU-offload optimizer only inside the distributed optimizer)")
+        if not 0.0 < optimizer_offload_fraction <= 1.0:
+            raise ValueError("policy.megatron_cfg.optimizer.optimizer_offload_fraction must be in (0, 1] with "
+                             f"optimizer_cpu_offload=true, got {optimizer_offload_fraction}")
+        cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
+                              adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps, bf16=True,
+                              params_dtype=torch.bfloat16, loss_scale=1.0, use_distributed_optimizer=True,
+                              optimizer_cpu_offload=True, optimizer_offload_fraction=optimizer_offload_fraction,
+                              **optimizer_config)
+        # The precision-aware path, set after construction: OptimizerConfig's check of it asks TransformerEngine's
+        # version even with CPU offload (which does not use TransformerEngine) and fails on None without it. These
+        # are the values its __post_init__ gives with offload on and no TransformerEngine 2.1.
+        cfg.use_precision_aware_optimizer = True
+        cfg.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+        cfg.store_param_remainders = False
+        with host_offload_scope():
+            return Fp8RefreshingOptimizer(get_megatron_optimizer(cfg, [model]), [model])
     if use_precision_aware_optimizer:
         if not use_distributed_optimizer:
             raise ValueError("use_precision_aware_optimizer needs use_distributed_optimizer (Megatron's rule)")

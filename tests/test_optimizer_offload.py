@@ -1,0 +1,239 @@
+"""NeMo-RL's optimizer CPU offload (``optimizer_cpu_offload``, ``optimizer_offload_fraction``) through Megatron's
+``HybridDeviceOptimizer`` inside the distributed optimizer, on CPU (gloo) at DP=1 and DP=2.
+
+On a CPU-only box "device" and host are one memory, but the optimizer runs its real offload path
+(``cpu.host_offload_scope``): host copies of the FP32 masters, a D2H copy of the gradients, torch's CPU AdamW, an H2D
+copy of the new weights into the BF16 shard, Megatron's all-gather, then the FP8 refresh. Each world trains the same
+tiny jetrl model from the same weights on the same batch with the plain distributed optimizer (``base``) and with
+offload at fraction 1.0 and 0.5 (a device part and a host part), with and without gradient clipping (DP=2: the
+plain and 0.5 runs without clipping, the plain and 1.0 runs with it).
+
+Tolerance (stated and measured). The gradient norm is the same FP32 number bit for bit (the wrapper makes Megatron's
+local norm fallback accumulate in FP32; without it the norm was BF16-rounded, 6.0625 for 6.0728). The step is not bit
+for bit: Megatron builds the offloaded AdamW with ``fused=True`` (torch's fused kernel; the plain optimizer runs
+torch's default AdamW), which rounds some FP32 updates differently, and under clipping the precision-aware path
+scales the BF16 gradients in the grad buffer instead of FP32 copies. After one step the BF16 weights differ by at
+most 1 BF16 ulp of the step's operands, in at most 1e-4 of the elements without clipping (measured 3.5e-6) and 1e-3
+with it (measured 1.8e-4); against an AdamW written from the algorithm the same bound holds. Only the first step is
+compared: after it the FP8 requantization turns last-bit weight differences into code flips and trajectories part
+(as in test_distributed_optimizer.py). A resume from a checkpoint is exact: the step after it equals the continuous
+run's bit for bit (loss, grad norm, every weight, FP8 cache).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from megatron_helpers import hf_state, tiny_shape
+
+from jetrl_megatron.megatron.cpu import spawn
+
+pytestmark = pytest.mark.slow
+
+LR, WD, BETAS, EPS = 3e-3, 0.1, (0.9, 0.999), 1e-8
+VARIANTS = {  # name: (offload fraction or None, clip_grad); DP=2 runs the first three
+    "base": (None, 0.0), "off05": (0.5, 0.0), "base_clip": (None, 1.0), "off1_clip": (1.0, 1.0), "off1": (1.0, 0.0),
+}
+DP2_VARIANTS = ("base", "off05", "base_clip", "off1_clip")
+
+
+def _loss(lp, mb):
+    return -lp.mean(), {}
+
+
+def _build(shape, sd, frac: float | None, clip: float):
+    from jetrl_megatron.megatron.policy import build_policy
+    from jetrl_megatron.recipe import Fp8Recipe
+
+    opt = {"lr": LR, "weight_decay": WD, "clip_grad": clip, "adam_beta1": BETAS[0], "adam_beta2": BETAS[1],
+           "adam_eps": EPS}
+    if frac is not None:
+        opt |= {"optimizer_cpu_offload": True, "optimizer_offload_fraction": frac}
+    policy = build_policy(shape, Fp8Recipe(mode="jetrl"), weights=sd, grad_reduce_in_fp32=False,
+                          use_distributed_optimizer=True, optimizer=opt)
+    return policy.model, policy.optimizer
+
+
+def _params(ddp) -> dict[str, torch.Tensor]:
+    from jetrl_megatron.megatron.model import unwrap
+
+    return {n: p.detach().clone() for n, p in unwrap(ddp).named_parameters()}
+
+
+def _cache_ok(ddp) -> bool:
+    from jetrl_megatron.fp8 import ops
+    from jetrl_megatron.megatron.model import fp8_context, fp8_linears
+
+    cache = fp8_context(ddp).cache
+    for _, m in fp8_linears(ddp):
+        q, s = cache.get(m.weight)
+        q2, s2 = ops.quant_weight(m.weight.detach(), cache.recipe)
+        if not (torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)):
+            return False
+    return True
+
+
+def _step(ddp, opt, batch, grads: bool = False) -> dict:
+    from jetrl_megatron.megatron.model import forward_backward, fp8_context, unwrap
+
+    opt.zero_grad()
+    loss, _ = forward_backward([ddp], batch, _loss, micro_batch_size=1, grad_scale_func=opt.scale_loss)
+    g = {n: p.main_grad.float().clone() for n, p in unwrap(ddp).named_parameters()} if grads else None
+    ok, grad_norm, _ = opt.step()
+    return {"loss": float(loss), "ok": ok, "grad_norm": float(grad_norm), "grads": g, "params": _params(ddp),
+            "cache_ok": _cache_ok(ddp), "generation": fp8_context(ddp).cache.generation}
+
+
+def _placement(opt) -> dict:
+    """Where the hybrid optimizer put this rank's FP32 masters (elements), read from its own maps."""
+    hdo = opt.optimizer.optimizer
+    host = sum(p.numel() for p in hdo.gpu_params_map_cpu_copy)
+    total = sum(p.numel() for g in hdo.param_groups for p in g["params"])
+    return {"type": type(hdo).__name__, "host": host, "total": total, "device_opt": hdo.gpu_optimizer is not None,
+            "host_opts": len(hdo.cpu_optimizers)}
+
+
+def _run(rank: int, world_size: int, out_dir: str) -> None:
+    from jetrl_megatron.megatron.model import refresh_fp8_cache, unwrap
+
+    shape = tiny_shape("qwen3")
+    sd = hf_state(shape, seed=31, std=0.02)
+    toks = torch.randint(0, shape.vocab_size, (2 * world_size, 32), generator=torch.Generator().manual_seed(32))
+    batch = {"tokens": toks[2 * rank:2 * rank + 2]}
+    rec: dict = {}
+    for name, (frac, clip) in VARIANTS.items():
+        if world_size > 1 and name not in DP2_VARIANTS:
+            continue
+        ddp, opt = _build(shape, sd, frac, clip)
+        rec.setdefault("init", _params(ddp))
+        r: dict = {"offloaded": opt.offloaded, "steps": []}
+        if frac is not None:
+            r["placement"] = _placement(opt)
+        steps = 2 if name == "off05" else 1
+        for i in range(steps):
+            r["steps"].append(_step(ddp, opt, batch, grads=name.startswith("base")))
+            if name == "off05" and i == 0:
+                torch.save({"model": unwrap(ddp).state_dict(), "optimizer": opt.checkpoint_state()},
+                           Path(out_dir) / f"ckpt{rank}.pt")
+        rec[name] = r
+    # resume: other initial weights, then the step-1 checkpoint; the next step must equal the continuous one
+    ddp, opt = _build(shape, hf_state(shape, seed=99, std=0.02), 0.5, 0.0)
+    state = torch.load(Path(out_dir) / f"ckpt{rank}.pt", weights_only=True)
+    unwrap(ddp).load_state_dict(state["model"], strict=True)
+    for p in unwrap(ddp).parameters():
+        torch.autograd.graph.increment_version(p)
+    opt.load_checkpoint_state(state["optimizer"])
+    refresh_fp8_cache(ddp)
+    rec["resumed_params"] = _params(ddp)
+    rec["resumed_step2"] = _step(ddp, opt, batch)
+    torch.save(rec, Path(out_dir) / f"rank{rank}.pt")
+
+
+def _world(tmp_path_factory, n: int) -> list[dict]:
+    out = tmp_path_factory.mktemp(f"offload_dp{n}")
+    spawn(_run, n, str(out))
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(n)]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["dp1", "dp2"])
+def ranks(request, tmp_path_factory):
+    return _world(tmp_path_factory, request.param)
+
+
+def _ulp_bf16(x: torch.Tensor) -> torch.Tensor:
+    return torch.pow(2.0, torch.floor(torch.log2(x.float().abs().clamp_min(2.0 ** -126))) - 7)
+
+
+def _ulp_diff(a: dict, b: dict, prev: dict) -> tuple[float, float]:
+    """(max |a - b| in BF16 ulps of max(|a|, |b|, |prev|), fraction of elements that differ)."""
+    worst, n_diff, n = 0.0, 0, 0
+    for k, x in a.items():
+        d = (x.float() - b[k].float()).abs()
+        scale = torch.maximum(torch.maximum(x.float().abs(), b[k].float().abs()), prev[k].float().abs())
+        worst = max(worst, float((d / _ulp_bf16(scale)).max()))
+        n_diff += int((d > 0).sum())
+        n += d.numel()
+    return worst, n_diff / n
+
+
+def _reference_adamw(init: dict, grads: dict, clip: float) -> dict:
+    """One AdamW step written from the algorithm (FP32 master, global-norm clip, decoupled weight decay on matrices
+    only, bias-corrected moments); the BF16 weights after it."""
+    b1, b2 = BETAS
+    norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
+    coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+    out = {}
+    for k, w0 in init.items():
+        w, g = w0.float(), grads[k] * coef
+        if w.dim() > 1:
+            w = w * (1 - LR * WD)
+        m, v = (1 - b1) * g / (1 - b1), (1 - b2) * g * g / (1 - b2)
+        out[k] = (w - LR * m / (v.sqrt() + EPS)).to(torch.bfloat16)
+    return out
+
+
+def test_hybrid_optimizer_is_built_and_places_the_fraction_on_the_host(ranks):
+    for rec in ranks:
+        assert not rec["base"]["offloaded"] and rec["off1_clip"]["offloaded"] and rec["off05"]["offloaded"]
+        full, half = rec["off1_clip"]["placement"], rec["off05"]["placement"]
+        assert full["type"] == half["type"] == "HybridDeviceOptimizer"
+        assert full["host"] == full["total"] and not full["device_opt"] and full["host_opts"] == 1
+        # Megatron's rule: parameters in order until the host part reaches the fraction (one parameter past it)
+        assert half["device_opt"] and half["host_opts"] == 1
+        assert 0.5 * half["total"] <= half["host"] < half["total"], half
+
+
+@pytest.mark.parametrize(("off", "base", "bound"), [("off1", "base", 1e-4), ("off05", "base", 1e-4),
+                                                    ("off1_clip", "base_clip", 1e-3)])
+def test_offloaded_step_equals_the_plain_step(ranks, off, base, bound):
+    for rec in ranks:
+        if off not in rec:
+            continue  # DP=2 runs fewer variants
+        a, b = rec[base]["steps"][0], rec[off]["steps"][0]
+        assert a["ok"] and b["ok"] and a["loss"] == b["loss"]
+        assert a["grad_norm"] == b["grad_norm"], (a["grad_norm"], b["grad_norm"])  # FP32, bit for bit
+        worst, frac = _ulp_diff(a["params"], b["params"], rec["init"])
+        print(f"{off} vs {base}: max {worst:.2f} BF16 ulp, {frac:.2e} of elements differ")
+        assert worst <= 1.0 and frac <= bound, (worst, frac)
+        if len(ranks) > 1:
+            continue  # main_grad holds the DP-reduced gradient only on this rank's shard (reduce-scatter)
+        clip = VARIANTS[off][1]
+        worst, frac = _ulp_diff(_reference_adamw(rec["init"], a["grads"], clip), b["params"], rec["init"])
+        print(f"{off} vs independent AdamW: max {worst:.2f} BF16 ulp, {frac:.2e} of elements differ")
+        assert worst <= 1.0 and frac <= 1e-3, (worst, frac)
+
+
+def test_fp8_cache_refreshed_from_the_offloaded_step_and_replicas_agree(ranks):
+    for rec in ranks:
+        for name in ("off05", "off1_clip"):
+            for s in rec[name]["steps"]:
+                assert s["cache_ok"] and s["generation"] > 0
+        assert rec["off05"]["steps"][1]["generation"] == rec["off05"]["steps"][0]["generation"] + 1
+    for name in ("off05", "off1_clip"):  # the all-gather after the host step: every DP rank holds the same weights
+        p0 = ranks[0][name]["steps"][-1]["params"]
+        assert all(torch.equal(p0[k], r[name]["steps"][-1]["params"][k]) for r in ranks[1:] for k in p0)
+
+
+def test_resume_of_offloaded_optimizer_is_exact(ranks):
+    for rec in ranks:
+        cont = rec["off05"]["steps"]
+        assert all(torch.equal(cont[0]["params"][k], rec["resumed_params"][k]) for k in cont[0]["params"])
+        a, b = cont[1], rec["resumed_step2"]
+        assert b["ok"] and b["cache_ok"]
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+
+
+def test_offload_needs_the_distributed_optimizer_and_a_fraction(mp):
+    from jetrl_megatron.megatron.policy import build_policy
+    from jetrl_megatron.recipe import Fp8Recipe
+
+    with pytest.raises(ValueError, match="use_distributed_optimizer=true"):
+        build_policy(tiny_shape("qwen3"), Fp8Recipe(mode="jetrl"), use_distributed_optimizer=False,
+                     optimizer={"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0})
+    with pytest.raises(ValueError, match=r"optimizer_offload_fraction must be in \(0, 1\]"):
+        build_policy(tiny_shape("qwen3"), Fp8Recipe(mode="jetrl"), use_distributed_optimizer=True,
+                     optimizer={"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.0})
