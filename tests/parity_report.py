@@ -15,6 +15,10 @@ from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
 
 PROMPTS = [[3 + i, 17, 5 * i % 128, 99, 42 - i] for i in range(4)]
 RESPONSE = 24
+# The rollout's filters (policy.generation temperature / top_k / top_p): vLLM's top-k-only path (no sort), its
+# top-p-only path and the two together (NeMo-RL's temp0.8-topp0.9-topk50 recipe); jetrl decode must stay exact.
+FILTERS = {"topk20_t0.7": {"temperature": 0.7, "top_k": 20}, "topp0.8": {"top_p": 0.8},
+           "t0.8_topp0.9_topk50": {"temperature": 0.8, "top_p": 0.9, "top_k": 50}}
 
 
 def _rollout(model_dir: str, mode: str):
@@ -25,9 +29,14 @@ def _rollout(model_dir: str, mode: str):
         samples = engine.generate(PROMPTS, max_tokens=RESPONSE, seed=5, ignore_eos=True)
         seqs = [s.prompt_token_ids + s.token_ids for s in samples]
         scored = torch.tensor(engine.score(seqs))
+        filtered = {}
+        for name, kw in (FILTERS.items() if mode == "jetrl" else ()):
+            out = engine.generate(PROMPTS, n=2, max_tokens=RESPONSE, seed=9, ignore_eos=True, **kw)
+            filtered[name] = (torch.tensor([s.prompt_token_ids + s.token_ids for s in out]),
+                              torch.tensor([s.logprobs for s in out]))
     finally:
         engine.shutdown()
-    return torch.tensor(seqs), torch.tensor([s.logprobs for s in samples]), scored
+    return torch.tensor(seqs), torch.tensor([s.logprobs for s in samples]), scored, filtered
 
 
 def parity_report(workdir: str) -> dict:
@@ -40,6 +49,7 @@ def parity_report(workdir: str) -> dict:
     from jetrl_megatron.megatron.model import build_gpt, token_logprobs
     from jetrl_megatron.model.shapes import get_model_shape
     from jetrl_megatron.rollout.model_dir import load_state_dict, write_tiny_model_dir
+    from jetrl_megatron.sampling import LogitsSampling
     from jetrl_megatron.vllm_cpu.ops import cpu_kernels_in_use
 
     model_dir = write_tiny_model_dir(os.path.join(workdir, "bf16"), preset="tiny", seed=3)
@@ -51,7 +61,7 @@ def parity_report(workdir: str) -> dict:
     cpu.init_parallel(1, 1)
     p = len(PROMPTS[0])
     try:
-        for mode, (tokens, sampled, scored) in rollouts.items():
+        for mode, (tokens, sampled, scored, filtered) in rollouts.items():
             model = build_gpt(shape, Fp8Recipe(mode=mode))
             load_hf_checkpoint(model, sd)
             lp = token_logprobs(model, tokens)
@@ -59,10 +69,19 @@ def parity_report(workdir: str) -> dict:
                             "decode_max_abs": (lp[:, p - 1:] - sampled).abs().max().item(),
                             "prefill_exact": bool(torch.equal(lp, scored)),
                             "decode_exact": bool(torch.equal(lp[:, p - 1:], sampled))}
+            for name, (f_tokens, f_sampled) in filtered.items():
+                s = LogitsSampling(**FILTERS[name])
+                f_lp = token_logprobs(model, f_tokens, sampling=s)[:, p - 1:]
+                # the filter matters: the temperature-only logprobs of the same tokens differ everywhere
+                unfiltered = token_logprobs(model, f_tokens, sampling=s.unfiltered())[:, p - 1:]
+                report[f"{mode}_{name}"] = {"decode_exact": bool(torch.equal(f_lp, f_sampled)),
+                                            "decode_max_abs": (f_lp - f_sampled).abs().max().item(),
+                                            "filtered_out": int(torch.isinf(f_lp).sum()),
+                                            "filter_changed_frac": (f_lp != unfiltered).float().mean().item()}
         # with FP32-SDPA attention and the RNE RoPE twin instead of vLLM's kernels: close, not exact
         model = build_gpt(shape, Fp8Recipe(mode="jetrl"), attn_impl="fp32")
         load_hf_checkpoint(model, sd)
-        tokens, sampled, _ = rollouts["jetrl"]
+        tokens, sampled, _, _ = rollouts["jetrl"]
         twins = token_logprobs(model, tokens)[:, p - 1:]
         report["jetrl_torch_twins_decode_max_abs"] = (twins - sampled).abs().max().item()
     finally:
@@ -78,3 +97,7 @@ def assert_exact(report: dict) -> None:
     assert report["bf16"]["prefill_exact"], (where, report["bf16"])
     assert report["bf16"]["decode_max_abs"] < 0.5, (where, report["bf16"])
     assert report["jetrl_torch_twins_decode_max_abs"] < 1.0, report
+    for name in FILTERS:  # top-k / top-p / temperature: the trainer's processed logprobs are vLLM's, bit for bit
+        r = report[f"jetrl_{name}"]
+        assert r["decode_exact"] and r["filtered_out"] == 0, (where, name, r)
+        assert r["filter_changed_frac"] > 0.9, (where, name, r)

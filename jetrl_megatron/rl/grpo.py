@@ -211,6 +211,7 @@ def clipped_pg_loss(
     token_level: bool = True,
     normalizer: float | None = None,
     kl_logp_gen: torch.Tensor | None = None,
+    kl_logp: torch.Tensor | None = None,
 ) -> PgLossOut:
     """PPO-clip surrogate + KL penalty, NeMo-RL v0.7.0's ClippedPGLossFn (the keys it shares with this project).
 
@@ -219,7 +220,8 @@ def clipped_pg_loss(
     importance weights (``importance_weights``; 0 on tokens a filter dropped, which still count in the
     normalizer); plus, not importance-weighted, kl_coef * ``kl_penalty(logp, logp_ref, kl_type)`` per token
     (score-function gradient, per-token KL capped at ``kl_output_clamp``; weighted by exp(logp - kl_logp_gen) when
-    ``kl_logp_gen`` is given: NeMo-RL's on-policy KL approximation).
+    ``kl_logp_gen`` is given: NeMo-RL's on-policy KL approximation). ``kl_logp``: the current policy's logprobs the
+    KL term uses instead of ``logp`` (NeMo-RL under top-k / top-p: the temperature-only ones, as the reference's).
 
     ``advantages`` is per sequence (B,) or per token (B, T); ``mask`` = every valid response token. Token-level
     aggregation divides the masked sum by ``normalizer`` when given (the *global* token count, so micro-batches add
@@ -245,8 +247,8 @@ def clipped_pg_loss(
         tok = tok * is_weights.detach().to(logp.dtype)
     kl_tok = torch.zeros_like(tok)
     if kl_coef and logp_ref is not None:
-        kl_tok = kl_penalty(logp, logp_ref.detach(), kl_type, input_clamp=kl_input_clamp,
-                            output_clamp=kl_output_clamp, logp_gen=kl_logp_gen)
+        kl_tok = kl_penalty(logp if kl_logp is None else kl_logp, logp_ref.detach(), kl_type,
+                            input_clamp=kl_input_clamp, output_clamp=kl_output_clamp, logp_gen=kl_logp_gen)
         tok = tok + kl_coef * kl_tok
 
     def agg(x: torch.Tensor) -> torch.Tensor:

@@ -43,9 +43,10 @@ from jetrl_megatron.rl.trainer import (
     build_trainer,
     make_reference,
     optimizer_updates_per_step,
+    policy_logprobs,
     policy_update,
+    reference_logprobs,
     sft_warmstart,
-    trainer_logprobs,
     write_model_dir,
 )
 
@@ -156,11 +157,12 @@ def grpo_step(cfg: RunConfig, trainer: Trainer, ro: Rollout, step: int, logger: 
     adv = advantages(cfg, batch.rewards)
     # 3. trainer logprobs of the sampled tokens (old policy, reference policy)
     t0 = time.perf_counter()
-    logp_old = trainer_logprobs(cfg, trainer.model, batch.tokens)
-    logp_ref = trainer_logprobs(cfg, trainer.ref_model, batch.tokens) if trainer.ref_model is not None else None
+    logp_old, filtered_out = policy_logprobs(cfg, trainer.model, batch)
+    logp_ref = reference_logprobs(cfg, trainer.ref_model, batch) if trainer.ref_model is not None else None
     t_logprob = time.perf_counter() - t0
     # 4. mismatch on response tokens (trainer vs rollout), overall and by response position
     metrics = mismatch(cfg, batch, logp_old, ro.bins)
+    metrics["mismatch/filtered_out_tokens"] = float(filtered_out)
     # 5. rollout correction (optional) and the policy update (the optimizer re-quantizes the FP8 cache once)
     is_w, kept = importance(cfg, batch, logp_old)
     t0 = time.perf_counter()

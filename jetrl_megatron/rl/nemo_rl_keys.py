@@ -227,10 +227,13 @@ RULES: tuple[KeyRule, ...] = (
        "trainer runs; false: both stay resident (runs sharing a GPU)"),
     _r("policy.generation.vllm_kwargs", IMPLEMENTED, "passed to vllm.LLM(...); kv_cache_memory_bytes sizes the KV "
        "cache (CPU default 64 MiB)"),
-    _r("policy.generation.top_p", IMPLEMENTED, "nucleus sampling would make the sampler's distribution differ from "
-       "the trained one (the trainer's logprobs are of the full distribution)", (1.0,)),
-    _r("policy.generation.top_k", IMPLEMENTED, "top-k sampling would make the sampler's distribution differ from "
-       "the trained one (the trainer's logprobs are of the full distribution)", (None, -1, 0)),
+    _r("policy.generation.temperature", IMPLEMENTED, "the rollout samples at it and the trainer divides its FP32 "
+       "logits by it for every logprob (policy and reference), as vLLM's processed logprobs; 0 = greedy (raw logits)"),
+    _r("policy.generation.top_p", IMPLEMENTED, "in (0, 1]: nucleus filter in the rollout and, with vLLM's "
+       "semantics, on the trainer's temperature-scaled logits for the policy's logprobs (not the reference's nor the "
+       "KL term's); a sampled token the trainer filters out counts with logprob 0 (NeMo-RL)"),
+    _r("policy.generation.top_k", IMPLEMENTED, "null or -1 (off) or >= 1: top-k filter in the rollout and on the "
+       "trainer's logits, like top_p (logits tied with the k-th are kept)"),
     _r("policy.generation.vllm_kwargs.speculative_config.**", REFUSED, "speculative decoding is not implemented "
        "(the rollout must sample from the policy the trainer optimizes, token by token)", ()),
     _r("policy.generation.vllm_kwargs.quantization", REFUSED, "the quantization method follows the arm (jetrl_fp8 "

@@ -37,13 +37,14 @@ def probe(recipe: str, model_dir: str, arm: str, overrides: list[str] | None = N
     prompts = stream.take(cfg.grpo.num_prompts_per_step)
     samples, _ = generation.rollout(cfg, engine, task, prompts, step)
     batch = batching.make_batch(cfg, task, prompts, samples)
-    logp = trainers.trainer_logprobs(cfg, trainer.model, batch.tokens)
+    logp, filtered_out = trainers.policy_logprobs(cfg, trainer.model, batch)
     n = cfg.policy.generation.max_new_tokens
     lt, m = batching.align_by_position(logp, batch, n)
     lr, _ = batching.align_by_position(batch.gen_logprobs, batch, n)
     out = mismatch_metrics(lt, lr, m, bins=position_bins(n, 4))
     out["reward/mean"] = float(batch.rewards.mean())
     out["num_tokens"] = float(batch.mask.sum())
+    out["filtered_out_tokens"] = float(filtered_out)
     return out
 
 

@@ -30,6 +30,7 @@ from jetrl_megatron.rl.dist import (
     torch_dist,
 )
 from jetrl_megatron.rl.logging import RunLogger
+from jetrl_megatron.sampling import LogitsSampling, mask_filtered_out
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:
@@ -122,12 +123,37 @@ def make_reference(cfg: RunConfig, trainer: Trainer):
     return ref
 
 
-def trainer_logprobs(cfg: RunConfig, model, tokens: torch.Tensor) -> torch.Tensor:
+def rollout_sampling(cfg: RunConfig) -> LogitsSampling:
+    """The distribution the rollout samples from (``policy.generation``'s temperature, top_k, top_p): the trainer's
+    logprobs of the policy are of the same one (NeMo-RL's TrainingSamplingParams)."""
+    g = cfg.policy.generation
+    return LogitsSampling(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
+
+
+def trainer_logprobs(cfg: RunConfig, model, tokens: torch.Tensor, sampling: LogitsSampling | None = None
+                     ) -> torch.Tensor:
+    """Logprobs of ``tokens`` under ``model``, of the ``sampling`` distribution (None: raw). With a top-k / top-p
+    filter a token the trainer filters out is -inf (``mask_filtered_out``)."""
     from jetrl_megatron.megatron.model import token_logprobs
 
     mine = dp_slice(tokens)
     mbs = math.gcd(cfg.policy.logprob_batch_size, mine.shape[0])
-    return dp_gather(token_logprobs(model, mine, micro_batch_size=mbs).float().cpu())
+    return dp_gather(token_logprobs(model, mine, micro_batch_size=mbs, sampling=sampling).float().cpu())
+
+
+def policy_logprobs(cfg: RunConfig, model, batch: RolloutBatch) -> tuple[torch.Tensor, int]:
+    """The trainer's logprobs of the rollout's tokens under the rollout's distribution (``prev_logprobs``), and how
+    many sampled tokens the trainer's top-k / top-p filter removed: those get logprob 0 (NeMo-RL's
+    ``mask_out_neg_inf_logprobs``), in the mismatch metrics, the rollout correction and the loss alike."""
+    sampling = rollout_sampling(cfg)
+    logp = trainer_logprobs(cfg, model, batch.tokens, sampling)
+    return mask_filtered_out(logp, batch.mask) if sampling.filters else (logp, 0)
+
+
+def reference_logprobs(cfg: RunConfig, model, batch: RolloutBatch) -> torch.Tensor:
+    """The reference policy's logprobs for the KL penalty: at the rollout temperature, never filtered (NeMo-RL: its
+    top-k / top-p set differs from the policy's, so filtered values would be -inf where the policy's are not)."""
+    return trainer_logprobs(cfg, model, batch.tokens, rollout_sampling(cfg).unfiltered())
 
 
 def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: torch.Tensor, logp_old: torch.Tensor,
@@ -139,6 +165,10 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
     lf = cfg.loss_fn
     gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
     dp, _, _ = dp_coords()
+    sampling = rollout_sampling(cfg)
+    # NeMo-RL: under top-k / top-p the KL term uses the current policy's temperature-only logprobs, like the
+    # reference's
+    kl_unfiltered = sampling.filters and logp_ref is not None and bool(lf.reference_policy_kl_penalty)
     n_micro = gbs // (mbs * dp)
     results = []
     for mb_start in logger.bar(range(0, batch.tokens.shape[0], gbs), "update", total=batch.tokens.shape[0] // gbs):
@@ -158,6 +188,8 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
         norm = (global_tokens if lf.token_level_loss else seqs) / (n_micro * dp)
 
         def loss_fn(lp, mb, norm=norm):
+            if sampling.filters:  # a sampled token outside the trainer's filter: -inf -> 0, as NeMo-RL
+                lp, _ = mask_filtered_out(lp, mb["mask"])
             # force_on_policy_ratio (NeMo-RL): the ratio is pi / stop_grad(pi) = 1, with pi's gradient
             old = lp.detach() if lf.force_on_policy_ratio else mb["logp_old"]
             out = grpo.clipped_pg_loss(
@@ -165,12 +197,14 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
                 clip_c=lf.ratio_clip_c, is_weights=mb.get("is_w"), logp_ref=mb.get("logp_ref"),
                 kl_coef=lf.reference_policy_kl_penalty, kl_type=lf.reference_policy_kl_type,
                 kl_input_clamp=lf.kl_input_clamp_value, kl_output_clamp=lf.kl_output_clamp_value,
-                token_level=lf.token_level_loss, normalizer=norm, kl_logp_gen=mb.get("logp_gen"))
+                token_level=lf.token_level_loss, normalizer=norm, kl_logp_gen=mb.get("logp_gen"),
+                kl_logp=mb.get("logp_unfiltered"))
             return out.loss, {"pg_loss": out.pg_loss, "kl_ref": out.kl, "clip_frac": out.clip_frac,
                               "ratio_mean": out.ratio_mean}
 
         set_lr(trainer.optimizer, lr_at(cfg, step))
-        results.append(train_step(trainer.model, trainer.optimizer, data, loss_fn, micro_batch_size=mbs))
+        results.append(train_step(trainer.model, trainer.optimizer, data, loss_fn, micro_batch_size=mbs,
+                                  sampling=sampling, unfiltered=kl_unfiltered))
     m = {
         "train/loss": sum(r.loss for r in results) * 1.0,
         # the micro-batch metrics are not divided by Megatron (only the loss is): their mean is already the token

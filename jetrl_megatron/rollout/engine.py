@@ -74,8 +74,9 @@ class RolloutConfig:
 
 @dataclass
 class Sample:
-    """One sampled response: `logprobs[i]` is the engine's logprob of `token_ids[i]` (processed: after temperature
-    and top_p, so trainer and rollout normalise over the same distribution)."""
+    """One sampled response: `logprobs[i]` is the engine's logprob of `token_ids[i]` (processed: after temperature,
+    top_k and top_p, the distribution it was sampled from; the trainer's `jetrl_megatron.sampling` computes the
+    same one)."""
 
     prompt_index: int
     sample_index: int
@@ -259,8 +260,10 @@ class RolloutEngine:
     # ------------------------------------------------------------------------------------------ generate / score
     def generate(self, prompts_token_ids: Sequence[Sequence[int]], n: int = 1, max_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
-                 stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False) -> list[Sample]:
+                 stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+                 top_k: int = 0) -> list[Sample]:
         """Sample `n` responses per prompt; returns len(prompts)*n samples, prompt-major (prompt i's n in a row).
+        `top_k` 0 and `top_p` 1 mean no filter; the logprobs are of the filtered, temperature-scaled distribution.
 
         With a seed, prompt i's samples use seeds seed + i*n + j, so duplicate prompts still get distinct samples
         and a rerun with the same weights reproduces them.
@@ -270,7 +273,8 @@ class RolloutEngine:
         params = []
         for i in range(len(prompts_token_ids)):
             params.append(SamplingParams(
-                n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0, detokenize=False,
+                n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, logprobs=0,
+                detokenize=False,
                 seed=None if seed is None else seed + i * n, stop_token_ids=list(stop_token_ids or []),
                 ignore_eos=ignore_eos))
         prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompts_token_ids]
