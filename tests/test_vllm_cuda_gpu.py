@@ -1,0 +1,189 @@
+"""The trainer's forward as GPU vLLM's own forward (``attn_impl="vllm_cuda"``), on the H200 with vLLM 0.26.
+
+- Each vLLM op the trainer calls keeps a torch twin: the op's output is within rounding of the twin, and the
+  backward the trainer uses for it (twin backward; PyTorch's flash backward fed with FA3's output and log-sum-exp;
+  the log-softmax gradient) matches an FP32 autograd reference on random inputs within a stated tolerance.
+- The trainer's logprobs equal the engine's, bit for bit, per arm (jetrl: FP8 weights served byte for byte; bf16),
+  for the sampled tokens (decode) and for prompt_logprobs (prefill), before and after an in-place refit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
+]
+
+# FP32-reference bounds, relative to the reference's largest magnitude: BF16 inputs and outputs (8-bit mantissa,
+# 2^-8 = 3.9e-3 relative per rounding) plus FP32 accumulation-order differences between flash kernels.
+ATTN_REL_BOUND = 2e-2
+LOGPROB_GRAD_REL_BOUND = 2 ** -8  # the gradient is returned in BF16 (as autograd returns it for BF16 logits)
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def _ops():
+    from jetrl_megatron.vllm_cuda import ops
+
+    if not ops.available():
+        pytest.skip(f"GPU vLLM ops unavailable: {ops.unavailable_reason()}")
+    return ops
+
+
+def _reference_attention(q, k, v, lens, scale):
+    """FP32 causal attention per sequence (GQA by repeating K/V), packed like the inputs."""
+    outs, start = [], 0
+    rep = q.shape[1] // k.shape[1]
+    for n in lens:
+        qs, ks, vs = (t[start:start + n].float().transpose(0, 1) for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+                    .transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_attention_and_its_backward_match_an_fp32_reference(head_dim):
+    ops = _ops()
+    from jetrl_megatron.megatron.numerics import _VllmCudaAttentionFn
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lens = [37, 300, 129, 16]
+    t, h, kvh = sum(lens), 8, 2
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(t, n, head_dim, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for n in (h, kvh, kvh))
+    scale = head_dim ** -0.5
+    out = _VllmCudaAttentionFn.apply(q, k, v, cu, max(lens), scale, ops.PrefillAttention())
+    dout = torch.randn(out.shape, generator=g, device="cuda", dtype=torch.bfloat16)
+    out.backward(dout)
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = _reference_attention(qf, kf, vf, lens, scale)
+    ref.backward(dout.float())
+    assert _rel(out, ref) < ATTN_REL_BOUND
+    for name, got, want in (("dq", q.grad, qf.grad), ("dk", k.grad, kf.grad), ("dv", v.grad, vf.grad)):
+        assert _rel(got, want) < ATTN_REL_BOUND, (name, _rel(got, want))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_vllm_logprob_kernels_and_their_backward(temperature):
+    _ops()
+    from jetrl_megatron.megatron.model import _VllmCudaLogprobFn
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    logits = (3 * torch.randn(64, 5000, generator=g, device="cuda")).to(torch.bfloat16).requires_grad_()
+    tok = torch.randint(0, 5000, (64,), generator=g, device="cuda")
+    lp = _VllmCudaLogprobFn.apply(logits, tok, temperature)
+    w = torch.randn(64, generator=g, device="cuda")
+    (lp * w).sum().backward()
+    ref_in = logits.detach().float().requires_grad_()
+    scaled = ref_in / temperature
+    if temperature != 1.0:  # vLLM stores the scaled logits back in BF16 before the log-softmax
+        scaled = scaled + (scaled.detach().to(torch.bfloat16).float() - scaled.detach())
+    ref = torch.log_softmax(scaled, -1).gather(-1, tok[:, None]).squeeze(1)
+    (ref * w).sum().backward()
+    assert float((lp - ref).abs().max()) < 1e-4
+    assert _rel(logits.grad, ref_in.grad) < LOGPROB_GRAD_REL_BOUND
+
+
+def test_element_wise_ops_agree_with_their_twins():
+    ops = _ops()
+    from jetrl_megatron.megatron.numerics import (
+        _rms_fwd_twin,
+        _rope_fwd_twin,
+        _swiglu_fwd_twin,
+        rope_cos_sin_cache,
+    )
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(513, 1024, generator=g, device="cuda", dtype=torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(1024, generator=g, device="cuda")).to(torch.bfloat16)
+    twin, _ = _rms_fwd_twin(x, w, 1e-6, torch.bfloat16)
+    for got in (ops.rms_norm(x, w, 1e-6), ops.fused_add_rms_norm(x, torch.zeros_like(x), w, 1e-6)[0]):
+        assert _rel(got, twin) < 2 ** -7  # one BF16 rounding apart at most
+    fused, res = ops.fused_add_rms_norm(x, x, w, 1e-6)
+    assert torch.equal(res, (x.float() + x.float()).to(torch.bfloat16))  # the BF16 residual convention
+    gu = torch.randn(77, 2 * 256, generator=g, device="cuda", dtype=torch.bfloat16)
+    assert _rel(ops.silu_and_mul(gu), _swiglu_fwd_twin(gu)) < 2 ** -7
+    cache = ops.rope_cache(128, 4096, 1e6, None, torch.device("cuda"))
+    cos, sin = rope_cos_sin_cache(128, 1e6, 4096)
+    assert _rel(cache.float().cpu(), torch.cat((cos, sin), -1)) < 2 ** -7  # the GPU's cos/sin vs the CPU's
+    qx = torch.randn(300, 4, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(300, device="cuda")
+    flat = qx.reshape(300, -1).clone()
+    ops.rope_neox_(pos, flat, None, 128, cache)
+    c, s = cache[:300].float().chunk(2, -1)
+    assert _rel(flat.view_as(qx), _rope_fwd_twin(qx[None], c, s)[0]) < 2 ** -6  # BF16 arithmetic in the kernel
+
+
+def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(x),), generator=g).tolist()
+            for x in torch.randint(6, 40, (n,), generator=g)]
+
+
+def _trainer_logprobs(gpt, seqs):
+    from jetrl_megatron.megatron.model import token_logprobs
+
+    s = max(map(len, seqs))
+    tokens = torch.zeros(len(seqs), s, dtype=torch.long)
+    for i, q in enumerate(seqs):
+        tokens[i, :len(q)] = torch.tensor(q)
+    lp = token_logprobs(gpt, tokens.cuda(), micro_batch_size=math.gcd(4, len(seqs)),
+                        lengths=torch.tensor(list(map(len, seqs))))
+    return [lp[i, :len(q) - 1].float().cpu() for i, q in enumerate(seqs)]
+
+
+@pytest.mark.own_process
+@pytest.mark.parametrize("arm", ["jetrl", "bf16"])
+def test_trainer_logprobs_equal_vllm_decode_and_prefill_bit_for_bit(tmp_path, arm):
+    _ops()
+    from jetrl_megatron.megatron import cpu
+    from jetrl_megatron.megatron.convert import load_hf_checkpoint
+    from jetrl_megatron.megatron.model import build_gpt, fp8_context, rollout_weights
+    from jetrl_megatron.model.shapes import get_model_shape
+    from jetrl_megatron.recipe import Fp8Recipe
+    from jetrl_megatron.reshard.mover import MegatronShards, iter_canonical
+    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
+    from jetrl_megatron.rollout.model_dir import hf_config_for, random_hf_state_dict, write_model_dir
+
+    shape, recipe = get_model_shape("tiny"), Fp8Recipe(mode=arm, gemm_backend="cublas")
+    cpu.init_parallel(1, 1)
+    gpt = build_gpt(shape, recipe)
+    assert fp8_context(gpt).attn_impl == "vllm_cuda"  # the default wherever GPU vLLM imports
+
+    def weights(seed: int) -> dict:
+        load_hf_checkpoint(gpt, random_hf_state_dict(shape, seed=seed, logit_std=1.0))
+        local = {k: v.cpu().clone() for k, v in rollout_weights(gpt).items()}
+        return dict(iter_canonical(MegatronShards(shape, 1, 1, None, {(0, 0, 0): local})))
+
+    model_dir = write_model_dir(tmp_path / arm, hf_config_for(shape, None if arm == "bf16" else recipe), weights(0))
+    engine = RolloutEngine(RolloutConfig(model_dir=str(model_dir), recipe=recipe, gpu_memory_utilization=0.2,
+                                         max_num_seqs=16, max_model_len=256, fp8_gemm_warmup=False,
+                                         llm_kwargs={"enable_prefix_caching": False}))
+    try:
+        for round_ in range(2):
+            if round_:
+                engine.refit(weights(1))  # in place; the trainer now holds the same new weights
+            prompts = _prompts(12, shape.vocab_size, seed=round_)
+            samples = engine.generate(prompts, n=1, max_tokens=48, seed=round_, ignore_eos=True)
+            seqs = [s.prompt_token_ids + s.token_ids for s in samples]
+            trainer = _trainer_logprobs(gpt, seqs)
+            prefill = engine.score(seqs)
+            for s, tr, pre in zip(samples, trainer, prefill, strict=True):
+                n = len(s.prompt_token_ids)
+                decode = torch.tensor(s.logprobs, dtype=torch.float32)
+                assert torch.equal(tr[n - 1:], decode), (round_, (tr[n - 1:] - decode).abs().max())
+                assert torch.equal(tr, torch.tensor(pre, dtype=torch.float32)), round_
+    finally:
+        engine.shutdown()

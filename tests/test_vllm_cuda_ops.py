@@ -1,0 +1,105 @@
+"""CPU checks of the GPU-vLLM numerics (``attn_impl="vllm_cuda"``): what can be checked without a GPU.
+
+- vLLM's own rotary classes, run on the CPU, build the same cos/sin table as the trainer's twin, bit for bit (so on
+  the GPU the only difference left is the device's cos/sin, which is why the GPU path takes vLLM's table);
+- the model spec wires each norm to the vLLM kernel vLLM runs at that place (layer 0's input norm plain, every later
+  norm fused with the residual add, q/k norms plain) and the residual stream is BF16, as in vLLM's Qwen3 forward;
+- real row lengths reach attention only in a well-formed shape.
+The GPU behaviour itself (bit-identity with the engine) is tests/test_vllm_cuda_gpu.py on the H200.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from jetrl_megatron.megatron.context import Fp8ModelContext
+from jetrl_megatron.megatron.numerics import (
+    RolloutRMSNorm,
+    _row_lengths,
+    get_bf16_residual_bda,
+    get_fp32_residual_bda,
+    rope_cos_sin_cache,
+)
+from jetrl_megatron.megatron.spec import gpt_block_spec, gpt_layer_spec
+from jetrl_megatron.model.shapes import get_model_shape
+from jetrl_megatron.recipe import Fp8Recipe
+from jetrl_megatron.vllm_cuda import ops as vllm_cuda_ops
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("theta,scaling", [(1e6, None), (5e5, LLAMA3), (1e4, None)])
+def test_vllms_rotary_table_on_the_cpu_equals_the_twin(theta, scaling):
+    pytest.importorskip("vllm")
+    got = vllm_cuda_ops.rope_cache(128, 2048, theta, scaling, torch.device("cpu"))
+    cos, sin = rope_cos_sin_cache(128, theta, 2048, scaling)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.float(), torch.cat((cos, sin), -1))
+
+
+def test_unknown_rope_scaling_is_refused_by_name():
+    pytest.importorskip("vllm")
+    with pytest.raises(ValueError, match="yarn"):
+        vllm_cuda_ops.rope_cache(128, 64, 1e4, {"rope_type": "yarn", "factor": 2.0}, torch.device("cpu"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_without_cuda_the_gpu_ops_say_why():
+    assert not vllm_cuda_ops.available()
+    assert "CUDA" in vllm_cuda_ops.unavailable_reason()
+
+
+def _norm_kind(spec) -> str | None:
+    """The vllm_cuda kernel a norm submodule spec asks for (None: the twins)."""
+    if spec is RolloutRMSNorm:
+        return None
+    assert spec.module is RolloutRMSNorm
+    return spec.params["vllm_cuda"]
+
+
+@pytest.mark.parametrize("layers", [range(0, 4), range(2, 4)])  # a whole model, and a later PP stage
+def test_spec_follows_vllms_qwen3_op_sequence(layers):
+    shape = get_model_shape("tiny")
+    ctx = Fp8ModelContext.create(shape, Fp8Recipe(), layers, "vllm_cuda")
+    assert ctx.residual_dtype == torch.bfloat16
+    for g in layers:
+        sub = gpt_layer_spec(ctx, g, lean_swiglu=True).submodules
+        assert _norm_kind(sub.input_layernorm) == ("plain" if g == 0 else "fused")
+        assert _norm_kind(sub.pre_mlp_layernorm) == "fused"
+        attn = sub.self_attention.submodules
+        assert _norm_kind(attn.q_layernorm) == _norm_kind(attn.k_layernorm) == "plain"
+        assert sub.self_attn_bda is sub.mlp_bda is get_bf16_residual_bda
+        assert sub.mlp.submodules.activation_func.params == {"vllm_cuda": True}
+        assert isinstance(attn.core_attention, functools.partial)
+        assert attn.core_attention.keywords["attn_impl"] == "vllm_cuda"
+    assert _norm_kind(gpt_block_spec(ctx, lean_swiglu=True).layer_norm) == "fused"
+
+
+def test_cpu_contexts_keep_the_fp32_residual_stream():
+    shape = get_model_shape("tiny")
+    for impl in ("vllm_cpu", "fp32", "bf16"):
+        ctx = Fp8ModelContext.create(shape, Fp8Recipe(), range(4), impl)
+        sub = gpt_layer_spec(ctx, 0).submodules
+        assert ctx.residual_dtype == torch.float32
+        assert sub.input_layernorm is sub.pre_mlp_layernorm is RolloutRMSNorm
+        assert sub.self_attn_bda is get_fp32_residual_bda
+
+
+class _Packed:
+    qkv_format = "sbhd"
+
+    def __init__(self, cu):
+        self.cu_seqlens_q = torch.tensor(cu, dtype=torch.int32)
+
+
+def test_row_lengths_come_from_cu_seqlens_and_are_checked():
+    assert _row_lengths(None, 3, 10, torch.device("cpu")).tolist() == [10, 10, 10]
+    assert _row_lengths(_Packed([0, 4, 14, 15]), 3, 10, torch.device("cpu")).tolist() == [4, 10, 1]
+    with pytest.raises(ValueError, match="expected \\(4,\\)"):
+        _row_lengths(_Packed([0, 4, 14]), 3, 10, torch.device("cpu"))
+    with pytest.raises(ValueError, match="row lengths"):
+        _row_lengths(_Packed([0, 4, 15, 16]), 3, 10, torch.device("cpu"))
