@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.core.transformer.spec_utils import build_module
@@ -88,7 +89,7 @@ def megatron_config(shape: ModelShape, recipe: Fp8Recipe, *, sequence_parallel: 
         attention_dropout=0.0,
         bf16=True,
         params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.float32,  # the residual stream between layers is the FP32 sum (numerics.py)
+        pipeline_dtype=torch.float32,  # the residual stream between layers (Fp8ModelContext.residual_dtype)
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel and tp > 1,
@@ -135,14 +136,17 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
         post_process = parallel_state.is_pipeline_last_stage()
     layers = pp_layer_range(shape.num_layers, pp, pp_rank)
     check_fp8_gemm_shapes(shape, recipe, tp, layers)
+    context = Fp8ModelContext.create(shape, recipe, layers, attn_impl)
+    if context.vllm_cuda_kernels and not lean_swiglu:
+        raise ValueError("attn_impl='vllm_cuda' needs lean_swiglu (the SwiGLU module runs vLLM's silu_and_mul)")
     if lean_swiglu:
         # despite its name this only makes Megatron's MLP call the spec's activation module (our SwiGLU) on the
         # whole fc1 output; no Transformer Engine is involved
         config_overrides.setdefault("use_te_activation_func", True)
+    config_overrides.setdefault("pipeline_dtype", context.residual_dtype)
     config = megatron_config(shape, recipe, sequence_parallel=sequence_parallel, init_std=init_std,
                              **config_overrides)
     seed_everything(seed)
-    context = Fp8ModelContext.create(shape, recipe, layers, attn_impl)
     model = build_module(
         gpt_model_spec(context, lean_swiglu=lean_swiglu),
         config=config,
@@ -205,8 +209,38 @@ def refresh_fp8_cache(model: torch.nn.Module) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ logprobs
+class _VllmCudaLogprobFn(torch.autograd.Function):
+    """Forward: GPU vLLM's processed logprobs (its temperature and log-softmax kernels, :mod:`jetrl_megatron.
+    vllm_cuda.ops`). Backward: the exact-math gradient of ``log_softmax(logits / T)[token]`` in FP32."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature):  # logits (N, V) BF16, tokens (N,)
+        from jetrl_megatron.vllm_cuda.ops import token_logprobs as vllm_token_logprobs
+
+        ctx.save_for_backward(logits, tokens)
+        ctx.temperature = temperature
+        return vllm_token_logprobs(logits, tokens, temperature)
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, tokens = ctx.saved_tensors
+        t = ctx.temperature if ctx.temperature not in (0.0, 1.0) else 1.0
+        d = torch.softmax(logits.float() / t, dim=-1).mul_(-g[:, None])
+        d.scatter_add_(1, tokens[:, None].long(), g[:, None].float())
+        return (d / t).to(logits.dtype), None, None
+
+
+def _vllm_cuda_logprobs(full: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(b, s, V) BF16 logits -> (b, s-1) FP32 logprobs of tokens[:, 1:] through GPU vLLM's logprob kernels."""
+    b, s, v = full.shape
+    rows = full[:, :-1].reshape(b * (s - 1), v).contiguous()
+    lp = _VllmCudaLogprobFn.apply(rows, tokens[:, 1:].reshape(-1).long(), temperature)
+    return lp.view(b, s - 1)
+
+
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, *,
-                         vocab_parallel: bool = False, sampling: LogitsSampling | None = None) -> torch.Tensor:
+                         vocab_parallel: bool = False, sampling: LogitsSampling | None = None,
+                         vllm_cuda: bool = False) -> torch.Tensor:
     """(b, s, V/tp) vocab-parallel BF16 logits + (b, s) tokens -> (b, s-1) FP32 logprobs of tokens[:, 1:].
 
     Default (exact): gathers the full BF16 logits over TP (autograd: split in backward), drops vocab padding, FP32
@@ -215,7 +249,13 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, vocab_size:
     vocabulary (memory for 150k vocabularies on GPU); equal to the exact path up to FP32 summation order.
     ``sampling``: the rollout's temperature / top-k / top-p applied to the FP32 logits first (the processed
     logprobs vLLM returns; a token the filter removes gets -inf); None or the identity: raw logprobs.
+    ``vllm_cuda`` (CUDA logits, no top-k / top-p): GPU vLLM's own temperature and log-softmax kernels, which
+    round differently from ``torch.log_softmax`` (the exact path of a model whose forward is GPU vLLM's).
     """
+    if vllm_cuda and logits.is_cuda and not vocab_parallel and not (sampling is not None and sampling.filters):
+        temperature = 1.0 if sampling is None or sampling.greedy else sampling.temperature
+        full = gather_from_tensor_model_parallel_region(logits)[..., :vocab_size]
+        return _vllm_cuda_logprobs(full, tokens, temperature)
     if sampling is not None and not sampling.is_identity:
         if vocab_parallel:
             raise ValueError("vocab_parallel logprobs are of the raw distribution; the rollout's temperature / "
@@ -238,8 +278,15 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, vocab_size:
     return lp.gather(-1, tokens[:, 1:].unsqueeze(-1).long()).squeeze(-1)
 
 
-def _forward(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=tokens, position_ids=None, attention_mask=None)
+def _forward(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """The model on right-padded rows; ``lengths`` (b,) the real length of each row, handed to attention (which
+    then sees each sequence alone, as vLLM's prefill does) as ``packed_seq_params.cu_seqlens_q``."""
+    packed = None
+    if lengths is not None:
+        cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=tokens.device)
+        cu[1:] = torch.cumsum(lengths.to(device=tokens.device, dtype=torch.int32), 0)
+        packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    return model(input_ids=tokens, position_ids=None, attention_mask=None, packed_seq_params=packed)
 
 
 def _micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -282,13 +329,15 @@ def _logprob_step(gpt: GPTModel, vocab_parallel: bool, loss_for: Callable, sampl
     ``unfiltered`` (with a top-k / top-p ``sampling``): ``mb["logp_unfiltered"]`` holds the temperature-only
     logprobs too, with autograd (NeMo-RL's KL term uses them)."""
     vocab = fp8_context(gpt).shape.vocab_size
+    vllm_cuda = fp8_context(gpt).vllm_cuda_kernels
 
     def step(data_iter, m):
         mb = next(data_iter)
-        out = _forward(m, mb["tokens"])
+        out = _forward(m, mb["tokens"], mb.get("lengths"))
         if not gpt.post_process:
             return out, None
-        lp = logprobs_from_logits(out, mb["tokens"], vocab, vocab_parallel=vocab_parallel, sampling=sampling)
+        lp = logprobs_from_logits(out, mb["tokens"], vocab, vocab_parallel=vocab_parallel, sampling=sampling,
+                                  vllm_cuda=vllm_cuda)
         if unfiltered and sampling is not None and sampling.filters:
             mb = {**mb, "logp_unfiltered": logprobs_from_logits(out, mb["tokens"], vocab, vocab_parallel=vocab_parallel,
                                                                 sampling=sampling.unfiltered())}
@@ -298,18 +347,21 @@ def _logprob_step(gpt: GPTModel, vocab_parallel: bool, loss_for: Callable, sampl
 
 
 def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None = None,
-                   vocab_parallel: bool = False, sampling: LogitsSampling | None = None) -> torch.Tensor:
+                   vocab_parallel: bool = False, sampling: LogitsSampling | None = None,
+                   lengths: torch.Tensor | None = None) -> torch.Tensor:
     """FP32 logprobs (b, s-1) of ``tokens`` (b, s) under ``model``; forward only; identical on all PP stages.
 
     ``model``: the GPTModel of this rank (or a DDP-wrapped one, or a one-element list). Every TP/PP rank of a
     pipeline must call it with the same tokens. ``vocab_parallel``, ``sampling``: see :func:`logprobs_from_logits`.
+    ``lengths`` (b,): the real length of each right-padded row (logprobs past it are meaningless); None = all s.
     """
     chunks = _as_chunks(model)
     gpt = unwrap(chunks[0])
     tokens = tokens.to(compute_device())
     b, s = tokens.shape
     mbs = micro_batch_size or b
-    mbatches = _micro_batches({"tokens": tokens}, mbs)
+    batch = {"tokens": tokens} if lengths is None else {"tokens": tokens, "lengths": lengths.to(tokens.device)}
+    mbatches = _micro_batches(batch, mbs)
     was_training = [c.training for c in chunks]
     for c in chunks:
         c.eval()
