@@ -88,6 +88,42 @@ def test_upstream_fp8_recipes_select_the_arm_and_plan(upstream, name, preset):
     assert ok, text
 
 
+def test_every_loading_yaml_plans_unchanged_from_a_local_hub_cache(upstream, tmp_path, monkeypatch):
+    """Every Megatron GRPO YAML that loads plans unchanged, for the cluster it names (80 GiB GPUs, NeMo-RL's H100s),
+    with its model known only by hub id and the model's published config.json in an offline hub cache (as on a
+    cluster with HF_HOME set). Prints each outcome and the count."""
+    from hub_cache import write_config
+    from huggingface_hub import constants
+    from published_configs import PUBLISHED
+
+    from jetrl_megatron.rl.plan import plan_report
+
+    cache = tmp_path / "hub"
+    for repo_id, config in PUBLISHED.items():
+        write_config(cache, repo_id, config)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    outcome: dict[str, str] = {}
+    for y in upstream:
+        try:
+            cfg = load_config_file(y.path)
+        except ConfigError:
+            continue  # refused at load, naming a key (test above)
+        assert cfg.hub.cache_dir == str(cache)
+        try:
+            text, ok = plan_report(cfg, 80.0, show_config=False)
+            outcome[y.path.name] = "OK" if ok else "; ".join(
+                ln.strip() for ln in text.splitlines() if "REFUSED" in ln or "DOES NOT FIT" in ln)
+        except (ConfigError, UserError) as e:
+            outcome[y.path.name] = str(e)
+    passed = sorted(n for n, o in outcome.items() if o == "OK")
+    print(f"\n`jetrl plan` from a local hub cache: {len(passed)} of {len(outcome)} loading YAMLs plan OK")
+    for name, o in sorted(outcome.items()):
+        print(f"  {name}: {o}")
+    assert len(outcome) >= 17
+    assert passed == sorted(outcome), {n: o for n, o in outcome.items() if o != "OK"}
+
+
 def test_docs_table_is_current(upstream):
     from jetrl_megatron.cli import KEYS_DOC_HEADER
 

@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
+from jetrl_megatron.model.hub import HubCache
 from jetrl_megatron.recipe import (
     ARM_BY_SWITCHES,
     ELEMENTWISE_IMPLS,
@@ -66,6 +67,9 @@ class RunConfig(RunConfigFields):
     recipe: Fp8Recipe = field(default_factory=Fp8Recipe, compare=False)
     key_report: list[KeyVerdict] = field(default_factory=list, compare=False, repr=False)
     defaulted: list[str] = field(default_factory=list, compare=False, repr=False)
+    # Where hub ids (policy.model_name, the tokenizer, named datasets) are looked up: read from the environment once,
+    # when the config is built (model/hub.py).
+    hub: HubCache = field(default_factory=HubCache.from_env, compare=False, repr=False)
 
     @property
     def arm(self) -> str:
@@ -619,7 +623,8 @@ def check_batches(cfg: RunConfig) -> None:
 
 
 # The datasets this project reads, and NeMo-RL v0.7.0's named datasets (its response-dataset registry): those load
-# and plan (a NeMo-RL YAML names them), and a run stops with how to export one to a local JSONL (rl/tasks.py).
+# and plan (a NeMo-RL YAML names them); its math datasets run (rl/named_datasets.py), the others stop the run with
+# the reason (rl/tasks.py).
 OWN_DATASETS = ("synthetic_addition", "synthetic_sort", "synthetic_count", "ResponseDataset")
 NEMO_RL_DATASETS = ("AIME2024", "AIME2025", "AIME2026", "DAPOMath17K", "DAPOMathAIME2024", "DeepScaler", "GSM8K",
                     "gsm8k", "OpenMathInstruct-2", "Nemotron-Cascade-2-SFT-Math", "NemoGymDataset", "openai_format",
@@ -637,12 +642,17 @@ def check_data(cfg: RunConfig) -> None:
     if tr.dataset_name == "ResponseDataset" and not tr.data_path:
         raise ConfigError("data.train.data_path: required for data.train.dataset_name: ResponseDataset (a local "
                           "JSONL of problems and answers)")
-    if cfg.data.validation is not None and not cfg.data.validation.data_path:
+    val = cfg.data.validation
+    if val is not None and val.dataset_name not in ("ResponseDataset", *NEMO_RL_DATASETS):
+        near = difflib.get_close_matches(val.dataset_name, ("ResponseDataset", *NEMO_RL_DATASETS), n=1)
+        raise ConfigError(f"data.validation.dataset_name: {val.dataset_name!r} is not ResponseDataset or a NeMo-RL "
+                          "dataset name" + (f"; did you mean {near[0]!r}?" if near else ""))
+    if val is not None and val.dataset_name == "ResponseDataset" and not val.data_path:
         raise ConfigError("data.validation.data_path: required when data.validation is set (or set data.validation: "
                           "null to hold out data.train.split_validation_size of the training prompts)")
-    if cfg.data.validation is not None and tr.dataset_name != "ResponseDataset":
-        raise ConfigError("data.validation: only for data.train.dataset_name: ResponseDataset; the synthetic tasks "
-                          "hold out data.train.split_validation_size of their pool")
+    if val is not None and tr.dataset_name.startswith("synthetic_"):
+        raise ConfigError("data.validation: only for math datasets (ResponseDataset or NeMo-RL's named ones); the "
+                          "synthetic tasks hold out data.train.split_validation_size of their pool")
 
 
 def check_cluster(cfg: RunConfig) -> None:

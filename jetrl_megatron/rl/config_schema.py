@@ -179,6 +179,7 @@ class GenerationCfg:
 @dataclass
 class TokenizerCfg:
     name: str | None = None  # None: the model's own (HF path) or the char tokenizer (presets)
+    chat_template_kwargs: dict[str, Any] | None = None  # passed to the tokenizer's chat template (enable_thinking, ...)
 
 
 @dataclass
@@ -248,6 +249,7 @@ class TrainDataCfg:
     data_path: str | None = None  # JSONL for ResponseDataset (GSM8K / MATH style: problem + expected answer)
     input_key: str = "input"
     output_key: str = "output"
+    split: str | None = None  # a named dataset's split (None: NeMo-RL's, e.g. OpenMathInstruct-2's train_1M)
     # Held out for validation when data.validation is null: this fraction of the prompts (by distinct text).
     split_validation_size: float = 0.015625
     seed: int = 0  # seed of the held-out split (and of the synthetic pool); NeMo-RL recipes set ${grpo.seed}
@@ -261,9 +263,10 @@ class TrainDataCfg:
 @dataclass
 class ValidationDataCfg:
     dataset_name: str = "ResponseDataset"
-    data_path: str | None = None
+    data_path: str | None = None  # ResponseDataset's JSONL, or a local copy of a named dataset
     input_key: str = "input"
     output_key: str = "output"
+    split: str | None = None
 
 
 @dataclass

@@ -151,8 +151,8 @@ RULES: tuple[KeyRule, ...] = (
     _r("policy.disable_modelopt_layer_spec", IGNORED, "ModelOpt quantization is not used"),
     _r("policy.quant_cfg", IGNORED, "ModelOpt quantization (e.g. NVFP4) is not implemented", (None,)),
     _r("policy.quant_*", IGNORED, "ModelOpt calibration settings; ModelOpt itself is refused"),
-    _r("policy.tokenizer.chat_template_kwargs.**", IGNORED, "prompts are formatted by data.default.prompt_file; no "
-       "chat template is applied"),
+    _r("policy.tokenizer.chat_template_kwargs.**", IMPLEMENTED, "passed to the tokenizer's chat template, which "
+       "wraps each math prompt as NeMo-RL's math_hf_data_processor does"),
     _r("policy.max_grad_norm", IMPLEMENTED, "gradient clipping; must equal megatron_cfg.optimizer.clip_grad (NeMo-RL "
        "recipes interpolate one from the other)"),
     _r("policy.make_sequence_length_divisible_by", IMPLEMENTED, "each batch is padded to a length divisible by it "
@@ -274,8 +274,8 @@ RULES: tuple[KeyRule, ...] = (
     _r("data.default.processor", IMPLEMENTED, "math prompts with math-verify rewards (the synthetic tasks have their "
        "own)", ("math_hf_data_processor", None)),
     _r("data.default.env_name", IMPLEMENTED, "the math environment (math-verify)", ("math", None)),
-    _r("data.default.system_prompt_file", IMPLEMENTED, "system prompts need a chat template, which is not applied",
-       (None,)),
+    _r("data.default.system_prompt_file", IMPLEMENTED, "a system message before the problem, in the tokenizer's "
+       "chat template (NeMo-RL's math_hf_data_processor)"),
     _r("data.default.dataset_name", IGNORED, "the dataset is named in data.train / data.validation"),
     _r("data.num_workers", IGNORED, "prompts are built in the trainer process"),
     _r("data.use_multiple_dataloader", IGNORED, "one training dataset per run", OFF),

@@ -21,15 +21,24 @@ GiB = 1024**3
 
 
 def model_shape(cfg: RunConfig):
-    """The model's shape from ``policy.jet_rl.model_preset``, else ``policy.model_name`` (a preset, or a local HF
-    directory / config.json); a hub id is not looked up here (no download in a plan)."""
+    """The model's shape from ``policy.jet_rl.model_preset``, else ``policy.model_name``: a preset, a local HF
+    directory / config.json, or a hub id whose ``config.json`` is read from the Hugging Face cache (``cfg.hub``;
+    downloaded only when online and not cached, as transformers would)."""
+    from jetrl_megatron.model.hub import is_hub_id, snapshot
     from jetrl_megatron.model.shapes import get_model_shape
 
+    name = cfg.model_preset or cfg.policy.model_name
     try:
-        return get_model_shape(cfg.model_preset or cfg.policy.model_name)
+        return get_model_shape(name)
     except ValueError as e:
-        raise ConfigError(f"policy.model_name: {e}; set policy.jet_rl.model_preset=<preset> or point "
-                          "policy.model_name at a local HF model directory") from None
+        if not is_hub_id(name):
+            raise ConfigError(f"policy.model_name: {e}; set policy.jet_rl.model_preset=<preset> or point "
+                              "policy.model_name at a local HF model directory or a hub id") from None
+    folder = snapshot(name, cfg.hub, key="policy.model_name")
+    try:
+        return get_model_shape(folder).with_name(name)
+    except ValueError as e:
+        raise ConfigError(f"policy.model_name: {name!r} ({folder / 'config.json'}): {e}") from None
 
 
 @dataclass(frozen=True)

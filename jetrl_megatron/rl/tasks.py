@@ -1,4 +1,4 @@
-"""Prompt sources: a synthetic task a tiny model learns on CPU, and math problems from a local JSONL file.
+"""Prompt sources: a synthetic task a tiny model learns on CPU, and math problems (a local JSONL, NeMo-RL's datasets).
 
 Why a synthetic task: the embedded default must show reward rising within minutes on two CPU cores, with a model of
 vocabulary 128. Multi-digit addition (or sorting) written one character per token fits that: the reward is exact and
@@ -139,30 +139,62 @@ def _gold_answer(ans: Any) -> str:
 
 
 class MathTask:
-    """GSM8K / MATH-style problems from a local JSONL file, NeMo-RL's ``ResponseDataset``: the problem under
-    ``input_key``, the reference answer under ``output_key``; read with ``datasets``; rewards from ``math-verify``."""
+    """Math problems and their reference answers, prompted as NeMo-RL's ``math_hf_data_processor`` prompts them: the
+    problem formatted by ``data.default.prompt_file`` (a template with ``{}``), after a system message when
+    ``data.default.system_prompt_file`` is set, in the tokenizer's chat template with the generation prompt
+    (``policy.tokenizer.chat_template_kwargs`` passed to it); a tokenizer without a chat template (the character
+    tokenizer) gets the formatted problem as is. Rewards from ``math-verify``.
+
+    Built from a local JSONL (NeMo-RL's ``ResponseDataset``: the problem under ``input_key``, the answer under
+    ``output_key``) or, with :meth:`from_rows`, from one of NeMo-RL's named datasets (``rl/named_datasets.py``)."""
 
     name = "math_jsonl"
 
     def __init__(self, path: str | Path, tokenizer: Any, prompt_template: str | None = None,
-                 max_input_tokens: int | None = None, input_key: str = "input", output_key: str = "output"):
+                 max_input_tokens: int | None = None, input_key: str = "input", output_key: str = "output",
+                 system_prompt: str | None = None, chat_template_kwargs: dict[str, Any] | None = None):
         import datasets
 
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"data.train.data_path {path} does not exist (a GSM8K/MATH-style JSONL file)")
         ds = datasets.load_dataset("json", data_files=str(path), split="train")
-        self.tokenizer = tokenizer
-        self.template = prompt_template or DEFAULT_MATH_TEMPLATE
-        self._rows: list[tuple[str, str]] = []
+        rows: list[tuple[str, str]] = []
         for i, row in enumerate(ds):
             problem, gold = row.get(input_key), _gold_answer(row.get(output_key) or "")
             if not problem:
                 raise ValueError(f"{path}: row {i} has no '{input_key}' (data.train.input_key); keys: {sorted(row)}")
             if not gold:
                 raise ValueError(f"{path}: row {i} has no '{output_key}' (data.train.output_key); keys: {sorted(row)}")
-            self._rows.append((str(problem), gold))
+            rows.append((str(problem), gold))
+        self._setup(rows, tokenizer, prompt_template, max_input_tokens, system_prompt, chat_template_kwargs)
+
+    @classmethod
+    def from_rows(cls, name: str, rows: list[tuple[str, str]], tokenizer: Any, prompt_template: str | None = None,
+                  max_input_tokens: int | None = None, system_prompt: str | None = None,
+                  chat_template_kwargs: dict[str, Any] | None = None) -> MathTask:
+        """A task over (problem, answer) rows already read (a named dataset); a row without an answer is an error."""
+        bad = next((i for i, (problem, gold) in enumerate(rows) if not problem or not gold), None)
+        if bad is not None:
+            raise UserError(f"data.train.dataset_name: {name} row {bad} has an empty problem or answer: {rows[bad]!r}")
+        task = cls.__new__(cls)
+        task.name = name
+        task._setup(rows, tokenizer, prompt_template, max_input_tokens, system_prompt, chat_template_kwargs)
+        return task
+
+    def _setup(self, rows: list[tuple[str, str]], tokenizer: Any, prompt_template: str | None,
+               max_input_tokens: int | None, system_prompt: str | None,
+               chat_template_kwargs: dict[str, Any] | None) -> None:
+        self._rows = rows
+        self.tokenizer = tokenizer
+        self.template = prompt_template or DEFAULT_MATH_TEMPLATE
         self.max_input_tokens = max_input_tokens
+        self.system_prompt = system_prompt
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.chat = bool(getattr(tokenizer, "chat_template", None))
+        if system_prompt and not self.chat:
+            raise UserError("data.default.system_prompt_file: the tokenizer has no chat template to hold a system "
+                            "message (NeMo-RL places it there); set it to null")
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -172,7 +204,14 @@ class MathTask:
 
     def prompt(self, index: int) -> Prompt:
         text, gold = self.prompt_text(index), self._rows[index][1]
-        ids = self.tokenizer.encode(text)
+        if self.chat:
+            messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+            messages.append({"role": "user", "content": text})
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      **self.chat_template_kwargs)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote the specials
+        else:
+            ids = self.tokenizer.encode(text)
         if self.max_input_tokens is not None and len(ids) > self.max_input_tokens:
             ids = ids[-self.max_input_tokens:]
         return Prompt(text, tuple(ids), gold)
@@ -218,8 +257,20 @@ class PromptStream:
         self._order = self._permutation(self.epoch)
 
 
+def _read_prompt_file(key: str, path: str | None) -> str | None:
+    """A prompt file's text; a relative path is read from the working directory, as NeMo-RL reads it."""
+    if not path:
+        return None
+    if not Path(path).is_file():
+        raise UserError(f"{key}: {path} is not a file (a relative path is read from the working directory "
+                        f"{Path.cwd()}, as NeMo-RL reads it: run from there or give an absolute path)")
+    return Path(path).read_text()
+
+
 def build_task(cfg, validation: bool = False) -> Task:
     """The task of ``data.train`` (a RunConfig), or of ``data.validation`` when asked and set."""
+    from jetrl_megatron.rl.named_datasets import NAMED_MATH_DATASETS, load_named_rows
+
     d = cfg.data.train
     if d.dataset_name == "synthetic_addition":
         return AdditionTask(d.num_digits, d.num_prompts, seed=d.seed)
@@ -229,17 +280,24 @@ def build_task(cfg, validation: bool = False) -> Task:
         from jetrl_megatron.rl.count_task import CountTask
 
         return CountTask(d.num_terms, d.term_digits, d.num_prompts, seed=d.seed)
-    if d.dataset_name == "ResponseDataset":
-        src = cfg.data.validation if validation and cfg.data.validation is not None else d
-        prompt_file = cfg.data.default.prompt_file
-        template = Path(prompt_file).read_text() if prompt_file else None
-        return MathTask(src.data_path, load_tokenizer(cfg), template, cfg.data.max_input_seq_length,
-                        input_key=src.input_key, output_key=src.output_key)
-    raise UserError(f"data.train.dataset_name: {d.dataset_name!r} is not a dataset this project reads. NeMo-RL "
-                    "downloads its named datasets (OpenMathInstruct-2, DAPOMath17K, ...) from the Hugging Face hub; "
-                    "here, export one to a local JSONL and set data.train.dataset_name=ResponseDataset "
-                    "data.train.data_path=<file.jsonl> data.train.input_key=<problem column> "
-                    "data.train.output_key=<answer column>; or use synthetic_addition | synthetic_sort | "
+    use_val = validation and cfg.data.validation is not None
+    src, section = (cfg.data.validation, "data.validation") if use_val else (d, "data.train")
+    if src.dataset_name in ("ResponseDataset", *NAMED_MATH_DATASETS):
+        prompting = dict(prompt_template=_read_prompt_file("data.default.prompt_file", cfg.data.default.prompt_file),
+                         max_input_tokens=cfg.data.max_input_seq_length,
+                         system_prompt=_read_prompt_file("data.default.system_prompt_file",
+                                                         cfg.data.default.system_prompt_file),
+                         chat_template_kwargs=cfg.policy.tokenizer.chat_template_kwargs)
+        if src.dataset_name == "ResponseDataset":
+            return MathTask(src.data_path, load_tokenizer(cfg), input_key=src.input_key, output_key=src.output_key,
+                            **prompting)
+        output_key = None if f"{section}.output_key" in cfg.defaulted else src.output_key
+        rows = load_named_rows(src.dataset_name, cfg.hub, data_path=src.data_path, split=src.split,
+                               output_key=output_key, key=section)
+        return MathTask.from_rows(src.dataset_name, rows, load_tokenizer(cfg), **prompting)
+    raise UserError(f"{section}.dataset_name: {src.dataset_name!r} is not a dataset this project reads: NeMo-RL's "
+                    f"math datasets ({', '.join(NAMED_MATH_DATASETS)}) and ResponseDataset (a local JSONL) are; "
+                    f"{src.dataset_name} is not a math-answer dataset. Or use synthetic_addition | synthetic_sort | "
                     "synthetic_count")
 
 
@@ -266,10 +324,20 @@ def heldout_split(task: Task, num_val: int, seed: int) -> tuple[list[int], list[
 
 
 def load_tokenizer(cfg):
-    """The HF tokenizer of ``policy.tokenizer.name`` (or ``policy.model_name``); the char tokenizer for presets."""
+    """The HF tokenizer of ``policy.tokenizer.name`` (or ``policy.model_name``): a local folder, or a hub id read from
+    the Hugging Face cache (``cfg.hub``); the char tokenizer for presets. As NeMo-RL, a tokenizer without a pad token
+    pads with its end-of-sequence token."""
+    from jetrl_megatron.model.hub import TOKENIZER_FILES, is_hub_id, snapshot
+
+    key = "policy.tokenizer.name" if cfg.policy.tokenizer.name else "policy.model_name"
     name = cfg.policy.tokenizer.name or cfg.policy.model_name
     if name == cfg.model_preset and not Path(name).exists():
         return CharTokenizer()
+    if is_hub_id(name):
+        name = str(snapshot(name, cfg.hub, key=key, need=TOKENIZER_FILES))
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name)
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

@@ -4,7 +4,6 @@ the policy update over micro-batches, the supervised warm start, and writing the
 from __future__ import annotations
 
 import math
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from jetrl_megatron.errors import UserError, one_line
+from jetrl_megatron.errors import UserError
 from jetrl_megatron.rl import grpo
 from jetrl_megatron.rl.batch import (
     RolloutBatch,
@@ -89,23 +88,20 @@ class ModelSourceError(UserError, FileNotFoundError):
 
 def resolve_model_weights(cfg: RunConfig) -> str | None:
     """The HF checkpoint directory to start from, or None for a random init of a preset (``model_name`` equal to
-    ``model_preset``, e.g. ``tiny``). A hub id is looked up in the local Hugging Face cache / downloaded; failing that
-    the run stops instead of silently training a random model."""
+    ``model_preset``, e.g. ``tiny``). A hub id is read from the Hugging Face cache (``cfg.hub``; downloaded when
+    online and not cached); failing that the run stops instead of silently training a random model."""
+    from jetrl_megatron.model.hub import WEIGHT_FILES, is_hub_id, snapshot
+
     name = cfg.policy.model_name
     if Path(name).is_dir():
         return name
     if name == cfg.model_preset:
         return None
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors"],
-                                 local_files_only=os.environ.get("HF_HUB_OFFLINE", "0") == "1")
-    except Exception as e:
-        raise ModelSourceError(
-            f"policy.model_name {name!r}: not a local directory and not obtainable from the Hugging Face hub "
-            f"({one_line(e, limit=200)}); point it at a local HF checkpoint, or set it to policy.jet_rl.model_preset "
-            f"({cfg.model_preset!r}) for a random init") from None
+    if not is_hub_id(name):
+        raise ModelSourceError(f"policy.model_name {name!r}: not a local directory and not a hub id; point it at a "
+                               f"local HF checkpoint, or set it to policy.jet_rl.model_preset ({cfg.model_preset!r}) "
+                               "for a random init")
+    return str(snapshot(name, cfg.hub, key="policy.model_name", need=WEIGHT_FILES))
 
 
 def make_reference(cfg: RunConfig, trainer: Trainer):
