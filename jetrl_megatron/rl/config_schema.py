@@ -246,7 +246,8 @@ class TrainDataCfg:
     """NeMo-RL's ``data.train``: the dataset, its held-out split, and (synthetic tasks) the pool's options."""
 
     dataset_name: str = "synthetic_addition"  # synthetic_addition | synthetic_sort | synthetic_count | ResponseDataset
-    data_path: str | None = None  # JSONL for ResponseDataset (GSM8K / MATH style: problem + expected answer)
+    # JSONL for ResponseDataset (GSM8K / MATH style: problem + expected answer), or a local copy of a named dataset
+    data_path: str | None = None
     input_key: str = "input"
     output_key: str = "output"
     split: str | None = None  # a named dataset's split (None: NeMo-RL's, e.g. OpenMathInstruct-2's train_1M)
