@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="validate a recipe: config, layout, resharder preflight, memory estimate")
     _recipe_args(p)
     p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory to check the estimate against")
+    p.add_argument("--host-mem-gib", type=float, default=None,
+                   help="host memory per node to check the estimate against (optimizer CPU offload, vLLM's sleep "
+                        "backup); unchecked when not given")
     p.add_argument("--no-config", action="store_true", help="do not print the resolved config")
     s = sub.add_parser("sbatch", help="print (or submit) the SLURM command for a GPU or CPU recipe")
     _recipe_args(s)
@@ -277,7 +280,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from jetrl_megatron.rl.plan import plan_report
 
     cfg = load_config(args.recipe, args.overrides)
-    text, ok = plan_report(cfg, args.gpu_mem_gib, show_config=not args.no_config)
+    text, ok = plan_report(cfg, args.gpu_mem_gib, show_config=not args.no_config, host_mem_gib=args.host_mem_gib)
     print(text)
     print(f"# plan: {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1

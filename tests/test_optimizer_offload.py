@@ -237,3 +237,44 @@ def test_offload_needs_the_distributed_optimizer_and_a_fraction(mp):
     with pytest.raises(ValueError, match=r"optimizer_offload_fraction must be in \(0, 1\]"):
         build_policy(tiny_shape("qwen3"), Fp8Recipe(mode="jetrl"), use_distributed_optimizer=True,
                      optimizer={"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.0})
+
+
+# ---------------------------------------------------------------------------------------------- config -> trainer, plan
+def test_config_passes_the_offload_keys_and_refuses_bad_ones():
+    from jetrl_megatron.rl.config import ConfigError, load_config
+    from jetrl_megatron.rl.plan import trainer_settings
+
+    s = trainer_settings(load_config("qwen3_8b_1gpu"))
+    opt = s.policy_kwargs()["optimizer"]
+    assert opt["optimizer_cpu_offload"] is True and opt["optimizer_offload_fraction"] == 0.75
+    assert s.policy_kwargs()["use_distributed_optimizer"] and s.host_fraction == 0.75
+    assert trainer_settings(load_config("qwen3_8b_tp1")).host_fraction == 0.0
+    with pytest.raises(ConfigError, match=r"optimizer_cpu_offload: true needs .*use_distributed_optimizer: true"):
+        load_config("qwen3_8b_1gpu", ["policy.megatron_cfg.optimizer.use_distributed_optimizer=false"])
+    with pytest.raises(ConfigError, match=r"optimizer_offload_fraction: must be in \(0, 1\]"):
+        load_config("qwen3_8b_1gpu", ["policy.megatron_cfg.optimizer.optimizer_offload_fraction=0"])
+    with pytest.raises(ConfigError, match=r"optimizer_offload_fraction: must be in \[0, 1\]"):
+        load_config("qwen3_8b_1gpu", ["policy.megatron_cfg.optimizer.optimizer_offload_fraction=1.5"])
+
+
+def test_plan_counts_gpu_and_host_memory_of_the_offload():
+    """Offload moves f x (12 + 4) B/param from the GPU to the host; the host check fails and says by how much."""
+    from jetrl_megatron.rl.config import load_config
+    from jetrl_megatron.rl.plan import memory_estimate, model_shape, parallel_layout, plan_report
+
+    off = load_config("qwen3_8b_1gpu")
+    on_gpu = load_config("qwen3_8b_1gpu", ["policy.megatron_cfg.optimizer.optimizer_cpu_offload=false"])
+    m1, m0 = (memory_estimate(c, model_shape(c), parallel_layout(c), 139.0) for c in (off, on_gpu))
+    params = m0["weights_bf16"] / 2  # GiB of parameters (x 2 B)
+    assert m0["optimizer_adam"] == pytest.approx(12 * params) and m0["host_optimizer"] == 0.0
+    assert m1["optimizer_adam"] == pytest.approx(12 * params * 0.25)
+    assert m1["host_optimizer"] == pytest.approx(12 * params * 0.75)
+    assert m1["host_grads_fp32"] == pytest.approx(4 * params * 0.75)
+    assert m1["host_per_node"] == pytest.approx(16 * params * 0.75 + m1["vllm_weights"])
+    text, ok = plan_report(off, 139.0, show_config=False, host_mem_gib=125.0)
+    assert ok and "host 100.3 GiB per node of 125 GiB: fits" in text, text
+    full = load_config("qwen3_8b_1gpu", ["policy.megatron_cfg.optimizer.optimizer_offload_fraction=1.0"])
+    text, ok = plan_report(full, 139.0, show_config=False, host_mem_gib=125.0)
+    assert not ok and "host 130.8 GiB per node of 125 GiB: DOES NOT FIT, 5.8 GiB over" in text, text
+    text, ok = plan_report(full, 139.0, show_config=False)
+    assert ok and "not checked (--host-mem-gib)" in text

@@ -503,6 +503,7 @@ def _ranges(cfg: RunConfig) -> list[tuple[str, float | int | None, float, float,
         ("policy.megatron_cfg.optimizer.adam_beta2", o.adam_beta2, 0, 1, True, False),
         ("policy.megatron_cfg.optimizer.adam_eps", o.adam_eps, 0, _INF, False, False),
         ("policy.megatron_cfg.optimizer.clip_grad", o.clip_grad, 0, _INF, True, False),
+        ("policy.megatron_cfg.optimizer.optimizer_offload_fraction", o.optimizer_offload_fraction, 0, 1, True, True),
         ("policy.megatron_cfg.scheduler.lr_warmup_iters", sch.lr_warmup_iters, 0, _INF, True, True),
         ("policy.megatron_cfg.scheduler.lr_warmup_init", sch.lr_warmup_init, 0, _INF, True, False),
         ("policy.megatron_cfg.scheduler.lr_decay_iters", sch.lr_decay_iters, 1, _INF, True, True),
@@ -655,6 +656,20 @@ def check_data(cfg: RunConfig) -> None:
                           "synthetic tasks hold out data.train.split_validation_size of their pool")
 
 
+def check_optimizer_offload(cfg: RunConfig) -> None:
+    """Megatron runs its CPU-offload optimizer only inside the distributed optimizer, and offloads a non-empty share."""
+    o = cfg.policy.megatron_cfg.optimizer
+    if not o.optimizer_cpu_offload:
+        return
+    if not o.use_distributed_optimizer:
+        raise ConfigError("policy.megatron_cfg.optimizer.optimizer_cpu_offload: true needs "
+                          "policy.megatron_cfg.optimizer.use_distributed_optimizer: true (Megatron's hybrid "
+                          "CPU-offload optimizer runs inside the distributed optimizer)")
+    if o.optimizer_offload_fraction <= 0:
+        raise ConfigError("policy.megatron_cfg.optimizer.optimizer_offload_fraction: must be in (0, 1] with "
+                          f"optimizer_cpu_offload: true (NeMo-RL's value is 1.0), got {o.optimizer_offload_fraction}")
+
+
 def check_cluster(cfg: RunConfig) -> None:
     if not cfg.is_gpu:
         return
@@ -683,5 +698,6 @@ def resolve(cfg: RunConfig) -> RunConfig:
     check_bf16_layers(cfg)
     check_batches(cfg)
     check_data(cfg)
+    check_optimizer_offload(cfg)
     check_cluster(cfg)
     return cfg

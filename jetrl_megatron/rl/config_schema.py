@@ -99,6 +99,8 @@ class OptimizerCfg:
     params_dtype: str = "float32"
     use_distributed_optimizer: bool = False
     clip_grad: float = 1.0  # must equal policy.max_grad_norm (NeMo-RL interpolates it from there)
+    optimizer_cpu_offload: bool = False  # Megatron's HybridDeviceOptimizer (needs use_distributed_optimizer)
+    optimizer_offload_fraction: float = 0.0  # share of the FP32 masters + Adam state on the host when offloaded
 
 
 @dataclass

@@ -208,10 +208,13 @@ RULES: tuple[KeyRule, ...] = (
     _r("policy.megatron_cfg.optimizer.use_precision_aware_optimizer", IGNORED,
        "with NeMo-RL's defaults (FP32 master weights, FP32 Adam moments) Megatron's precision-aware optimizer only "
        "moves where the FP32 state lives; the update is the same as this project's FP32 Adam"),
-    _r("policy.megatron_cfg.optimizer.optimizer_cpu_offload", IGNORED, "optimizer CPU offload is not implemented",
-       OFF),
-    _r("policy.megatron_cfg.optimizer.optimizer_offload_fraction", IGNORED, "optimizer CPU offload is not "
-       "implemented", (0, None)),
+    _r("policy.megatron_cfg.optimizer.optimizer_cpu_offload", IMPLEMENTED, "Megatron's HybridDeviceOptimizer "
+       "inside the distributed optimizer (use_distributed_optimizer: true required): FP32 masters and Adam moments "
+       "on the host, updated there by torch's AdamW, the new weights copied back before the FP8 refresh"),
+    _r("policy.megatron_cfg.optimizer.optimizer_offload_fraction", IMPLEMENTED, "with optimizer_cpu_offload: the "
+       "share of each rank's optimizer state on the host, in (0, 1] (Megatron's meaning); NeMo-RL v0.7.0 accepts "
+       "only 1.0, because its worker moves the GPU part to the host around generation; here the GPU part stays "
+       "resident, so a split works. No effect without offload"),
     _r("policy.megatron_cfg.optimizer.sgd_momentum", IGNORED, "SGD only; the optimizer is Adam"),
     _r("policy.megatron_cfg.scheduler.weight_decay_incr_style", IMPLEMENTED, "constant weight decay only",
        ("constant",)),

@@ -58,6 +58,14 @@ class TrainerSettings:
     # The GRPO loop frees the DDP grad buffers after each update and re-allocates them (zeroed) before the next
     # (megatron/grad_buffers.py). Not a recipe key: NeMo-RL's Megatron worker frees them unconditionally too.
     release_grad_buffers: bool = True
+    # Megatron's HybridDeviceOptimizer: this share of the FP32 masters + Adam moments lives and steps on the host
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 0.0
+
+    @property
+    def host_fraction(self) -> float:
+        """The share of the optimizer state (and its FP32 gradient copies) held on the host."""
+        return self.optimizer_offload_fraction if self.optimizer_cpu_offload else 0.0
 
     def policy_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``megatron.policy.build_policy`` (DDP and optimizer settings)."""
@@ -72,6 +80,9 @@ class TrainerSettings:
             how = f"Megatron distributed optimizer: FP32 master + Adam moments sharded over DP={dp}"
         else:
             how = "Megatron Float16 optimizer: FP32 master + Adam moments replicated on every DP rank"
+        if self.optimizer_cpu_offload:
+            how += (f"; {self.optimizer_offload_fraction:g} of it on the host, stepped there by Megatron's "
+                    "HybridDeviceOptimizer (optimizer_cpu_offload=true)")
         return (f"{how} (policy.megatron_cfg.optimizer.use_distributed_optimizer="
                 f"{str(self.use_distributed_optimizer).lower()}, use_precision_aware_optimizer="
                 f"{str(self.use_precision_aware_optimizer).lower()}); "
@@ -95,7 +106,9 @@ def trainer_settings(cfg: RunConfig) -> TrainerSettings:
     return TrainerSettings(use_distributed_optimizer=o.use_distributed_optimizer,
                            use_precision_aware_optimizer=False, grad_reduce_in_fp32=False,
                            lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad, adam_beta1=o.adam_beta1,
-                           adam_beta2=o.adam_beta2, adam_eps=o.adam_eps)
+                           adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                           optimizer_cpu_offload=o.optimizer_cpu_offload,
+                           optimizer_offload_fraction=o.optimizer_offload_fraction)
 
 
 @dataclass
@@ -207,6 +220,12 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     - during the optimizer step: FP32 copies of the gradients (4 B/param, /DP distributed), released right after
       the step by the optimizer wrapper; they coexist with the weights/grads/Adam state but not with the
       activations, so the train phase counts max(activations, main_grads_fp32);
+    - CPU offload (``optimizer_cpu_offload``, share f = ``optimizer_offload_fraction``): the GPU keeps (1 - f) of the
+      Adam state and of the FP32 gradient copies; the host holds f x 12 B/param (/DP) of FP32 masters + moments and
+      f x 4 B/param (/DP) of pinned FP32 gradient copies, allocated at the first step and kept (Megatron's
+      HybridDeviceOptimizer). Host memory per node also counts each colocated vLLM engine's weights, which its
+      level-1 sleep copies to the host while the trainer runs, times the GPUs of the node (not counted: the
+      processes' own memory, CUDA contexts and libraries; leave headroom for them);
     - activations of one micro-batch (S = max_total_sequence_length tokens x micro-batch): without recompute
       34 x S x h bytes per layer / TP (flash attention, no S^2 term; Korthikanti et al.), the jetrl arm saving its
       linear inputs in FP8 instead of BF16 (-(2h + q + f) bytes per token per layer / TP); with full activation
@@ -245,8 +264,8 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
         "weights_bf16": 2 * params,
         "fp8_weight_copies": (lin * (1 + 4 / (128 * 128))) if fp8_train else 0.0,
         "grad_buffers": (4 if settings.grad_reduce_in_fp32 else 2) * params,
-        "optimizer_adam": 12 * params / shard,
-        "main_grads_fp32": 4 * params / shard,
+        "optimizer_adam": 12 * params / shard * (1 - settings.host_fraction),
+        "main_grads_fp32": 4 * params / shard * (1 - settings.host_fraction),
         "activations": acts,
         "refit_buffers": busiest[1].buffers if (busiest := refit_buffers(cfg, shape, layout)) else 0,
     }
@@ -275,6 +294,12 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     if not settings.release_grad_buffers:
         resident += out["grad_buffers"]
     out["rollout_phase_total"] = resident + vllm_budget
+    # host memory (per rank, then per node): the offloaded optimizer share and vLLM's sleep backup of its weights
+    out["host_optimizer"] = 12 * params / shard * settings.host_fraction / GiB
+    out["host_grads_fp32"] = 4 * params / shard * settings.host_fraction / GiB
+    out["host_vllm_sleep"] = rollout_w if cfg.policy.generation.colocated.enabled else 0.0
+    per_node = max(1, cfg.cluster.gpus_per_node) if cfg.is_gpu else layout.world
+    out["host_per_node"] = per_node * (out["host_optimizer"] + out["host_grads_fp32"] + out["host_vllm_sleep"])
     return out
 
 
@@ -292,8 +317,10 @@ def key_accounting(cfg: RunConfig) -> list[str]:
     return [*lines, ""]
 
 
-def plan_report(cfg: RunConfig, gpu_mem_gib: float = 80.0, show_config: bool = True) -> tuple[str, bool]:
-    """The text `jetrl plan` prints and whether the recipe passed (resharder preflight and memory)."""
+def plan_report(cfg: RunConfig, gpu_mem_gib: float = 80.0, show_config: bool = True,
+                host_mem_gib: float | None = None) -> tuple[str, bool]:
+    """The text `jetrl plan` prints and whether the recipe passed (resharder preflight, GPU memory, and host memory
+    per node when ``host_mem_gib`` is given)."""
     from jetrl_megatron.reshard.preflight import check_reshard
 
     shape = model_shape(cfg)
@@ -331,4 +358,12 @@ def plan_report(cfg: RunConfig, gpu_mem_gib: float = 80.0, show_config: bool = T
         if mem["kv_cache_full_batch"] > mem["kv_cache_budget"]:
             lines.append("  note: the full rollout batch needs more KV than the budget; vLLM will schedule it in waves")
         ok = ok and peak <= gpu_mem_gib
+        if host_mem_gib is None:
+            lines.append(f"  host {mem['host_per_node']:.1f} GiB per node: not checked (--host-mem-gib)")
+        elif mem["host_per_node"] > host_mem_gib:
+            lines.append(f"  host {mem['host_per_node']:.1f} GiB per node of {host_mem_gib:.0f} GiB: DOES NOT FIT, "
+                         f"{mem['host_per_node'] - host_mem_gib:.1f} GiB over")
+            ok = False
+        else:
+            lines.append(f"  host {mem['host_per_node']:.1f} GiB per node of {host_mem_gib:.0f} GiB: fits")
     return "\n".join(lines), ok
