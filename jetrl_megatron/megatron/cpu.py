@@ -64,23 +64,25 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         host = _STATE.get("host")
         if host is not None:
-            return host.call(self._redirect, func, args, kwargs)
-        return self._redirect(func, args, kwargs)
+            return host.call(_redirect, func, args, kwargs)
+        return _redirect(func, args, kwargs)
 
-    @staticmethod
-    def _redirect(func, args, kwargs):
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            # Megatron's mixed-precision optimizer accepts only 'torch.cuda.*Tensor' type names.
-            name = func(*args)
-            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
-        dev = kwargs.get("device")
-        if dev is not None and (_is_cuda_device(dev) or (isinstance(dev, int) and not isinstance(dev, bool))):
-            kwargs["device"] = "cpu"
-        if func is torch.Tensor.to and len(args) > 1 and (_is_cuda_device(args[1]) or type(args[1]) is int):
-            args = (args[0], "cpu", *args[2:])
-        return func(*args, **kwargs)
+
+def _redirect(func, args, kwargs):
+    """The CUDA -> CPU rewrite of one call. A module function, not a static method: torch.compile'd code (vLLM's
+    CPU sampler) traces through this mode, and dynamo cannot guard on a static method looked up on the mode."""
+    if func is torch.Tensor.cuda:
+        return args[0]
+    if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+        # Megatron's mixed-precision optimizer accepts only 'torch.cuda.*Tensor' type names.
+        name = func(*args)
+        return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+    dev = kwargs.get("device")
+    if dev is not None and (_is_cuda_device(dev) or (isinstance(dev, int) and not isinstance(dev, bool))):
+        kwargs["device"] = "cpu"
+    if func is torch.Tensor.to and len(args) > 1 and (_is_cuda_device(args[1]) or type(args[1]) is int):
+        args = (args[0], "cpu", *args[2:])
+    return func(*args, **kwargs)
 
 
 _IS_CUDA_GET = torch.Tensor.is_cuda.__get__

@@ -29,7 +29,8 @@ class RolloutBatch:
 
     tokens (B, S): prompt + response, right-padded; mask / gen_logprobs (B, S-1): position t scores tokens[:, t+1],
     mask 1 on response tokens only; rewards / correct (B,); response_len (B,); truncated (B,): the response used
-    all of ``max_new_tokens`` without ending in the end-of-sequence token.
+    all of ``max_new_tokens`` without ending in the end-of-sequence token; lengths (B,): each row's real length,
+    handed to the trainer's attention so that each sequence is seen alone, as the rollout engine's prefill sees it.
     """
 
     tokens: torch.Tensor
@@ -40,11 +41,13 @@ class RolloutBatch:
     response_len: torch.Tensor
     texts: list[str]
     truncated: torch.Tensor
+    lengths: torch.Tensor | None = None  # (B,) prompt + response length of each row (None: every row is S long)
 
 
 def stop_ids(cfg: RunConfig, task) -> list[int] | None:
-    """Token ids that end an answer: the tokenizer's end of sequence and ``policy.generation.stop_token_ids``."""
-    eos = getattr(task.tokenizer, "eos_token_id", None)
+    """Token ids that end an answer: the tokenizer's end of sequence (unless ``policy.generation.ignore_eos``) and
+    ``policy.generation.stop_token_ids``."""
+    eos = None if cfg.policy.generation.ignore_eos else getattr(task.tokenizer, "eos_token_id", None)
     ids = ([eos] if eos is not None else []) + list(cfg.policy.generation.stop_token_ids or [])
     return ids or None
 
@@ -80,7 +83,9 @@ def make_batch(cfg: RunConfig, task, prompts, samples) -> RolloutBatch:
     stops = set(stop_ids(cfg, task) or ())
     truncated = torch.tensor([len(rt) >= cfg.policy.generation.max_new_tokens and (not rt or rt[-1] not in stops)
                               for _, rt, _ in rows])
-    return RolloutBatch(tokens, mask, gen, torch.tensor(rewards), torch.tensor(correct), rlen, texts, truncated)
+    lengths = torch.tensor([len(pt) + len(rt) for pt, rt, _ in rows])
+    return RolloutBatch(tokens, mask, gen, torch.tensor(rewards), torch.tensor(correct), rlen, texts, truncated,
+                        lengths)
 
 
 def response_positions(batch: RolloutBatch) -> torch.Tensor:

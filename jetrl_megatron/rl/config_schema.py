@@ -171,6 +171,7 @@ class GenerationCfg:
     top_k: int | None = None
     stop_token_ids: list[int] | None = None
     stop_strings: list[str] | None = None
+    ignore_eos: bool = False  # NeMo-RL's: sample to max_new_tokens (fixed-length responses, e.g. benchmarks)
     colocated: ColocatedCfg = field(default_factory=ColocatedCfg)
     vllm_cfg: VllmCfg = field(default_factory=VllmCfg)
     # NeMo-RL's pass-through to ``vllm.LLM(...)``, e.g. ``kv_cache_memory_bytes`` or ``compilation_config: {mode: 0,

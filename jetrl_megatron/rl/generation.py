@@ -74,7 +74,7 @@ def rollout(cfg: RunConfig, engine, task, prompts, step: int) -> tuple[list, flo
         out = engine.generate([prompts[i].token_ids for i in mine], n=n, max_tokens=g.max_new_tokens,
                               temperature=g.temperature, top_p=g.top_p, top_k=_vllm_top_k(g.top_k),
                               seed=cfg.grpo.seed * 1_000_003 + step * 10_007 + mine[0] * n,
-                              stop_token_ids=stop_ids(cfg, task))
+                              stop_token_ids=stop_ids(cfg, task), ignore_eos=g.ignore_eos)
         samples = [(mine[s.prompt_index], s.sample_index, list(s.token_ids), list(s.logprobs)) for s in out]
     if dist_world() > 1:
         parts: list = [None] * dist_world()

@@ -10,6 +10,7 @@ With delta_t = logp_train - logp_rollout for every sampled response token (maske
   mismatch/is_oob_frac           fraction of tokens with exp(delta) outside [1/C, C], C = 2
   mismatch/chi2_token            mean(exp(delta)^2) - 1
   mismatch/max_abs_logp_diff     max |delta|
+  mismatch/bit_identical_frac    fraction of tokens with delta exactly 0 (the trainer's logprob is the rollout's bits)
 
 Each is also reported per response-position bin as ``mismatch/<name>/pos_<lo>_<hi>`` (token positions lo..hi-1
 within the response), because Jet-RL's claim is length dependent; empty bins are left out.
@@ -49,6 +50,7 @@ MISMATCH_KEYS = (
     "is_oob_frac",
     "chi2_token",
     "max_abs_logp_diff",
+    "bit_identical_frac",
 )
 
 
@@ -72,6 +74,7 @@ def _stats(delta: torch.Tensor, lp_train: torch.Tensor, lp_roll: torch.Tensor, r
         "is_oob_frac": float(((rho < 1.0 / ratio_c) | (rho > ratio_c)).double().mean()),
         "chi2_token": float((rho * rho).mean() - 1.0),
         "max_abs_logp_diff": float(delta.abs().max()),
+        "bit_identical_frac": float((lp_train == lp_roll).double().mean()),
     }
 
 

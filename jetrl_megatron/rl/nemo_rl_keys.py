@@ -228,6 +228,8 @@ RULES: tuple[KeyRule, ...] = (
        "sequence)"),
     _r("policy.generation.colocated.enabled", IMPLEMENTED, "true: vLLM sleeps (frees its KV cache) while the "
        "trainer runs; false: both stay resident (runs sharing a GPU)"),
+    _r("policy.generation.ignore_eos", IMPLEMENTED, "true: the end-of-sequence token does not end an answer (every "
+       "response runs to max_new_tokens, stop_token_ids still stop it)"),
     _r("policy.generation.vllm_kwargs", IMPLEMENTED, "passed to vllm.LLM(...); kv_cache_memory_bytes sizes the KV "
        "cache (CPU default 64 MiB)"),
     _r("policy.generation.temperature", IMPLEMENTED, "the rollout samples at it and the trainer divides its FP32 "

@@ -126,15 +126,17 @@ def rollout_sampling(cfg: RunConfig) -> LogitsSampling:
     return LogitsSampling(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
 
 
-def trainer_logprobs(cfg: RunConfig, model, tokens: torch.Tensor, sampling: LogitsSampling | None = None
-                     ) -> torch.Tensor:
+def trainer_logprobs(cfg: RunConfig, model, tokens: torch.Tensor, sampling: LogitsSampling | None = None,
+                     lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Logprobs of ``tokens`` under ``model``, of the ``sampling`` distribution (None: raw). With a top-k / top-p
-    filter a token the trainer filters out is -inf (``mask_filtered_out``)."""
+    filter a token the trainer filters out is -inf (``mask_filtered_out``). ``lengths``: each row's real length."""
     from jetrl_megatron.megatron.model import token_logprobs
 
     mine = dp_slice(tokens)
     mbs = math.gcd(cfg.policy.logprob_batch_size, mine.shape[0])
-    return dp_gather(token_logprobs(model, mine, micro_batch_size=mbs, sampling=sampling).float().cpu())
+    lp = token_logprobs(model, mine, micro_batch_size=mbs, sampling=sampling,
+                        lengths=None if lengths is None else dp_slice(lengths))
+    return dp_gather(lp.float().cpu())
 
 
 def policy_logprobs(cfg: RunConfig, model, batch: RolloutBatch) -> tuple[torch.Tensor, int]:
@@ -142,14 +144,14 @@ def policy_logprobs(cfg: RunConfig, model, batch: RolloutBatch) -> tuple[torch.T
     many sampled tokens the trainer's top-k / top-p filter removed: those get logprob 0 (NeMo-RL's
     ``mask_out_neg_inf_logprobs``), in the mismatch metrics, the rollout correction and the loss alike."""
     sampling = rollout_sampling(cfg)
-    logp = trainer_logprobs(cfg, model, batch.tokens, sampling)
+    logp = trainer_logprobs(cfg, model, batch.tokens, sampling, batch.lengths)
     return mask_filtered_out(logp, batch.mask) if sampling.filters else (logp, 0)
 
 
 def reference_logprobs(cfg: RunConfig, model, batch: RolloutBatch) -> torch.Tensor:
     """The reference policy's logprobs for the KL penalty: at the rollout temperature, never filtered (NeMo-RL: its
     top-k / top-p set differs from the policy's, so filtered values would be -inf where the policy's are not)."""
-    return trainer_logprobs(cfg, model, batch.tokens, rollout_sampling(cfg).unfiltered())
+    return trainer_logprobs(cfg, model, batch.tokens, rollout_sampling(cfg).unfiltered(), batch.lengths)
 
 
 def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: torch.Tensor, logp_old: torch.Tensor,
@@ -175,6 +177,8 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
             data["logp_ref"] = logp_ref[sl]
         if is_w is not None:
             data["is_w"] = is_w[sl]
+        if batch.lengths is not None:
+            data["lengths"] = batch.lengths[sl]
         if lf.use_on_policy_kl_approximation and logp_ref is not None:
             data["logp_gen"] = batch.gen_logprobs[sl]
         data = {k: dp_slice(v) for k, v in data.items()}
