@@ -317,7 +317,7 @@ def main() -> None:
             layer.zero_grad(set_to_none=True)
             x.grad = None
             out, _ = layer(x, attention_mask=None)
-            out.backward(gout)
+            out.backward(gout.to(out.dtype))  # FP32 residual stream; BF16 with vllm_cuda
 
         def mlp_step(layer=layer):
             layer.zero_grad(set_to_none=True)

@@ -158,7 +158,7 @@ def run_arm(args, arm: str, workdir: str) -> dict:
     if args.cuda_graphs:
         llm_kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     engine = RolloutEngine(RolloutConfig(
-        model_dir=model_dir, recipe=recipe, gpu_memory_utilization=args.gpu_memory_utilization,
+        model_dir=model_dir, recipe=recipe, kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
         max_num_seqs=max(args.prompts, 8), max_model_len=args.prompt_max + args.new_tokens + 8,
         enforce_eager=not args.cuda_graphs, fp8_gemm_warmup=False, llm_kwargs=llm_kwargs))
     out: dict = {"arm": arm}
@@ -217,7 +217,8 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--gemm-backend", default="cublas")
     p.add_argument("--attn-impl", default=None, help="trainer attention/numerics (default: vllm_cuda where vLLM is)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--kv-cache-gib", type=float, default=8.0, help="the engine's KV cache (an exact size: with "
+                   "gpu_memory_utilization vLLM 0.26 profiles CUDA-graph memory, which failed beside the trainer)")
     p.add_argument("--cuda-graphs", action="store_true", help="engine with FULL_DECODE_ONLY CUDA graphs, mode 0")
     p.add_argument("--no-probe", dest="probe", action="store_false")
     p.add_argument("--refit", action="store_true")

@@ -235,7 +235,7 @@ def check_megatron_layer(device: str, seq: int, batch: int = 2) -> dict:
         try:
             seed_everything(0)
             config = megatron_config(shape, recipe, use_te_activation_func=True)
-            attn = "fp32" if device == "cpu" else None  # CPU: FP32 SDPA (no vllm import needed)
+            attn = "fp32" if device == "cpu" else "bf16"  # the Triton kernels serve these paths (vllm_cuda: vLLM's)
             ctx = Fp8ModelContext.create(shape, recipe, range(1), attn)
             layer = build_module(gpt_layer_spec(ctx, 0, lean_swiglu=True), config=config,
                                  layer_number=1).to(device)

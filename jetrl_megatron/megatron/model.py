@@ -225,7 +225,9 @@ class _VllmCudaLogprobFn(torch.autograd.Function):
     def backward(ctx, g):
         logits, tokens = ctx.saved_tensors
         t = ctx.temperature if ctx.temperature not in (0.0, 1.0) else 1.0
-        d = torch.softmax(logits.float() / t, dim=-1).mul_(-g[:, None])
+        # the forward's distribution: vLLM stores the scaled logits in BF16 before its log-softmax
+        z = logits.float() if t == 1.0 else (logits.float() / t).to(logits.dtype).float()
+        d = torch.softmax(z, dim=-1).mul_(-g[:, None])
         d.scatter_add_(1, tokens[:, None].long(), g[:, None].float())
         return (d / t).to(logits.dtype), None, None
 
