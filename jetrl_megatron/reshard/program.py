@@ -12,7 +12,7 @@ program (`run()` checks the source data pointers and refuses stale ones).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -106,6 +106,24 @@ class VllmRefitProgram:
         object (the caller's, after the program was planned over a recording view). ``check_sources`` still
         compares every address, so a different tensor is caught, not silently copied from."""
         self._src = src
+
+    def take_pairs(self, streamed: Callable[[torch.Tensor], bool]) -> list[CopyPair]:
+        """Remove and return the copies whose source view satisfies `streamed` (e.g. meta-device stand-ins of a peer's
+        tensors that arrive in staging rounds): `run()` and the CUDA graph keep the rest, the caller runs these."""
+        taken: list[CopyPair] = []
+        for dtype, (dsts, srcs) in list(self._groups.items()):
+            keep = [(d, s) for d, s in zip(dsts, srcs, strict=True) if not streamed(s)]
+            taken += [(d, s) for d, s in zip(dsts, srcs, strict=True) if streamed(s)]
+            if keep:
+                self._groups[dtype] = ([d for d, _ in keep], [s for _, s in keep])
+            else:
+                del self._groups[dtype]
+        taken += [p for p in self._strided if streamed(p[1])]
+        self._strided = [p for p in self._strided if not streamed(p[1])]
+        used = {s.untyped_storage().data_ptr() for _, s in self.copy_pairs()}
+        self._src_ptrs = {(key, name): t.data_ptr() for key, state in self._src.states.items()
+                          for name, t in state.items() if not t.is_meta and t.untyped_storage().data_ptr() in used}
+        return taken
 
     @property
     def has_cuda_graph(self) -> bool:

@@ -239,6 +239,8 @@ class PolicyCfg:
     precision: str = "bfloat16"
     make_sequence_length_divisible_by: int = 1  # pad each micro-batch's length to a multiple of this
     max_grad_norm: float = 1.0
+    # GiB of refit staging per GPU (send + receive) for the model-parallel exchange; None: 2 GiB
+    refit_buffer_size_gb: float | None = None
     megatron_cfg: MegatronCfg = field(default_factory=MegatronCfg)
     generation: GenerationCfg = field(default_factory=GenerationCfg)
     jet_rl: JetRlCfg = field(default_factory=JetRlCfg)

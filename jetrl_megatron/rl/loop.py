@@ -178,7 +178,7 @@ def grpo_step(cfg: RunConfig, trainer: Trainer, ro: Rollout, step: int, logger: 
     if asleep:
         ro.engine.wake_up()
     shards = ro.source.shards()
-    report = ro.engine.refit_from_shards(shards, rank=ro.vllm_rank)
+    report = ro.engine.refit_from_shards(shards, rank=ro.vllm_rank, exchange=ro.source.exchange)
     t_refit = time.perf_counter() - t0
     served_equal = verify_served_fp8(cfg, trainer, ro.engine, shards.states)
     n_resp = float(batch.mask.sum())
@@ -204,6 +204,7 @@ def start_rollout(cfg: RunConfig, trainer: Trainer, task, stream: PromptStream, 
     of engine (rank // rollout TP). Colocated memory: the DDP grad buffers are held only during policy updates, not
     while the engine starts, nor during the logprob pass, refit or rollout; `jetrl plan` reads the same setting."""
     from jetrl_megatron.megatron.grad_buffers import release_grad_buffers
+    from jetrl_megatron.reshard.exchange import budget_bytes
     from jetrl_megatron.rl.plan import trainer_settings
 
     release_grads = trainer_settings(cfg).release_grad_buffers
@@ -211,9 +212,9 @@ def start_rollout(cfg: RunConfig, trainer: Trainer, task, stream: PromptStream, 
         release_grad_buffers(trainer.model)
     engine = start_engine(cfg, write_model_dir(cfg, trainer, model_dir))
     rollout_tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size
-    source = RefitSource(trainer, rollout_tp)
+    source = RefitSource(trainer, rollout_tp, budget_bytes(cfg.policy.refit_buffer_size_gb))
     t0 = time.perf_counter()
-    engine.refit_from_shards(source.shards(), rank=dist_rank() % rollout_tp)
+    engine.refit_from_shards(source.shards(), rank=dist_rank() % rollout_tp, exchange=source.exchange)
     say(f"rollout engine ready (arm {cfg.arm}); first refit {time.perf_counter() - t0:.2f} s")
     return Rollout(task, stream, engine, source, dist_rank() % rollout_tp,
                    position_bins(cfg.policy.generation.max_new_tokens, 4), release_grads)

@@ -143,7 +143,10 @@ RULES: tuple[KeyRule, ...] = (
        + " (micro-batches are padded; the loss is normalized over the global batch either way)"),
     _r("policy.logprob_chunk_size", IGNORED, "a memory knob of the logprob pass; same numbers"),
     _r("policy.offload_optimizer_for_logprob", IGNORED, "a memory knob for colocated Ray workers"),
-    _r("policy.refit_buffer_size_gb", IGNORED, "the refit writes in place into vLLM's tensors; no staging buffer"),
+    _r("policy.refit_buffer_size_gb", IMPLEMENTED, "GiB of refit staging per GPU, as in NeMo-RL: with trainer TP x "
+       "PP > 1 the peers' weights stream in rounds through one send and one receive buffer (7/16 of it each; 1/8 "
+       "checks that what is sent is finite), counted by jetrl plan; unset: 2 GiB (NeMo-RL takes 30% of free "
+       "memory); TP x PP = 1 copies in place, no staging. Under NeMo-RL's driver, NeMo-RL's own refit reads it"),
     _r("policy.generation_batch_size", IGNORED, "vLLM schedules the whole rollout batch itself"),
     _r("policy.draft.enabled", IGNORED, "speculative decoding with a draft model is not implemented", OFF),
     _r("policy.draft.**", IGNORED, "draft-model settings; speculative decoding is refused when enabled"),

@@ -170,13 +170,13 @@ def _param_counts(shape) -> dict[str, int]:
 
 @lru_cache(maxsize=32)
 def _busiest_refit_rank(shape, tp: int, pp: int, dp: int, rollout_tp: int,
-                        recipe) -> tuple[int, ExchangeBytes] | None:
+                        recipe, budget: int) -> tuple[int, ExchangeBytes] | None:
     from jetrl_megatron.reshard.exchange import refit_buffer_bytes
     from jetrl_megatron.reshard.preflight import check_reshard
 
     if check_reshard(shape, tp, pp, rollout_tp):
         return None  # no refit program exists for this layout (the plan reports the refusal)
-    per_rank = refit_buffer_bytes(shape, tp, pp, dp, rollout_tp, recipe)
+    per_rank = refit_buffer_bytes(shape, tp, pp, dp, rollout_tp, recipe, budget)
     return max(per_rank.items(), key=lambda kv: (kv[1].buffers, -kv[0]))
 
 
@@ -184,10 +184,14 @@ def refit_buffers(cfg: RunConfig, shape, layout: Layout) -> tuple[int, ExchangeB
     """(global rank, `reshard.exchange.ExchangeBytes`) of the rank whose refit exchange buffers are largest; None
     when the resharder refuses the layout.
 
-    The bytes come from the functions `RefitSource` allocates its buffers with (`reshard.exchange`), run over the
-    tensor lists this recipe's trainer ranks hold, so the plan counts what the loop keeps.
+    The bytes come from the functions `RefitExchange` allocates its staging buffers with (`reshard.exchange`), run
+    over the tensor lists this recipe's trainer ranks hold and ``policy.refit_buffer_size_gb``, so the plan counts
+    what the loop keeps.
     """
-    return _busiest_refit_rank(shape, layout.tp, layout.pp, layout.dp, layout.rollout_tp, cfg.recipe)
+    from jetrl_megatron.reshard.exchange import budget_bytes
+
+    return _busiest_refit_rank(shape, layout.tp, layout.pp, layout.dp, layout.rollout_tp, cfg.recipe,
+                               budget_bytes(cfg.policy.refit_buffer_size_gb))
 
 
 def describe_refit_buffers(cfg: RunConfig, shape, layout: Layout) -> str:
@@ -197,13 +201,18 @@ def describe_refit_buffers(cfg: RunConfig, shape, layout: Layout) -> str:
     busiest = refit_buffers(cfg, shape, layout)
     if busiest is None:
         return "not counted: the resharder refuses this layout"
+    from jetrl_megatron.reshard.exchange import budget_bytes, finite_chunk
     from jetrl_megatron.reshard.plan import _fmt_bytes
 
     rank, b = busiest
-    return (f"the model-parallel refit exchange's persistent per-peer byte buffers, allocated at the first refit and "
-            f"held in every phase after it (the engine's compiled refit program is built on their addresses); "
-            f"busiest rank {rank}: {_fmt_bytes(b.recv)} received + {_fmt_bytes(b.send)} sent (the tensors its own "
-            f"vLLM rank copies from it, {_fmt_bytes(b.own)}, are read in place)")
+    budget = budget_bytes(cfg.policy.refit_buffer_size_gb)
+    return (f"the model-parallel refit exchange's two staging buffers (policy.refit_buffer_size_gb), allocated at "
+            f"the first refit and held in every phase after it (the engine's compiled refit program is built on "
+            f"their addresses); busiest rank {rank}: {_fmt_bytes(b.recv)} receive + {_fmt_bytes(b.send)} send, "
+            f"streaming {_fmt_bytes(b.received)} from its peers in {b.rounds} round(s), plus at most "
+            f"{_fmt_bytes(2 * finite_chunk(budget))} of scratch while it checks that what it sends is finite, within "
+            f"the {_fmt_bytes(budget)} budget (the tensors its own vLLM rank copies from it, {_fmt_bytes(b.own)}, "
+            f"are read in place)")
 
 
 def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 80.0) -> dict[str, float]:
@@ -230,9 +239,9 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
       34 x S x h bytes per layer / TP (flash attention, no S^2 term; Korthikanti et al.), the jetrl arm saving its
       linear inputs in FP8 instead of BF16 (-(2h + q + f) bytes per token per layer / TP); with full activation
       checkpointing 2 x S x h per layer plus one layer's full set; plus FP32 logits S x vocab / TP x 4 bytes;
-    - refit exchange buffers (trainer TP x PP > 1): the busiest rank's persistent send + receive buffers, exactly as
-      `RefitSource` allocates them (:func:`refit_buffers`); allocated at the first refit, before the first step,
-      and held in both phases;
+    - refit exchange buffers (trainer TP x PP > 1): the busiest rank's send + receive staging buffers, exactly as
+      `RefitExchange` allocates them (:func:`refit_buffers`; at most ``policy.refit_buffer_size_gb``, 2 GiB unset);
+      allocated at the first refit, before the first step, and held in both phases;
     - KV cache: vLLM may use gpu_memory_utilization of the GPU for its weights + KV (colocated; freed while training),
       or exactly vllm_kwargs.kv_cache_memory_bytes of KV plus its weights when that key is set;
       the batch needs 2 x layers x kv_heads/rollout_TP x head_dim x 2 B per token for all sequences of one engine;

@@ -1,5 +1,6 @@
 """Where each rank's vLLM shard refits from: the trainer's tensors in place, or (model parallel) the Megatron shards
-exchanged point-to-point over the model-parallel group; and the check that vLLM serves the trainer's FP8 bytes."""
+streamed point-to-point over the model-parallel group in rounds through two fixed staging buffers; and the check
+that vLLM serves the trainer's FP8 bytes."""
 
 from __future__ import annotations
 
@@ -21,23 +22,197 @@ from jetrl_megatron.rl.trainer import (
 )
 
 
+class StreamedCopies:
+    """The refit program's copies from peers' tensors, re-pointed at the receive staging buffer, per round; grouped
+    like the program's own copies (contiguous pairs batched per dtype, strided ones apart)."""
+
+    def __init__(self, rounds: list[list[tuple[torch.Tensor, torch.Tensor]]]):
+        self.rounds = []
+        for pairs in rounds:
+            groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+            strided = []
+            for d, s in pairs:
+                if d.is_contiguous() and s.is_contiguous():
+                    g = groups.setdefault(d.dtype, ([], []))
+                    g[0].append(d)
+                    g[1].append(s)
+                else:
+                    strided.append((d, s))
+            self.rounds.append((list(groups.values()), strided))
+        self.checks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, differs) of the last recorded run
+
+    def run_round(self, k: int, record: bool) -> None:
+        groups, strided = self.rounds[k]
+        for dsts, srcs in groups:
+            torch._foreach_copy_(dsts, srcs)
+        for d, s in strided:
+            d.copy_(s)
+        if record:  # the staging rows are overwritten by the next round: compare now
+            self.checks += [(d, (d != s).any()) for dsts, srcs in groups for d, s in zip(dsts, srcs, strict=True)]
+            self.checks += [(d, (d != s).any()) for d, s in strided]
+
+
+class RefitExchange:
+    """Streams the peers' Megatron tensors a rank's vLLM rank copies from, through two fixed staging buffers.
+
+    Planned once from the names, dtypes and shapes every member of the model-parallel group holds (one
+    all_gather_object): `reshard.exchange` picks which tensors each vLLM rank copies from and cuts each (sender,
+    receiver) stream into rounds that fit the budget (``policy.refit_buffer_size_gb``); `jetrl plan` runs the same
+    functions. The peers' tensors appear in :meth:`shards` as meta-device stand-ins: the engine plans its compiled
+    program over them, hands the copies from them to :meth:`attach`, and :meth:`run` then, each round, packs what
+    this rank sends into the send buffer, exchanges one message per peer in one batched point-to-point call (NCCL
+    on GPU, gloo on CPU; bytes), and copies the received rows into the engine's tensors. What a rank copies from
+    itself is read in place: the shards hold the trainer's own tensors, which stay at fixed addresses (the FP8 cache
+    re-quantizes into the same tensors; parameters keep the storage DDP's param buffer gave them).
+    """
+
+    def __init__(self, shape, tp: int, pp: int, rollout_tp: int, key: tuple[int, int, int], group, budget: int):
+        self.shape, self.tp, self.pp, self.rollout_tp, self.key = shape, tp, pp, rollout_tp, key
+        self.group, self.budget = group, budget
+        self.members = torch_dist().get_process_group_ranks(group)  # global ranks, in group order
+        self.me = self.members.index(dist_rank())
+        self._shards = None
+        self._local: dict[str, torch.Tensor] = {}
+        self.seconds = 0.0  # the last run's packing + communication + copies
+        self.received_bytes = 0  # per refit: what this rank's vLLM rank takes from trainer shards, its own included
+
+    @staticmethod
+    def _meta(local: dict[str, torch.Tensor]) -> list[tuple[str, str, tuple[int, ...]]]:
+        return [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in local.items()]
+
+    def _plan(self, local: dict[str, torch.Tensor]) -> None:
+        from jetrl_megatron.reshard.exchange import (
+            ALIGN,
+            VirtualSources,
+            copy_sources,
+            exchange_names,
+            exchange_schedule,
+            packed_layout,
+            rows_of,
+        )
+        from jetrl_megatron.reshard.mover import MegatronShards
+        from jetrl_megatron.reshard.program import stand_in
+
+        n = len(self.members)
+        gathered: list = [None] * n
+        torch_dist().all_gather_object(gathered, (self.key, self._meta(local)), group=self.group)
+        metas = {key: [(name, getattr(torch, dt), shape) for name, dt, shape in meta] for key, meta in gathered}
+        by_name = {key: {name: (dt, shape) for name, dt, shape in meta} for key, meta in metas.items()}
+        roles = [(key, g % self.rollout_tp) for (key, _), g in zip(gathered, self.members, strict=True)]
+        sources = copy_sources(self.shape, self.tp, self.pp, self.rollout_tp, metas, [v for _, v in roles])
+        names = exchange_names(metas, roles, sources)
+        self.schedule = exchange_schedule(metas, roles, names, self.budget)[self.me]
+        self.peer_keys = [key for key, _ in roles]
+        device = next(iter(local.values())).device
+        self.virtual = VirtualSources([(roles[peer][0], name, *by_name[roles[peer][0]][name]) for peer in range(n)
+                                       if peer != self.me for name in names.get((peer, self.me), [])])
+        states = {key: {name: stand_in(shape, dt, device) for name, dt, shape in meta} for key, meta in metas.items()}
+        for (key, name), t in self.virtual.tensors.items():
+            states[key][name] = t
+        self._own = names.get((self.me, self.me), [])
+        self._sent = sorted({x for (src, dst), ns in names.items() if src == self.me != dst for x in ns})
+        self._row_bytes = {name: rows_of(shape, dt)[1] for name, (dt, shape) in by_name[self.key].items()}
+
+        def buffer(nbytes: int) -> torch.Tensor | None:
+            return torch.empty(-(-nbytes // ALIGN) * ALIGN, dtype=torch.uint8, device=device) if nbytes else None
+
+        self.send_buf, self.recv_buf = buffer(self.schedule.send_bytes), buffer(self.schedule.recv_bytes)
+        self.received_bytes = self.schedule.received + sum(
+            p.nbytes for p in packed_layout(self._own, by_name[self.key])[0])
+        self._local_meta = self._meta(local)
+        self._shards = MegatronShards(self.shape, self.tp, self.pp, None, states)
+
+    def shards(self, local: dict[str, torch.Tensor]):
+        """The `reshard.MegatronShards` the engine plans its refit over: this rank's own tensors, the peers' as
+        meta stand-ins (planned once, on the first call)."""
+        if self._shards is None:
+            self._plan(local)
+        elif self._meta(local) != self._local_meta:
+            raise RuntimeError(f"rank {dist_rank()}: the trainer's rollout tensors changed names, dtypes or shapes "
+                               "since the refit exchange was planned")
+        own = self._shards.states[self.key]
+        for x in self._own:  # the trainer's tensors themselves (same addresses every step)
+            own[x] = local[x]
+        self._local = local
+        return self._shards
+
+    def buffer_bytes(self) -> tuple[int, int]:
+        """(send, receive) bytes of the staging buffers allocated on this rank (the storage itself)."""
+        return tuple(0 if b is None else b.untyped_storage().nbytes() for b in (self.send_buf, self.recv_buf))
+
+    def attach(self, program) -> StreamedCopies:
+        """Take the copies from the peers' stand-ins out of a refit program planned over :meth:`shards`."""
+        from jetrl_megatron.reshard.exchange import stream_pairs
+
+        pairs = program.take_pairs(lambda s: s.is_meta)
+        if pairs and self.recv_buf is None:
+            raise RuntimeError("the refit program copies from peers' tensors the exchange does not deliver")
+        rounds = [recvs for _, recvs in self.schedule.rounds]
+        staging = self.recv_buf if self.recv_buf is not None else torch.empty(0, dtype=torch.uint8)
+        return StreamedCopies(stream_pairs(pairs, self.virtual, rounds, self.peer_keys, staging))
+
+    def agree_finite(self, local_bad: list[str]) -> None:
+        """Every member refuses the refit, before anything is written, if any member holds a non-finite tensor its
+        engine copies from or that it sends (one all-reduce of a count over the group)."""
+        from jetrl_megatron.reshard.exchange import finite_chunk
+        from jetrl_megatron.rollout.refit import RefitError, _finite
+
+        flags = [_finite(self._local[x], finite_chunk(self.budget)) for x in self._sent]
+        bad = list(local_bad)
+        if flags:
+            ok = torch.stack([f.to(self._local[self._sent[0]].device) for f in flags]).tolist()
+            bad += [f"{x} (sent)" for x, good in zip(self._sent, ok, strict=True) if not good]
+        device = self.send_buf.device if self.send_buf is not None else next(iter(self._local.values())).device
+        count = torch.tensor([len(bad)], dtype=torch.int64, device=device)
+        torch_dist().all_reduce(count, group=self.group)
+        total = int(count.item())
+        if total:
+            mine = f": {', '.join(bad[:8])}" if bad else ""
+            raise RefitError.refused([f"{total} trainer tensor(s) contain NaN/Inf across the model-parallel group, "
+                                      f"{len(bad)} on rank {dist_rank()}{mine}"])
+
+    def run(self, copies: StreamedCopies, record: bool = False) -> None:
+        """Every round: pack, exchange, copy the received rows into the engine's tensors (collective)."""
+        from jetrl_megatron.reshard.mover import widen
+
+        t0 = time.perf_counter()
+        dist = torch_dist()
+        copies.checks = []
+        for k, (sends, recvs) in enumerate(self.schedule.rounds):
+            dsts, srcs = [], []
+            for m in sends:
+                for p in m.pieces:
+                    rb = self._row_bytes[p.name]
+                    flat = self._local[p.name].reshape(-1).view(torch.uint8)
+                    d, s = widen((self.send_buf[m.offset + p.offset:m.offset + p.offset + p.nbytes],
+                                  flat[p.row0 * rb:p.row1 * rb]))
+                    dsts.append(d)
+                    srcs.append(s)
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
+            ops = [dist.P2POp(dist.isend, self.send_buf[m.offset:m.offset + m.nbytes], self.members[m.peer],
+                              group=self.group) for m in sends]
+            ops += [dist.P2POp(dist.irecv, self.recv_buf[m.offset:m.offset + m.nbytes], self.members[m.peer],
+                               group=self.group) for m in recvs]
+            if ops:
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+            copies.run_round(k, record)
+        self.seconds = time.perf_counter() - t0
+
+
 class RefitSource:
     """The Megatron shards this rank's vLLM engine rank refits from, as a `reshard.MegatronShards`.
 
-    Trainer TP x PP == 1: the trainer's own tensors, in place, on their device (nothing is copied here).
-    Model parallel: rank r needs the tensors that vLLM rank r % rollout_tp copies from - planned once by
-    `reshard.exchange` (the resharder's compiled copy list over stand-ins) after exchanging names, dtypes and
-    shapes; `jetrl plan` counts the same buffers. Every step each rank packs what each peer needs into a persistent
-    byte buffer per peer and the MP group exchanges them with point-to-point tensor sends on the tensors' device
-    (NCCL on GPU, gloo on CPU; FP8 as bytes). What a rank needs from itself is not copied: the shards hold the
-    trainer's own tensors there, which stay at fixed addresses (the FP8 cache re-quantizes into the same tensors;
-    parameters keep the storage DDP's param buffer gave them), so the engine's compiled program stays valid, and a
-    moved tensor changes the source signature and rebuilds it. Received tensors are views of persistent receive
-    buffers; tensors never copied from are stand-ins with a single zero element.
+    Trainer TP x PP == 1: the trainer's own tensors, in place, on their device (nothing is copied, `exchange` is
+    None). Model parallel: the peers' tensors stream through a :class:`RefitExchange` (``exchange``), which the
+    engine's refit drives; at most `budget` bytes of staging per rank (``policy.refit_buffer_size_gb``).
     """
 
-    def __init__(self, trainer: Trainer, rollout_tp: int = 1):
+    def __init__(self, trainer: Trainer, rollout_tp: int = 1, budget: int | None = None):
         from megatron.core import parallel_state
+
+        from jetrl_megatron.reshard.exchange import budget_bytes
 
         self.trainer = trainer
         self.rollout_tp = rollout_tp
@@ -45,94 +220,34 @@ class RefitSource:
         self.pp = parallel_state.get_pipeline_model_parallel_world_size()
         self.key = (parallel_state.get_pipeline_model_parallel_rank(), 0,
                     parallel_state.get_tensor_model_parallel_rank())
-        self._shards = None
-        self._sends: list[tuple[int, torch.Tensor, list[torch.Tensor], list[str]]] = []
-        self._recvs: list[tuple[int, torch.Tensor]] = []
-        self._own: list[str] = []
-        self.gather_seconds = 0.0
-        self.received_bytes = 0  # per step: what this rank's vLLM rank takes from trainer shards, its own included
+        self.exchange: RefitExchange | None = None
+        if self.tp * self.pp > 1:
+            self.exchange = RefitExchange(trainer.shape, self.tp, self.pp, rollout_tp, self.key, mp_group(),
+                                          budget_bytes(None) if budget is None else budget)
+
+    @property
+    def gather_seconds(self) -> float:
+        return 0.0 if self.exchange is None else self.exchange.seconds
+
+    @property
+    def received_bytes(self) -> int:
+        return 0 if self.exchange is None else self.exchange.received_bytes
+
+    @property
+    def _own(self) -> list[str]:
+        return [] if self.exchange is None else self.exchange._own
 
     def shards(self):
         from jetrl_megatron.reshard.mover import MegatronShards
 
         local = local_rollout_tensors(self.trainer)
-        if self.tp * self.pp == 1:
+        if self.exchange is None:
             return MegatronShards(self.trainer.shape, 1, 1, None, {self.key: local})
-        t0 = time.perf_counter()
-        if self._shards is None:
-            self._setup(local)
-        self._exchange(local)
-        self.gather_seconds = time.perf_counter() - t0
-        return self._shards
+        return self.exchange.shards(local)
 
     def buffer_bytes(self) -> tuple[int, int]:
-        """(send, receive) bytes of the persistent exchange buffers allocated on this rank (the storage itself)."""
-        return (sum(buf.untyped_storage().nbytes() for _, buf, _, _ in self._sends),
-                sum(buf.untyped_storage().nbytes() for _, buf in self._recvs))
-
-    @staticmethod
-    def _meta(local: dict[str, torch.Tensor]) -> list[tuple[str, str, tuple[int, ...]]]:
-        return [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in local.items()]
-
-    def _setup(self, local: dict[str, torch.Tensor]) -> None:
-        from jetrl_megatron.reshard.exchange import copy_sources, exchange_names, packed_layout
-        from jetrl_megatron.reshard.mover import MegatronShards
-        from jetrl_megatron.reshard.program import stand_in
-
-        group = mp_group()
-        members = torch_dist().get_process_group_ranks(group)  # global ranks, in MP-group order
-        n = len(members)
-        gathered: list = [None] * n
-        torch_dist().all_gather_object(gathered, (self.key, self._meta(local)), group=group)  # names/shapes, once
-        metas = {key: [(name, getattr(torch, dt), shape) for name, dt, shape in meta] for key, meta in gathered}
-        by_name = {key: {name: (dt, shape) for name, dt, shape in meta} for key, meta in metas.items()}
-        roles = [(key, g % self.rollout_tp) for (key, _), g in zip(gathered, members, strict=True)]
-        # deterministic: every rank computes the same plan (and `jetrl plan` the same bytes)
-        sources = copy_sources(self.trainer.shape, self.tp, self.pp, self.rollout_tp, metas, [v for _, v in roles])
-        names = exchange_names(metas, roles, sources)
-        me = members.index(dist_rank())
-        device = next(iter(local.values())).device
-        states: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {
-            key: {name: stand_in(shape, dt, device) for name, dt, shape in meta} for key, meta in metas.items()}
-        self._sends, self._recvs = [], []
-        for peer in range(n):
-            if peer == me:
-                continue
-            out = names.get((me, peer))  # my tensors its vLLM rank copies from
-            if out:
-                lay, size = packed_layout(out, by_name[self.key])
-                buf = torch.empty(size, dtype=torch.uint8, device=device)
-                self._sends.append((members[peer], buf, [buf[p.offset:p.offset + p.nbytes] for p in lay], out))
-            src_key = roles[peer][0]
-            inc = names.get((peer, me))  # its tensors my vLLM rank copies from
-            if inc:
-                lay, size = packed_layout(inc, by_name[src_key])
-                buf = torch.empty(size, dtype=torch.uint8, device=device)
-                for p in lay:
-                    states[src_key][p.name] = buf[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape)
-                self._recvs.append((members[peer], buf))
-        self._own = names.get((me, me), [])
-        self.received_bytes = (self.buffer_bytes()[1]
-                               + sum(p.nbytes for p in packed_layout(self._own, by_name[self.key])[0]))
-        self._local_meta = self._meta(local)
-        self._shards = MegatronShards(self.trainer.shape, self.tp, self.pp, None, states)
-
-    def _exchange(self, local: dict[str, torch.Tensor]) -> None:
-        if self._meta(local) != self._local_meta:
-            raise RuntimeError(f"rank {dist_rank()}: the trainer's rollout tensors changed names, dtypes or shapes "
-                               "since the refit exchange was planned")
-        own = self._shards.states[self.key]
-        for x in self._own:  # the trainer's tensors themselves (same addresses every step: see the class docstring)
-            own[x] = local[x]
-        ops = []
-        for peer, buf, views, names in self._sends:
-            torch._foreach_copy_(views, [local[x].reshape(-1).view(torch.uint8) for x in names])
-            ops.append(torch_dist().P2POp(torch_dist().isend, buf, peer, group=mp_group()))
-        for peer, buf in self._recvs:
-            ops.append(torch_dist().P2POp(torch_dist().irecv, buf, peer, group=mp_group()))
-        if ops:
-            for req in torch_dist().batch_isend_irecv(ops):
-                req.wait()
+        """(send, receive) bytes of the exchange's staging buffers allocated on this rank (the storage itself)."""
+        return (0, 0) if self.exchange is None else self.exchange.buffer_bytes()
 
 
 def verify_served_fp8(cfg: RunConfig, trainer: Trainer, engine, states: dict) -> float:
@@ -148,6 +263,17 @@ def verify_served_fp8(cfg: RunConfig, trainer: Trainer, engine, states: dict) ->
         cfg.policy.megatron_cfg.pipeline_model_parallel_size == 1
     if not (want and cfg.recipe.rollout_weights == "trainer_fp8" and one_shard):
         return math.nan
+    if any(t.is_meta for st in states.values() for t in st.values()):
+        # the exchange streamed the peers' tensors and kept none: gather the trainer's own shards for the check
+        # (a second, independent path; CPU copies, only when verifying)
+        from megatron.core import parallel_state as ps
+
+        key = (ps.get_pipeline_model_parallel_rank(), 0, ps.get_tensor_model_parallel_rank())
+        local = {n: (t.detach().reshape(-1).view(torch.uint8).cpu().clone(), t.dtype, tuple(t.shape))
+                 for n, t in local_rollout_tensors(trainer).items()}  # bytes: FP8 storages do not pickle
+        gathered: list = [None] * torch_dist().get_world_size(mp_group())
+        torch_dist().all_gather_object(gathered, (key, local), group=mp_group())
+        states = {k: {n: b.view(dt).view(shp) for n, (b, dt, shp) in st.items()} for k, st in gathered}
     tp_states = [states[k] for k in sorted(states)]
     ok, bad = served_fp8_equal(engine, tp_states, trainer.shape)
     if not ok:

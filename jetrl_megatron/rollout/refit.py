@@ -131,7 +131,12 @@ def validate_refit(weights: Mapping[str, torch.Tensor], expected: Mapping[str, T
         raise RefitError.refused(problems)
 
 
-def _finite(t: torch.Tensor) -> torch.Tensor:
+def _finite(t: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
+    """A 0-d bool tensor (no sync): `t` holds no NaN/Inf. Checked `chunk` elements at a time, so the scratch is at
+    most 2 x `chunk` bytes whatever the tensor's size (an 8B model's embedding would need 0.5 GiB at once)."""
+    if t.is_contiguous() and t.numel() > chunk:
+        flat = t.reshape(-1)
+        return torch.stack([_finite(flat[i:i + chunk], chunk) for i in range(0, flat.numel(), chunk)]).all()
     if t.dtype == FP8_DTYPE:  # e4m3fn has no Inf; NaN is 0x7f / 0xff
         return ((t.view(torch.uint8) & 0x7F) != 0x7F).all()
     if t.is_floating_point():
@@ -264,10 +269,15 @@ class InplaceRefit:
 
     Everything that can be checked is checked at build (names, shapes, dtypes, coverage, 128-block alignment) and
     before each replay (finiteness of the sources), so a refused refit writes nothing.
+
+    `exchange` (trainer model parallel: `rl.refit_source.RefitExchange`): `src` holds the peers' tensors as meta
+    stand-ins; the copies from them stream through the exchange's staging buffer, round by round, inside `run()`,
+    and finiteness is agreed over the model-parallel group (a collective: every member calls the same methods).
     """
 
     def __init__(self, src, rollout_tp: int, rank: int, live: Mapping[str, LiveParam], *, self_quantizing: bool,
-                 recipe: Fp8Recipe, checkpoint_spec: Mapping[str, TensorSpec] | None = None, batched: bool = True):
+                 recipe: Fp8Recipe, checkpoint_spec: Mapping[str, TensorSpec] | None = None, batched: bool = True,
+                 exchange=None):
         from jetrl_megatron.reshard.mover import MegatronShards
         from jetrl_megatron.reshard.program import VllmRefitProgram
 
@@ -306,6 +316,8 @@ class InplaceRefit:
         except (KeyError, ValueError) as e:
             raise RefitError.refused([str(e.args[0] if e.args else e)]) from None
         self.program.rebind_sources(src)  # staleness is checked against the caller's tensors, not the recording view
+        self.exchange = exchange
+        self.streamed = exchange.attach(self.program) if exchange is not None else None
         unread = sorted(f"{n} (pp, vp, tp rank {k})" for k, st in recording.items() for n in st if n not in st.read)
         if unread:
             problems.append(f"{len(unread)} trainer tensor(s) map to no engine parameter: {_short(unread)}")
@@ -328,7 +340,8 @@ class InplaceRefit:
         # the tensors bytes are copied from (a rank reads every TP shard's shape but may copy from few of them)
         used = {s.untyped_storage().data_ptr() for _, s in self.program.copy_pairs()}
         sources = [(f"{n} (pp, vp, tp rank {key})", t) for key, st in recording.items()
-                   for n, t in src.states[key].items() if n in st.read and t.untyped_storage().data_ptr() in used]
+                   for n, t in src.states[key].items()
+                   if n in st.read and not t.is_meta and t.untyped_storage().data_ptr() in used]
         self._source_names = [n for n, _ in sources]
         self._sources = [t for _, t in sources]
         self.num_tensors = len(written) + len(self.quantize)
@@ -423,21 +436,27 @@ class InplaceRefit:
         self.program.check_sources()
 
     def check_finite(self) -> None:
-        """Refuse non-finite trainer tensors before anything is written (one device sync for all of them)."""
-        if not self._sources:
-            return
-        flags = torch.stack([_finite(t).to(self._sources[0].device) for t in self._sources])
-        if bool(flags.all()):
-            return
-        bad = [n for n, ok in zip(self._source_names, flags.tolist(), strict=True) if not ok]
-        raise RefitError.refused([f"{len(bad)} trainer tensor(s) contain NaN/Inf: {_short(bad)}"])
+        """Refuse non-finite trainer tensors before anything is written (one device sync for all of them; with an
+        exchange, one count all-reduced over the model-parallel group, so every member refuses together)."""
+        bad: list[str] = []
+        if self._sources:
+            flags = torch.stack([_finite(t).to(self._sources[0].device) for t in self._sources])
+            if not bool(flags.all()):
+                bad = [n for n, ok in zip(self._source_names, flags.tolist(), strict=True) if not ok]
+        if self.exchange is not None:
+            self.exchange.agree_finite(bad)
+        elif bad:
+            raise RefitError.refused([f"{len(bad)} trainer tensor(s) contain NaN/Inf: {_short(bad)}"])
 
-    def run(self) -> dict[str, torch.Tensor]:
+    def run(self, record: bool = False) -> dict[str, torch.Tensor]:
         """Copy every slab, quantize the self-quantizing arm's weights into the live FP8 tensors; returns the
-        tensors (HF checkpoint names) that must go through vLLM's reload (packed modules), else {}."""
+        tensors (HF checkpoint names) that must go through vLLM's reload (packed modules), else {}. With an
+        exchange, `record` keeps each streamed copy's comparison for :meth:`verify` (its staging rows are reused)."""
         from jetrl_megatron.fp8 import ops
 
         self.program.run(batched=self.batched, check=False)
+        if self.exchange is not None:
+            self.exchange.run(self.streamed, record)
         for name, scratch in self.quantize.items():
             q, s = ops.quant_weight(scratch, self.recipe)
             self.live[name].tensor.view(torch.uint8).copy_(q.view(torch.uint8))
@@ -453,6 +472,9 @@ class InplaceRefit:
 
         pairs = self.program.copy_pairs()
         checks = [(dst != src).any() for dst, src in pairs]
+        if self.streamed is not None:  # compared while their staging rows were there (run(record=True))
+            pairs = pairs + [(d, d) for d, _ in self.streamed.checks]
+            checks += [c for _, c in self.streamed.checks]
         extra: list[str] = []
         for name, scratch in self.quantize.items():
             q, s = ops.quant_weight(scratch, self.recipe)
