@@ -264,6 +264,31 @@ def test_driver_preflight_uses_nemo_rls_loader(nemo_root, tmp_path):
     assert refused and "PolicyConfigError policy.generation.vllm_cfg.precision: 'fp8'" in refused[0], lines
 
 
+def test_driver_runs_nemo_rls_own_fp8_yaml_as_jetrl_in_the_hosted_form(nemo_root, tmp_path):
+    """NeMo-RL's grpo_math_8B_megatron_fp8.yaml (the standalone form: fp8_cfg.enabled + blockwise + precision fp8;
+    sequence packing off, which the Jet-RL attention needs), loaded by NeMo-RL's own loader: the driver selects jetrl and hands NeMo-RL the hosted form (its TE FP8 and vLLM
+    re-quantization off, jetrl_fp8 with the recipe), which the worker's check accepts."""
+    configs = nemo_root / "examples" / "configs"
+    model = tmp_path / "tiny_llama"
+    model.mkdir()
+    tiny = get_model_shape("tiny")
+    (model / "config.json").write_text(json.dumps(dict(tiny.to_hf_config(), model_type="llama",
+                                                       architectures=["LlamaForCausalLM"])))
+    code = ("import json\n"
+            "from jetrl_megatron.nemo_rl.run_grpo import load_checked\n"
+            f"plan, cfg = load_checked({str(configs / 'grpo_math_8B_megatron_fp8.yaml')!r}, "
+            f"['policy.model_name={model}', 'policy.sequence_packing.enabled=false'])\n"
+            "print(json.dumps([plan.recipe.to_dict(), cfg['policy']]))\n")
+    out = _nemo_python(nemo_root, code, tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    recipe, policy = json.loads(out.stdout.splitlines()[-1])
+    assert Fp8Recipe.from_dict(recipe) == Fp8Recipe(gemm_backend="deep_gemm")  # use_deep_gemm: true in that YAML
+    assert policy["megatron_cfg"]["fp8_cfg"]["enabled"] is False
+    assert policy["generation"]["vllm_cfg"]["precision"] == "bfloat16"
+    assert policy["generation"]["vllm_kwargs"]["quantization"] == "jetrl_fp8"
+    assert check_policy(policy, tiny.num_layers) == Fp8Recipe(gemm_backend="deep_gemm")
+
+
 # ------------------------------------------------------------------------------------------------ the patch
 def test_patch_applies_to_v070(nemo_root):
     if shutil.which("git") is None:

@@ -24,7 +24,7 @@ from typing import Any
 from jetrl_megatron.errors import UserError
 from jetrl_megatron.nemo_rl.contract import NEMO_RL_VERSION, check_source
 from jetrl_megatron.nemo_rl.registry import MEGATRON_WORKER_FQN, WORKER_FQN, register_actor_environments
-from jetrl_megatron.rl.nemo_rl_policy_cfg import PolicyPlan, policy_plan
+from jetrl_megatron.rl.nemo_rl_policy_cfg import PolicyPlan, hosted_form, policy_plan
 
 __all__ = ["main", "nemo_rl_root", "preflight", "select_jetrl_worker", "install"]
 
@@ -46,6 +46,14 @@ def nemo_rl_root(explicit: str | None = None) -> Path:
 
 def preflight(config_path: str, overrides: list[str]) -> PolicyPlan:
     """Load the config as ``run_grpo.py`` does and check its policy for the Jet-RL worker."""
+    return load_checked(config_path, overrides)[0]
+
+
+def load_checked(config_path: str, overrides: list[str]) -> tuple[PolicyPlan, dict[str, Any] | None]:
+    """(plan, the resolved config with its policy in the hosted form, or None when it is written that way already).
+
+    A config in the standalone form of the jetrl switches (``fp8_cfg.enabled: true``, ``precision: fp8``) must not
+    reach NeMo-RL as written: it would turn on TransformerEngine FP8 training and vLLM's re-quantization."""
     from nemo_rl.utils.config import load_config, parse_hydra_overrides, register_omegaconf_resolvers
     from omegaconf import OmegaConf
 
@@ -58,7 +66,9 @@ def preflight(config_path: str, overrides: list[str]) -> PolicyPlan:
     if overrides:
         cfg = parse_hydra_overrides(cfg, overrides)
     resolved: Any = OmegaConf.to_container(cfg, resolve=True)
-    return policy_plan(resolved["policy"])
+    plan = policy_plan(resolved["policy"])
+    hosted = hosted_form(resolved["policy"], plan.shape.num_layers)
+    return plan, (None if hosted == resolved["policy"] else dict(resolved, policy=hosted))
 
 
 def select_jetrl_worker(lm_policy: ModuleType) -> None:
@@ -96,11 +106,22 @@ def main(argv: list[str] | None = None) -> None:
     if problems:
         raise UserError(f"{root} differs from NeMo-RL v{NEMO_RL_VERSION} where the Jet-RL worker relies on it: "
                         + "; ".join(problems[:5]))
-    plan = preflight(args.config, overrides)
+    plan, rewritten = load_checked(args.config, overrides)
     print(f"Jet-RL worker: {plan.shape.name}, recipe {plan.recipe.to_dict()}")
+    config, overrides = args.config, list(overrides)
+    if rewritten is not None:  # the standalone form of the jetrl switches: NeMo-RL gets the hosted form
+        import tempfile
+
+        from omegaconf import OmegaConf
+
+        config = str(Path(tempfile.mkdtemp(prefix="jetrl_hosted_")) / Path(args.config).name)
+        OmegaConf.save(OmegaConf.create(rewritten), config)
+        overrides = []  # already applied
+        print(f"Jet-RL worker: {args.config} selects jetrl in the standalone form; NeMo-RL runs its hosted form, "
+              f"written to {config}")
     install()
     script = root / "examples" / "run_grpo.py"
-    sys.argv = [str(script), "--config", args.config, *overrides]
+    sys.argv = [str(script), "--config", config, *overrides]
     runpy.run_path(str(script), run_name="__main__")
 
 

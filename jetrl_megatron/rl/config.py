@@ -38,7 +38,6 @@ from omegaconf import OmegaConf
 
 from jetrl_megatron.model.hub import HubCache
 from jetrl_megatron.recipe import (
-    ARM_BY_SWITCHES,
     ELEMENTWISE_IMPLS,
     FP8_MODES,
     GEMM_BACKENDS,
@@ -390,25 +389,56 @@ def _choice(value: Any, allowed: tuple, path: str) -> None:
 
 
 def derive_arm(cfg: RunConfig) -> str:
-    """The arm from NeMo-RL's switches, checked against ``policy.jet_rl.arm`` when that is set."""
+    """The arm from NeMo-RL's switches in either form (`rl.nemo_rl_policy_cfg.arm_of_switches`: the standalone
+    fp8_cfg.enabled + precision, or the hosted form with ``vllm_kwargs.quantization: jetrl_fp8``), checked against
+    ``policy.jet_rl.arm`` when that is set."""
+    from jetrl_megatron.rl.nemo_rl_policy_cfg import QUANT_KEY, PolicyConfigError, arm_of_switches
+
     fp8_train = cfg.policy.megatron_cfg.fp8_cfg.enabled
     precision = cfg.policy.generation.vllm_cfg.precision
-    if fp8_train and precision != "fp8":
-        raise ConfigError("policy.megatron_cfg.fp8_cfg.enabled: true with policy.generation.vllm_cfg.precision: "
-                          f"{precision!r}: an FP8 trainer with a BF16 rollout is not an arm here; set precision: fp8 "
-                          "(jetrl) or fp8_cfg.enabled: false (bf16)")
-    derived = ARM_BY_SWITCHES[(fp8_train, precision == "fp8")]
+    quantization = cfg.policy.generation.vllm_kwargs.get("quantization")
+    try:
+        derived, _ = arm_of_switches(fp8_train, precision, quantization)
+    except PolicyConfigError as e:
+        raise ConfigError(str(e)) from None
     stated = cfg.policy.jet_rl.arm
     if stated is None or stated == derived:
         return derived
     _choice(stated, ARM_MODES, "policy.jet_rl.arm")
     want_train, want_rollout = Fp8Recipe(mode=stated).switches
-    if (want_train, want_rollout) == (fp8_train, precision == "fp8"):
+    if quantization is None and (want_train, want_rollout) == (fp8_train, precision == "fp8"):
         return stated  # fake_quant, on bf16_train_fp8_rollout's switches
     need = f"fp8_cfg.enabled: {str(want_train).lower()}, precision: {_precision(want_rollout)}"
+    quant = "" if quantization is None else f" and {QUANT_KEY}: {quantization!r}"
     raise ConfigError(f"policy.jet_rl.arm: {stated!r} contradicts policy.megatron_cfg.fp8_cfg.enabled: "
-                      f"{str(fp8_train).lower()} and policy.generation.vllm_cfg.precision: {precision!r}, which select "
-                      f"{derived!r}; {stated!r} needs {need} (`jetrl run --arm {stated}` sets them)")
+                      f"{str(fp8_train).lower()} and policy.generation.vllm_cfg.precision: {precision!r}{quant}, "
+                      f"which select {derived!r}; {stated!r} needs {need}"
+                      f"{' without ' + QUANT_KEY if quantization is not None else ''} (`jetrl run --arm {stated}` "
+                      "sets them)")
+
+
+def check_hosted_recipe(cfg: RunConfig) -> None:
+    """The hosted form's recipe (``vllm_kwargs.hf_overrides.quantization_config.jet_rl``), when a config carries
+    one, must be the recipe the NeMo-RL keys and ``policy.jet_rl`` build here: one YAML, one recipe, both drivers."""
+    from jetrl_megatron.recipe import RecipeError
+    from jetrl_megatron.rl.nemo_rl_policy_cfg import QUANT_CONFIG_KEY
+
+    qc = (cfg.policy.generation.vllm_kwargs.get("hf_overrides") or {}).get("quantization_config")
+    if qc is None:
+        return
+    block = qc.get("jet_rl") if isinstance(qc, dict) else None
+    if not isinstance(block, dict):
+        raise ConfigError(f"{QUANT_CONFIG_KEY}.jet_rl: missing; a hosted-form quantization_config holds the recipe")
+    try:
+        hosted = Fp8Recipe.from_dict(dict(block))
+    except RecipeError as e:
+        raise ConfigError(f"{QUANT_CONFIG_KEY}.{e}") from None
+    here = cfg.recipe.to_dict()
+    for name, value in hosted.to_dict().items():
+        if here.get(name) != value:
+            key = RECIPE_FIELD_KEYS.get(name, f"policy.jet_rl.{name}")
+            raise ConfigError(f"{QUANT_CONFIG_KEY}.jet_rl.{name}: {value!r} contradicts {key}, which makes it "
+                              f"{here.get(name)!r} here; set both to the same value")
 
 
 def build_fp8_recipe(cfg: RunConfig, arm: str) -> Fp8Recipe:
@@ -696,6 +726,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
     check_top_k(cfg)
     _check_interpolated_twins(cfg)
     cfg.recipe = build_fp8_recipe(cfg, derive_arm(cfg))
+    check_hosted_recipe(cfg)
     check_bf16_layers(cfg)
     check_batches(cfg)
     check_data(cfg)

@@ -38,6 +38,12 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
     v = cfg.policy.generation.vllm_cfg
     kwargs: dict[str, Any] = dict(cfg.policy.generation.vllm_kwargs)
     kwargs.pop("kv_cache_memory_bytes", None)  # RolloutConfig's (cfg.kv_cache_memory_bytes: the CPU default too)
+    # the hosted form of the jetrl switches: the arm and recipe were read from them (rl/config.py); the engine
+    # names its quantization method and writes its quantization_config itself
+    kwargs.pop("quantization", None)
+    overrides = {k: v for k, v in (kwargs.pop("hf_overrides", None) or {}).items() if k != "quantization_config"}
+    if overrides:
+        kwargs["hf_overrides"] = overrides
     if dist_world() > 1 and (torch.cuda.is_available() or v.tensor_parallel_size > 1):
         # The ranks of this job form vLLM's groups (each rank runs its vLLM worker in-process). On CPU only rollout
         # TP > 1 needs this; at TP 1 every rank runs an independent engine.

@@ -143,6 +143,9 @@ RULES: tuple[KeyRule, ...] = (
        + " (micro-batches are padded; the loss is normalized over the global batch either way)"),
     _r("policy.logprob_chunk_size", IGNORED, "a memory knob of the logprob pass; same numbers"),
     _r("policy.offload_optimizer_for_logprob", IGNORED, "a memory knob for colocated Ray workers"),
+    _r("policy.worker_cls", IGNORED, "the Jet-RL worker for NeMo-RL's driver (read by NeMo-RL with patches/nemo-rl-"
+       "v0.7.0-jetrl-worker.patch); the standalone runner is its own loop", (
+           "jetrl_megatron.nemo_rl.worker.JetRLMegatronPolicyWorker", None)),
     _r("policy.refit_buffer_size_gb", IMPLEMENTED, "GiB of refit staging per GPU, as in NeMo-RL: with trainer TP x "
        "PP > 1 the peers' weights stream in rounds through one send and one receive buffer (7/16 of it each; 1/8 "
        "checks that what is sent is finite), counted by jetrl plan; unset: 2 GiB (NeMo-RL takes 30% of free "
@@ -244,8 +247,13 @@ RULES: tuple[KeyRule, ...] = (
        "trainer's logits, like top_p (logits tied with the k-th are kept)"),
     _r("policy.generation.vllm_kwargs.speculative_config.**", REFUSED, "speculative decoding is not implemented "
        "(the rollout must sample from the policy the trainer optimizes, token by token)", ()),
-    _r("policy.generation.vllm_kwargs.quantization", REFUSED, "the quantization method follows the arm (jetrl_fp8 "
-       "or vLLM's fp8); it cannot be set through vllm_kwargs", ()),
+    _r("policy.generation.vllm_kwargs.quantization", IMPLEMENTED, "jetrl_fp8 selects jetrl in the hosted form "
+       "(fp8_cfg.enabled: false, precision: bfloat16), the form NeMo-RL's driver runs; with the standalone form "
+       "(true, fp8) it restates it; any other method is refused (the method follows the arm; docs/config.md)",
+       ("jetrl_fp8", None)),
+    _r("policy.generation.vllm_kwargs.hf_overrides.quantization_config.**", IMPLEMENTED, "the hosted form's recipe "
+       "(jet_rl block): must equal the recipe the NeMo-RL keys and policy.jet_rl build, field by field (an error "
+       "names both keys); the engine writes its own quantization_config"),
     _r("policy.generation.colocated.resources.**", IGNORED, _RAY),
     _r("policy.generation.port_range_*", IGNORED, _RAY),
     _r("policy.generation.mcore_generation_config.**", IGNORED, _MCORE_GEN),

@@ -22,7 +22,8 @@ from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe, RecipeError
 
 __all__ = ["PolicyConfigError", "QUANT_CONFIG_KEY", "RULES", "READS", "jetrl_vllm_kwargs", "recipe_from_policy",
-           "check_policy", "model_shape", "PolicyPlan", "policy_plan", "uses_jetrl"]
+           "check_policy", "model_shape", "PolicyPlan", "policy_plan", "uses_jetrl", "arm_of_switches",
+           "hosted_form", "FP8_TRAIN_KEY", "PRECISION_KEY", "QUANT_KEY"]
 
 QUANT_CONFIG_KEY = "policy.generation.vllm_kwargs.hf_overrides.quantization_config"
 _MISSING = object()
@@ -79,11 +80,63 @@ READS: dict[str, str] = {
     "generation.vllm_cfg.pow2_activation_scaling_factors": CODE,
     "generation.vllm_kwargs": YAML,
     "generation.vllm_kwargs.hf_overrides.quantization_config": OURS,
+    "megatron_cfg.fp8_cfg.fp8": YAML,
+    "megatron_cfg.fp8_cfg.fp8_recipe": YAML,
+    "megatron_cfg.fp8_cfg.fp8_param": YAML,
+    "generation.vllm_cfg.use_deep_gemm": YAML,
 }
 
 
 class PolicyConfigError(UserError):
     """A NeMo-RL policy key is missing or has a value the Jet-RL worker cannot run with; the message names it."""
+
+
+# ---------------------------------------------------------------------------------------------- the switch table
+# Both drivers read the arm from the same three keys, in either of two forms (docs/config.md, "One YAML, both
+# drivers"): the standalone form (fp8_cfg.enabled: true + precision: fp8, NeMo-RL's blockwise FP8 recipe) and the
+# hosted form (fp8_cfg.enabled: false + precision: bfloat16 + vllm_kwargs.quantization: jetrl_fp8, which keeps
+# NeMo-RL's own TransformerEngine FP8 and vLLM re-quantization off under its driver).
+FP8_TRAIN_KEY = "policy.megatron_cfg.fp8_cfg.enabled"
+PRECISION_KEY = "policy.generation.vllm_cfg.precision"
+QUANT_KEY = "policy.generation.vllm_kwargs.quantization"
+STANDALONE, HOSTED, BOTH = "standalone", "hosted", "both"
+
+
+def arm_of_switches(fp8_train: bool, precision: str, quantization: Any = None) -> tuple[str, str]:
+    """(arm, form) selected by NeMo-RL's switches; a combination that is no arm raises `PolicyConfigError` naming
+    the keys (callers re-raise it as their own error type).
+
+    | fp8_cfg.enabled | precision | quantization | arm |
+    | false | bfloat16 | - | bf16 |
+    | false | fp8 | - | bf16_train_fp8_rollout |
+    | true | fp8 | - | jetrl (standalone form) |
+    | false | bfloat16 | jetrl_fp8 | jetrl (hosted form) |
+    | true | fp8 | jetrl_fp8 | jetrl (both forms at once) |
+    anything else is an error.
+    """
+    from jetrl_megatron.recipe import ARM_BY_SWITCHES
+
+    on = str(bool(fp8_train)).lower()
+    if precision not in ("bfloat16", "fp8"):
+        raise PolicyConfigError(f"{PRECISION_KEY}: {precision!r}; 'bfloat16' or 'fp8'")
+    if quantization is None:
+        if fp8_train and precision != "fp8":
+            raise PolicyConfigError(
+                f"{FP8_TRAIN_KEY}: true with {PRECISION_KEY}: {precision!r}: an FP8 trainer with a BF16 rollout is "
+                f"not an arm here; set precision: fp8 (jetrl, standalone form), or fp8_cfg.enabled: false with "
+                f"{QUANT_KEY}: {QUANT_METHOD} (jetrl, hosted form) or without it (bf16)")
+        return ARM_BY_SWITCHES[(bool(fp8_train), precision == "fp8")], STANDALONE
+    if quantization != QUANT_METHOD:
+        raise PolicyConfigError(f"{QUANT_KEY}: {quantization!r}; only {QUANT_METHOD!r} (the hosted form of jetrl) may "
+                                f"be set: vLLM's own FP8 comes with {PRECISION_KEY}: fp8 and {FP8_TRAIN_KEY}: false")
+    if (bool(fp8_train), precision) == (False, "bfloat16"):
+        return "jetrl", HOSTED
+    if (bool(fp8_train), precision) == (True, "fp8"):
+        return "jetrl", BOTH
+    raise PolicyConfigError(
+        f"{PRECISION_KEY}: {precision!r} with {FP8_TRAIN_KEY}: {on} and {QUANT_KEY}: {QUANT_METHOD!r} contradict: "
+        f"{QUANT_METHOD!r} selects jetrl, in the hosted form with fp8_cfg.enabled: false + precision: bfloat16 or "
+        "in the standalone form with fp8_cfg.enabled: true + precision: fp8")
 
 
 def _get(policy: Mapping[str, Any], path: str, default: Any = _MISSING) -> Any:
@@ -200,11 +253,61 @@ class PolicyPlan:
 
 
 def policy_plan(policy: Mapping[str, Any], shape: ModelShape | None = None) -> PolicyPlan:
-    """Check ``policy`` (:func:`check_policy`) and return the model's shape, the recipe and sequence parallelism;
-    ``shape`` None reads ``policy.model_name``'s HF config."""
+    """Check ``policy`` in its hosted form (:func:`hosted_form`, :func:`check_policy`) and return the model's shape,
+    the recipe and sequence parallelism; ``shape`` None reads ``policy.model_name``'s HF config."""
     shape = shape or model_shape(policy)
+    policy = hosted_form(policy, shape.num_layers)
     recipe = check_policy(policy, shape.num_layers)
     return PolicyPlan(shape, recipe, bool(_get(policy, "megatron_cfg.sequence_parallel", False)))
+
+
+def _switch_values(policy: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    return (_get(policy, "megatron_cfg.fp8_cfg.enabled", False), _get(policy, "generation.vllm_cfg.precision"),
+            _get(policy, "generation.vllm_kwargs.quantization", None))
+
+
+def hosted_form(policy: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """``policy`` with the jetrl arm written in the hosted form, which NeMo-RL's driver and workers run.
+
+    The hosted form is returned as it is. The standalone form (fp8_cfg.enabled: true, fp8: e4m3, fp8_recipe:
+    blockwise, precision: fp8) is rewritten: NeMo-RL's switches off, ``vllm_kwargs`` gets ``quantization:
+    jetrl_fp8`` and the recipe built from NeMo-RL's keys (BF16 first/last layers, pow2 scales, DeepGEMM) unless it
+    carries one already, which :func:`check_policy` then holds to those keys. Another arm is refused naming the
+    keys: this worker runs jetrl only (NeMo-RL's own worker runs the others)."""
+    import copy
+
+    fp8_train, precision, quantization = _switch_values(policy)
+    arm, form = arm_of_switches(fp8_train, precision, quantization)
+    if arm != "jetrl":
+        raise PolicyConfigError(f"{FP8_TRAIN_KEY}: {str(bool(fp8_train)).lower()}, {PRECISION_KEY}: {precision!r}"
+                                f"{'' if quantization is None else f', {QUANT_KEY}: {quantization!r}'} select "
+                                f"{arm!r}; the Jet-RL worker runs the jetrl arm (NeMo-RL's own Megatron worker runs "
+                                f"{arm!r})")
+    if form == HOSTED:
+        return dict(policy)
+    for path, want in (("megatron_cfg.fp8_cfg.fp8", "e4m3"), ("megatron_cfg.fp8_cfg.fp8_recipe", "blockwise"),
+                       ("megatron_cfg.fp8_cfg.fp8_param", False)):
+        got = _get(policy, path, want)
+        if got != want:
+            raise PolicyConfigError(f"policy.{path}: {got!r}; Jet-RL's FP8 flow (the standalone form of jetrl) is "
+                                    f"{want!r}")
+    out = copy.deepcopy(dict(policy))
+    out["megatron_cfg"]["fp8_cfg"]["enabled"] = False
+    out["generation"]["vllm_cfg"]["precision"] = "bfloat16"
+    kwargs = out["generation"].setdefault("vllm_kwargs", {}) or {}
+    out["generation"]["vllm_kwargs"] = kwargs
+    if form == STANDALONE:
+        pow2 = bool(_get(policy, "generation.vllm_cfg.pow2_weight_scaling_factors", False))
+        recipe = Fp8Recipe(mode="jetrl", scale_fmt="pow2" if pow2 else "fp32",
+                           bf16_first_layers=int(_get(policy, "generation.vllm_cfg.num_first_layers_in_bf16", 0)),
+                           bf16_last_layers=int(_get(policy, "generation.vllm_cfg.num_last_layers_in_bf16", 0)),
+                           gemm_backend="deep_gemm" if _get(policy, "generation.vllm_cfg.use_deep_gemm", False)
+                           else "auto")
+        made = jetrl_vllm_kwargs(recipe, num_layers)
+        kwargs["quantization"] = made["quantization"]
+        kwargs.setdefault("hf_overrides", {})
+        kwargs["hf_overrides"] = dict(kwargs["hf_overrides"] or {}, **made["hf_overrides"])
+    return out
 
 
 def uses_jetrl(policy: Mapping[str, Any]) -> bool:
