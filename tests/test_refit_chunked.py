@@ -108,6 +108,7 @@ def _rank(rank: int, world: int, out_dir: str) -> None:
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
+@pytest.mark.slow
 def test_streamed_exchange_moves_the_resharders_bytes_within_the_budget(tmp_path):
     """TP2 -> TP1, PP2 -> TP1 and PP2 -> TP2, each with a budget below one tensor and one above the model."""
     from deadline import deadline
