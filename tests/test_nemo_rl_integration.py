@@ -266,8 +266,9 @@ def test_driver_preflight_uses_nemo_rls_loader(nemo_root, tmp_path):
 
 def test_driver_runs_nemo_rls_own_fp8_yaml_as_jetrl_in_the_hosted_form(nemo_root, tmp_path):
     """NeMo-RL's grpo_math_8B_megatron_fp8.yaml (the standalone form: fp8_cfg.enabled + blockwise + precision fp8;
-    sequence packing off, which the Jet-RL attention needs), loaded by NeMo-RL's own loader: the driver selects jetrl and hands NeMo-RL the hosted form (its TE FP8 and vLLM
-    re-quantization off, jetrl_fp8 with the recipe), which the worker's check accepts."""
+    sequence packing off, which the Jet-RL attention needs), loaded by NeMo-RL's own loader: the driver selects
+    jetrl and hands NeMo-RL the hosted form (its TE FP8 and vLLM re-quantization off, jetrl_fp8 with the recipe),
+    which the worker's check accepts."""
     configs = nemo_root / "examples" / "configs"
     model = tmp_path / "tiny_llama"
     model.mkdir()
