@@ -31,8 +31,12 @@ $(STAMP): pyproject.toml constraints/$(DEVICE).txt
 
 setup: $(STAMP)
 
+# Two workers (pytest-xdist), each taking whole test files (their module fixtures: engines, spawned worlds, clusters,
+# are built once), in conftest.py's order (slowest files first); the 20 slowest tests at the end. TEST_WORKERS=0: one
+# process.
+TEST_WORKERS ?= 2
 test: setup
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 tests
 
 test-gpu: setup
 	$(VPY) -m pytest -q -m gpu tests
