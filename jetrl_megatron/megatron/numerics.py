@@ -22,10 +22,16 @@ vLLM's ``fused_add_rms_norm(out, residual=bf16(s))``. Layer 0 receives the BF16 
 final norm is vLLM's last fused add + norm. With PP the FP32 ``s`` travels between stages
 (``pipeline_dtype=float32``).
 
-GPU: the torch functions here are the reference twins and the CPU path. For CUDA tensors the norms, SwiGLU, RoPE
-and the residual add run as the Triton kernels of :mod:`jetrl_megatron.megatron.triton_numerics` (same op order and
-roundings; only the reductions' summation order differs), selected by :func:`set_elementwise_impl` /
-``$JETRL_ELEMENTWISE`` (``auto`` by default; ``torch`` forces the twins everywhere).
+GPU with vLLM (``attn_impl="vllm_cuda"``, the default there): the forward is GPU vLLM's own, op for op (its CUDA
+RMSNorm / fused add + RMSNorm with a BF16 residual stream, rotary kernel, SiLU-and-mul, FlashAttention 3 over a paged
+KV cache; :mod:`jetrl_megatron.vllm_cuda.ops`), the backward the Triton kernels' (or the twins'), so the trainer's
+logprobs are vLLM's bit for bit (docs/precision.md, "GPU vLLM's own ops").
+
+GPU otherwise (``attn_impl="bf16"``): the torch functions here are the reference twins and the CPU path. For CUDA
+tensors the norms, SwiGLU, RoPE and the residual add run as the Triton kernels of
+:mod:`jetrl_megatron.megatron.triton_numerics` (same op order and roundings; only the reductions' summation order
+differs), selected by :func:`set_elementwise_impl` / ``$JETRL_ELEMENTWISE`` (``auto`` by default; ``torch`` forces
+the twins everywhere).
 """
 
 from __future__ import annotations
