@@ -52,3 +52,20 @@ def write_tiny_model(cache: Path, repo_id: str, *, tokenizer: bool = True) -> Pa
     if tokenizer:
         write_char_tokenizer(folder)
     return folder
+
+
+def offline_hub(tmp_path: Path, monkeypatch, *, datasets_too: bool = False) -> Path:
+    """An empty offline hub cache in tmp, as huggingface_hub reads it from HF_HUB_CACHE + HF_HUB_OFFLINE=1 (and,
+    with ``datasets_too``, an offline ``datasets`` cache beside it)."""
+    from huggingface_hub import constants
+
+    cache = Path(tmp_path) / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    if datasets_too:
+        import datasets
+
+        monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", Path(tmp_path) / "datasets")
+        monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    return cache

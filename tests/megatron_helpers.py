@@ -160,3 +160,24 @@ def reference_logprobs(sd: dict[str, torch.Tensor], shape: ModelShape, tokens: t
     logits = F.linear(h, head)
     lp = torch.log_softmax(logits[:, :-1].float(), -1)
     return lp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def model_params(ddp) -> dict[str, torch.Tensor]:
+    """A copy of every parameter of a (DDP-wrapped) model chunk, by name."""
+    from jetrl_megatron.megatron.model import unwrap
+
+    return {n: p.detach().clone() for n, p in unwrap(ddp).named_parameters()}
+
+
+def cache_matches_weights(ddp) -> bool:
+    """The FP8 cache holds exactly quant(current BF16 weight) for every FP8 linear."""
+    from jetrl_megatron.fp8 import ops
+    from jetrl_megatron.megatron.model import fp8_context, fp8_linears
+
+    cache = fp8_context(ddp).cache
+    for _, m in fp8_linears(ddp):
+        q, s = cache.get(m.weight)
+        q2, s2 = ops.quant_weight(m.weight.detach(), cache.recipe)
+        if not (torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)):
+            return False
+    return True

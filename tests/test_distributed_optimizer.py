@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_helpers import hf_state, tiny_shape
+from megatron_helpers import cache_matches_weights, hf_state, model_params, tiny_shape
 
 from jetrl_megatron.megatron.cpu import spawn
 from jetrl_megatron.rl.config import arm_overrides
@@ -57,24 +57,8 @@ def _build(shape, sd, dist: bool, overlap: bool, clip: float = CLIP):
     return policy.model, policy.optimizer
 
 
-def _params(ddp) -> dict[str, torch.Tensor]:
-    from jetrl_megatron.megatron.model import unwrap
-
-    return {n: p.detach().clone() for n, p in unwrap(ddp).named_parameters()}
 
 
-def _cache_matches_weights(ddp) -> bool:
-    """The FP8 cache holds exactly quant(current BF16 weight) for every FP8 linear."""
-    from jetrl_megatron.fp8 import ops
-    from jetrl_megatron.megatron.model import fp8_context, fp8_linears
-
-    cache = fp8_context(ddp).cache
-    for _, m in fp8_linears(ddp):
-        q, s = cache.get(m.weight)
-        q2, s2 = ops.quant_weight(m.weight.detach(), cache.recipe)
-        if not (torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)):
-            return False
-    return True
 
 
 def _state_numel(opt) -> dict[str, int]:
@@ -97,8 +81,8 @@ def _step(ddp, opt, batch, record_grads: bool = False) -> dict:
     loss, _ = forward_backward([ddp], batch, _loss, micro_batch_size=1, grad_scale_func=opt.scale_loss)
     grads = ({n: p.main_grad.float().clone() for n, p in unwrap(ddp).named_parameters()} if record_grads else None)
     ok, grad_norm, _ = opt.step()
-    return {"loss": loss, "ok": ok, "grad_norm": float(grad_norm), "grads": grads, "params": _params(ddp),
-            "cache_ok": _cache_matches_weights(ddp), "generation": fp8_context(ddp).cache.generation}
+    return {"loss": loss, "ok": ok, "grad_norm": float(grad_norm), "grads": grads, "params": model_params(ddp),
+            "cache_ok": cache_matches_weights(ddp), "generation": fp8_context(ddp).cache.generation}
 
 
 def _run(rank: int, world_size: int, out_dir: str) -> None:
@@ -111,7 +95,7 @@ def _run(rank: int, world_size: int, out_dir: str) -> None:
     rec: dict = {}
     for name, (dist, overlap, clip) in VARIANTS.items():
         ddp, opt = _build(shape, sd, dist, overlap, clip)
-        r: dict = {"init": _params(ddp), "distributed": opt.distributed, "steps": [],
+        r: dict = {"init": model_params(ddp), "distributed": opt.distributed, "steps": [],
                    "generation0": fp8_context(ddp).cache.generation}
         if overlap:
             # What the buffer holds when Megatron returns from its step (before the wrapper's forced all-gather):
@@ -120,7 +104,7 @@ def _run(rank: int, world_size: int, out_dir: str) -> None:
             orig = ddp.start_param_sync
 
             def spy(*a, _orig=orig, _ddp=ddp, _seen=seen, **k):
-                _seen.append(_params(_ddp))
+                _seen.append(model_params(_ddp))
                 return _orig(*a, **k)
 
             ddp.start_param_sync = spy

@@ -14,8 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from hub_cache import snapshot_dir, write_config, write_tiny_model
-from huggingface_hub import constants
+from hub_cache import offline_hub, snapshot_dir, write_config, write_tiny_model
 from published_configs import PUBLISHED
 
 from jetrl_megatron.errors import UserError
@@ -27,12 +26,7 @@ GPU_1B = ["cluster.gpus_per_node=8", "cluster.num_nodes=1", "policy.train_micro_
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
-    """An empty offline hub cache in tmp, as huggingface_hub would read it from HF_HUB_CACHE + HF_HUB_OFFLINE=1."""
-    cache = tmp_path / "hub"
-    cache.mkdir()
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    return cache
+    return offline_hub(tmp_path, monkeypatch)
 
 
 def test_config_reads_the_cache_once_at_load(hub):

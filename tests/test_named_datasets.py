@@ -8,8 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hub_cache import snapshot_dir, write_char_tokenizer
-from huggingface_hub import constants
+from hub_cache import offline_hub, snapshot_dir, write_char_tokenizer
 
 from jetrl_megatron.errors import UserError
 from jetrl_megatron.rl.config import load_config
@@ -18,15 +17,7 @@ from jetrl_megatron.rl.tasks import build_task
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
-    cache = tmp_path / "hub"
-    cache.mkdir()
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    import datasets
-
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
-    return cache
+    return offline_hub(tmp_path, monkeypatch, datasets_too=True)
 
 
 def _cfg(*overrides: str):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_helpers import hf_state, tiny_shape
+from megatron_helpers import cache_matches_weights, hf_state, model_params, tiny_shape
 
 from jetrl_megatron.megatron.cpu import spawn
 
@@ -57,23 +57,8 @@ def _build(shape, sd, frac: float | None, clip: float):
     return policy.model, policy.optimizer
 
 
-def _params(ddp) -> dict[str, torch.Tensor]:
-    from jetrl_megatron.megatron.model import unwrap
-
-    return {n: p.detach().clone() for n, p in unwrap(ddp).named_parameters()}
 
 
-def _cache_ok(ddp) -> bool:
-    from jetrl_megatron.fp8 import ops
-    from jetrl_megatron.megatron.model import fp8_context, fp8_linears
-
-    cache = fp8_context(ddp).cache
-    for _, m in fp8_linears(ddp):
-        q, s = cache.get(m.weight)
-        q2, s2 = ops.quant_weight(m.weight.detach(), cache.recipe)
-        if not (torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)):
-            return False
-    return True
 
 
 def _step(ddp, opt, batch, grads: bool = False) -> dict:
@@ -83,8 +68,8 @@ def _step(ddp, opt, batch, grads: bool = False) -> dict:
     loss, _ = forward_backward([ddp], batch, _loss, micro_batch_size=1, grad_scale_func=opt.scale_loss)
     g = {n: p.main_grad.float().clone() for n, p in unwrap(ddp).named_parameters()} if grads else None
     ok, grad_norm, _ = opt.step()
-    return {"loss": float(loss), "ok": ok, "grad_norm": float(grad_norm), "grads": g, "params": _params(ddp),
-            "cache_ok": _cache_ok(ddp), "generation": fp8_context(ddp).cache.generation}
+    return {"loss": float(loss), "ok": ok, "grad_norm": float(grad_norm), "grads": g, "params": model_params(ddp),
+            "cache_ok": cache_matches_weights(ddp), "generation": fp8_context(ddp).cache.generation}
 
 
 def _placement(opt) -> dict:
@@ -108,7 +93,7 @@ def _run(rank: int, world_size: int, out_dir: str) -> None:
         if world_size > 1 and name not in DP2_VARIANTS:
             continue
         ddp, opt = _build(shape, sd, frac, clip)
-        rec.setdefault("init", _params(ddp))
+        rec.setdefault("init", model_params(ddp))
         r: dict = {"offloaded": opt.offloaded, "steps": []}
         if frac is not None:
             r["placement"] = _placement(opt)
@@ -127,7 +112,7 @@ def _run(rank: int, world_size: int, out_dir: str) -> None:
         torch.autograd.graph.increment_version(p)
     opt.load_checkpoint_state(state["optimizer"])
     refresh_fp8_cache(ddp)
-    rec["resumed_params"] = _params(ddp)
+    rec["resumed_params"] = model_params(ddp)
     rec["resumed_step2"] = _step(ddp, opt, batch)
     torch.save(rec, Path(out_dir) / f"rank{rank}.pt")
 
