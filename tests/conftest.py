@@ -19,11 +19,12 @@ TP_SHM_HELD_ENV = "JETRL_TEST_VLLM_TP_SHM_HELD"
 TP_SHM_LOCK = Path(tempfile.gettempdir()) / "jetrl-tests-vllm-tp-shm.lock"
 # Files that take minutes (end-to-end runs, spawned worlds, vLLM engines), slowest first: under parallel workers they
 # start first, so that no worker begins one of them when the others are nearly done (measured with --durations=0).
-SLOW_FIRST = ("test_rl_loop.py", "test_nemo_rl_conformance.py", "test_megatron_parallel.py", "test_megatron_model.py",
-              "test_compare.py", "test_slurm.py", "test_user_errors.py", "test_cpu_builds.py",
-              "test_megatron_vllm_parity.py", "test_distributed_optimizer.py", "test_refit_buffers.py",
-              "test_recipes.py", "test_hf_refit.py", "test_reshard_fingerprint.py", "test_hosted_policy.py",
-              "test_rollout_arms.py", "test_nemo_rl_config.py", "test_kernels_interp.py", "test_grad_buffer_release.py")
+SLOW_FIRST = ("test_rl_loop.py", "test_cpu_builds.py", "test_slurm.py", "test_compare.py", "test_megatron_model.py",
+              "test_distributed_optimizer.py", "test_user_errors.py", "test_nemo_rl_conformance.py",
+              "test_megatron_vllm_parity.py", "test_megatron_parallel.py", "test_rollout_engine.py",
+              "test_refit_buffers.py", "test_grad_buffer_release.py", "test_refit_inplace.py", "test_hub_cache.py",
+              "test_optimizer_offload.py", "test_rollout_arms.py", "test_hf_refit.py", "test_recipes.py",
+              "test_hosted_policy.py", "test_triton_numerics.py")
 
 
 def pytest_configure(config):
