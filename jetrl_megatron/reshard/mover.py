@@ -8,8 +8,9 @@ coalesced slabs straight from the Megatron rank tensors into the destination ran
 
 Input: `MegatronShards` — the plain (local-layer-index) state dicts of every (pp_rank, vp_stage, tp_rank), with
 names from the Megatron-Core local spec and FP8 copies' scales under "<name>_scale_inv".
-A GEMM weight without "<name>_scale_inv" is treated as BF16 (e.g. a recipe's BF16 first/last layers) and moved the
-same way, without scales.
+A GEMM weight without "<name>_scale_inv" is treated as BF16 (e.g. a recipe's BF16 first/last layers, or every
+linear in the BF16 arms) and moved the same way, without scales, in rows (`addressing.bf16_unit`) rather than 128
+blocks: only FP8 tensors need whole 128 blocks, so a head_dim-64 model moves in the BF16 arms.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from jetrl_megatron.fp8.format import SCALE_SUFFIX
 from jetrl_megatron.fp8.format import cdiv as _cdiv
 from jetrl_megatron.model import layout
 from jetrl_megatron.model.shapes import ModelShape
-from jetrl_megatron.reshard.addressing import BLOCK, ParamPlan, vllm_padded_vocab, vllm_rank_plans
+from jetrl_megatron.reshard.addressing import (
+    BLOCK,
+    MEGATRON_PARAM,
+    ParamPlan,
+    bf16_unit,
+    vllm_padded_vocab,
+    vllm_rank_plans,
+)
 from jetrl_megatron.reshard.preflight import validate_reshard
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -112,6 +120,18 @@ class MegatronShards:
 
     def last_shards(self, name: str) -> list[torch.Tensor]:
         return [self._get((self.pp - 1, (self.vp or 1) - 1, t), name) for t in range(self.tp)]
+
+    def fp8_projections(self) -> frozenset[str]:
+        """Projections (q, k, v, o, gate, up, down) held as FP8 with scales in some layer: only their moves need
+        whole 128 blocks (preflight's `moved`). Reads names only (a recording state dict marks nothing read)."""
+        params = {p + ".weight" + SCALE_SUFFIX for p in MEGATRON_PARAM.values()}
+        held = {p for state in self.states.values() for name in state for p in params if name.endswith(p)}
+        return frozenset(proj for proj, p in MEGATRON_PARAM.items() if p + ".weight" + SCALE_SUFFIX in held)
+
+    def validate(self, rollout_tp: int) -> None:
+        """Preflight for these shards to vLLM TP `rollout_tp`: block rules for the FP8 tensors they hold only."""
+        fp8 = self.fp8_projections()
+        validate_reshard(self.shape, self.tp, self.pp, rollout_tp, self.vp, fp8, fp8)
 
 
 def _trim_scale(s: torch.Tensor, cols: int, name: str) -> torch.Tensor:
@@ -216,8 +236,11 @@ def layer_copy_pairs(src: MegatronShards, layer: int, rollout_tp: int, rank: int
         out[name] = made[0]
         pairs.extend(made[1])
 
-    for plan in vllm_rank_plans(shape, src.tp, rollout_tp, rank):
+    unit = BLOCK if src.block_units else bf16_unit(shape, src.tp, rollout_tp)
+    for i, plan in enumerate(vllm_rank_plans(shape, src.tp, rollout_tp, rank, unit)):
         weights, scales = _gemm_shards(src, layer, plan.megatron_param)
+        if scales is not None and plan.unit != BLOCK:
+            plan = vllm_rank_plans(shape, src.tp, rollout_tp, rank)[i]  # FP8: whole 128x128 blocks
         name = prefix + plan.vllm_param + ".weight"
         add(name, _plan_pairs(plan, weights, name, dst_for))
         if scales is not None:
@@ -298,7 +321,7 @@ def iter_vllm_rank(src: MegatronShards, rollout_tp: int, rank: int,
                    device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream vLLM rank `rank`'s tensors: embedding, layers in order, final norm, lm_head (untied models)."""
     shape = src.shape
-    validate_reshard(shape, src.tp, src.pp, rollout_tp, src.vp)
+    src.validate(rollout_tp)
     if not 0 <= rank < rollout_tp:
         raise ValueError(f"rollout rank {rank} outside [0, {rollout_tp})")
     emb = layout.embedding_param_map().megatron

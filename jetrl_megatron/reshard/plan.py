@@ -14,11 +14,12 @@ from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.reshard.addressing import (
     BLOCK,
     MEGATRON_PARAM,
+    bf16_unit,
     proj_shape,
     vllm_padded_vocab,
     vllm_rank_plans,
 )
-from jetrl_megatron.reshard.preflight import Violation, check_reshard
+from jetrl_megatron.reshard.preflight import Violation, check_reshard, fp8_projections
 
 _VLLM_PROJS = {"self_attn.qkv_proj": ("q", "k", "v"), "self_attn.o_proj": ("o",),
                "mlp.gate_up_proj": ("gate", "up"), "mlp.down_proj": ("down",)}
@@ -65,18 +66,20 @@ class ReshardPlan:
         return not self.violations
 
 
-def _vllm_local_shape(shape: ModelShape, rollout_tp: int, vparam: str, dst_blocks: int) -> tuple[int, int]:
+def _vllm_local_shape(shape: ModelShape, rollout_tp: int, vparam: str, dst_blocks: int,
+                      unit: int = BLOCK) -> tuple[int, int]:
     n, k = proj_shape(shape, _VLLM_PROJS[vparam][0])
     if vparam in ("self_attn.o_proj", "mlp.down_proj"):
-        return n, dst_blocks * BLOCK
-    return dst_blocks * BLOCK, k
+        return n, dst_blocks * unit
+    return dst_blocks * unit, k
 
 
 def build_plan(shape: ModelShape, train_tp: int, train_pp: int, rollout_tp: int, train_vp: int | None = None,
                recipe: Fp8Recipe | None = None) -> ReshardPlan:
     recipe = recipe or Fp8Recipe()
+    moved, served = fp8_projections(shape, recipe)
     plan = ReshardPlan(shape, train_tp, train_pp, rollout_tp, train_vp,
-                       check_reshard(shape, train_tp, train_pp, rollout_tp, train_vp))
+                       check_reshard(shape, train_tp, train_pp, rollout_tp, train_vp, moved, served))
     if not plan.ok:
         return plan
     L = shape.num_layers
@@ -90,10 +93,13 @@ def build_plan(shape: ModelShape, train_tp: int, train_pp: int, rollout_tp: int,
     for r in range(rollout_tp):
         rb = RankBytes()
         lines = []
-        for pp in vllm_rank_plans(shape, train_tp, rollout_tp, r):
+        fine = vllm_rank_plans(shape, train_tp, rollout_tp, r, bf16_unit(shape, train_tp, rollout_tp))
+        for i, pp in enumerate(fine):
+            if set(_VLLM_PROJS[pp.vllm_param]) & moved:
+                pp = vllm_rank_plans(shape, train_tp, rollout_tp, r)[i]  # FP8 bytes move as 128x128 blocks
             mshape_blocks = pp.src_blocks
-            vshape = _vllm_local_shape(shape, rollout_tp, pp.vllm_param, pp.dst_blocks)
-            mshape = _vllm_local_shape(shape, train_tp, pp.vllm_param, mshape_blocks)
+            vshape = _vllm_local_shape(shape, rollout_tp, pp.vllm_param, pp.dst_blocks, pp.unit)
+            mshape = _vllm_local_shape(shape, train_tp, pp.vllm_param, mshape_blocks, pp.unit)
             elems = vshape[0] * vshape[1]
             rb.fp8 += elems * n_fp8
             rb.bf16 += 2 * elems * (L - n_fp8)

@@ -28,7 +28,6 @@ from jetrl_megatron.reshard.mover import (
     vllm_vocab_rows,
     vocab_copy_pairs,
 )
-from jetrl_megatron.reshard.preflight import validate_reshard
 
 
 class StaleSourceError(RuntimeError):
@@ -43,7 +42,7 @@ class VllmRefitProgram:
                  dst_factory: DstFactory | None = None):
         """`dst`: destination tensors by vLLM name (e.g. the engine's live parameters); `dst_factory`: called as
         (name, shape, dtype, source device) for each destination instead (the caller decides per tensor)."""
-        validate_reshard(src.shape, src.tp, src.pp, rollout_tp, src.vp)
+        src.validate(rollout_tp)  # block rules for the FP8 tensors the sources hold
         shape = src.shape
         self.tensors: dict[str, torch.Tensor] = {}
         pairs: list[CopyPair] = []

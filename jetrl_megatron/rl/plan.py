@@ -145,6 +145,8 @@ class Layout:
 
 
 def parallel_layout(cfg: RunConfig) -> Layout:
+    """The trainer and rollout layout of ``cfg`` (a batch that does not split over DP is a ConfigError naming the key,
+    not a traceback)."""
     mc = cfg.policy.megatron_cfg
     tp, pp = mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size
     world = cfg.world_size if cfg.is_gpu else tp * pp
@@ -152,8 +154,8 @@ def parallel_layout(cfg: RunConfig) -> Layout:
     rtp = cfg.policy.generation.vllm_cfg.tensor_parallel_size
     gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
     if gbs % (mbs * dp):
-        raise ValueError(f"policy.train_global_batch_size {gbs} is not a multiple of train_micro_batch_size {mbs} x "
-                         f"DP {dp}")
+        raise ConfigError(f"policy.train_global_batch_size: {gbs} is not a multiple of train_micro_batch_size {mbs} "
+                          f"x DP {dp} (world {world} / TP{tp} x PP{pp})")
     return Layout(world, tp, pp, dp, rtp, max(1, world // rtp), gbs // (mbs * dp))
 
 
@@ -172,9 +174,9 @@ def _param_counts(shape) -> dict[str, int]:
 def _busiest_refit_rank(shape, tp: int, pp: int, dp: int, rollout_tp: int,
                         recipe, budget: int) -> tuple[int, ExchangeBytes] | None:
     from jetrl_megatron.reshard.exchange import refit_buffer_bytes
-    from jetrl_megatron.reshard.preflight import check_reshard
+    from jetrl_megatron.reshard.preflight import check_reshard, fp8_projections
 
-    if check_reshard(shape, tp, pp, rollout_tp):
+    if check_reshard(shape, tp, pp, rollout_tp, None, *fp8_projections(shape, recipe)):
         return None  # no refit program exists for this layout (the plan reports the refusal)
     per_rank = refit_buffer_bytes(shape, tp, pp, dp, rollout_tp, recipe, budget)
     return max(per_rank.items(), key=lambda kv: (kv[1].buffers, -kv[0]))
@@ -330,7 +332,7 @@ def plan_report(cfg: RunConfig, gpu_mem_gib: float = 80.0, show_config: bool = T
                 host_mem_gib: float | None = None) -> tuple[str, bool]:
     """The text `jetrl plan` prints and whether the recipe passed (resharder preflight, GPU memory, and host memory
     per node when ``host_mem_gib`` is given)."""
-    from jetrl_megatron.reshard.preflight import check_reshard
+    from jetrl_megatron.reshard.preflight import check_reshard, fp8_projections
 
     shape = model_shape(cfg)
     layout = parallel_layout(cfg)
@@ -344,13 +346,16 @@ def plan_report(cfg: RunConfig, gpu_mem_gib: float = 80.0, show_config: bool = T
     lines.append("# parallel layout" + ("" if cfg.is_gpu else " (CPU run: gloo processes instead of GPUs)"))
     lines += layout.describe()
     ok = True
-    viol = check_reshard(shape, layout.tp, layout.pp, layout.rollout_tp)
+    moved, served = fp8_projections(shape, cfg.recipe)
+    viol = check_reshard(shape, layout.tp, layout.pp, layout.rollout_tp, None, moved, served)
     lines.append(f"# resharder preflight: Megatron TP{layout.tp} x PP{layout.pp} -> vLLM TP{layout.rollout_tp}")
     if viol:
         ok = False
         lines += [f"  REFUSED {v}" for v in viol]
-    else:
+    elif served:
         lines.append("  ok: every FP8 shard holds whole 128x128 blocks and whole heads on both sides")
+    else:
+        lines.append(f"  ok: whole heads on both sides (arm {cfg.arm}: BF16 rows move, no 128 blocks needed)")
     mem = memory_estimate(cfg, shape, layout, gpu_mem_gib)
     unit = "GPU" if cfg.is_gpu else "process (CPU RAM)"
     lines.append(f"# memory estimate per {unit}, GiB (busiest pipeline stage; assumptions in rl/plan.py)")
