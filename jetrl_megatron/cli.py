@@ -4,6 +4,7 @@
   jetrl run     --config FILE.yaml [a.b=c ...]    the same, in NeMo-RL's run_grpo.py form (Hydra-style overrides)
   jetrl compare --recipe NAME [--arms a,b,c]      every arm x --seeds N from one BF16 warm start, aggregated
   jetrl plan    --recipe NAME [a.b=c ...]          resolved config, parallel layout, resharder preflight, memory
+  jetrl plan    --recommend --recipe NAME [...]    every TP x PP x DP / rollout-TP layout of the cluster, ranked
   jetrl sbatch  --recipe NAME --nodes N [--submit] the SLURM command for slurm/jetrl.sbatch (GPU or CPU recipe)
   jetrl reshard-check ... / jetrl export ...       the resharder's commands (see docs/reshard.md)
 """
@@ -84,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="host memory per node to check the estimate against (optimizer CPU offload, vLLM's sleep "
                         "backup); unchecked when not given")
     p.add_argument("--no-config", action="store_true", help="do not print the resolved config")
+    p.add_argument("--recommend", action="store_true",
+                   help="try every trainer TP x PP x DP and rollout TP layout of the cluster (cluster.num_nodes, "
+                        "cluster.gpus_per_node) through this plan and print them ranked (rule in rl/recommend.py)")
     s = sub.add_parser("sbatch", help="print (or submit) the SLURM command for a GPU or CPU recipe")
     _recipe_args(s)
     s.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the recipe's cluster.num_nodes)")
@@ -279,10 +283,28 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from jetrl_megatron.rl.plan import plan_report
 
+    if args.recommend:
+        return cmd_recommend(args)
     cfg = load_config(args.recipe, args.overrides)
     text, ok = plan_report(cfg, args.gpu_mem_gib, show_config=not args.no_config, host_mem_gib=args.host_mem_gib)
     print(text)
     print(f"# plan: {'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+def cmd_recommend(args: argparse.Namespace) -> int:
+    """`jetrl plan --recommend`: the ranked layouts, then the plain plan's command for the recommended one."""
+    from jetrl_megatron.rl.recommend import recommend_report
+
+    text, ok, best = recommend_report(args.recipe, list(args.overrides), args.gpu_mem_gib, args.host_mem_gib)
+    print(text)
+    if best is not None:
+        mem = ["--gpu-mem-gib", f"{args.gpu_mem_gib:g}"]
+        if args.host_mem_gib is not None:
+            mem += ["--host-mem-gib", f"{args.host_mem_gib:g}"]
+        cmd = ["jetrl", "plan", "--recipe", args.recipe, "--no-config", *mem, *args.overrides, *best.overrides]
+        print(f"#   check it: {shlex.join(cmd)}")
+    print(f"# plan --recommend: {'OK' if ok else 'FAILED (no layout fits)'}")
     return 0 if ok else 1
 
 
