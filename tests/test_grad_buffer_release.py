@@ -260,7 +260,7 @@ def _loop(rank: int, world_size: int, log_dir: str) -> None:
         return engine
 
     loop.build_trainer, loop.start_engine = build_trainer, start_engine
-    for name in ("sft_warmstart", "rollout", "trainer_logprobs", "policy_update"):
+    for name in ("sft_warmstart", "rollout", "policy_logprobs", "policy_update"):
         setattr(loop, name, measure(name, getattr(loop, name)))
     loop.RefitSource.shards = measure("refit", loop.RefitSource.shards)
     loop.run(load_config("tiny_cpu", [*LOOP, f"logger.log_dir={log_dir}"]))
@@ -275,7 +275,7 @@ def test_grpo_loop_holds_grad_buffers_only_during_updates(tmp_path):
     got = json.loads((tmp_path / "grad_bytes.json").read_text())
     full, seen = got["full"], [tuple(x) for x in got["seen"]]
     names = {n for n, _ in seen}
-    assert {"generate:enter", "generate:exit", "trainer_logprobs:enter", "refit:enter", "start_engine:enter",
+    assert {"generate:enter", "generate:exit", "policy_logprobs:enter", "refit:enter", "start_engine:enter",
             "policy_update:enter", "sft_warmstart:exit"} <= names, names
     assert full > 0
     for n, b in seen:

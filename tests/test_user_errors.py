@@ -102,7 +102,8 @@ def test_failure_inside_the_run_removes_its_fresh_log_dir(tmp_path):
     r = _cli("run", "policy.model_name=jetrl-no-such-org/no-such-model", f"logger.log_dir={log_dir}",
              *SMALL, HF_HUB_OFFLINE="1", timeout=300)
     line = _one_error_line(r)
-    assert "policy.model_name 'jetrl-no-such-org/no-such-model'" in line and "policy.jet_rl.model_preset" in line
+    # the key, the id and the cache searched, in one line
+    assert "policy.model_name: 'jetrl-no-such-org/no-such-model'" in line and "Hugging Face cache" in line
     assert not log_dir.exists()
 
 
