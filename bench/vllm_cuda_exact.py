@@ -109,7 +109,8 @@ def _hook_all(root, layers_path: str, sites: dict, store: dict) -> list:
                 continue
 
             def hook(_m, _inp, out, key=(i, name), pick=pick):
-                store[key] = pick(out).detach().reshape(-1, pick(out).shape[-1]).float().cpu()
+                t = pick(out).detach()
+                store[key] = t.reshape(-1, t.shape[-1]).float().cpu()
 
             handles.append(mod.register_forward_hook(hook))
     return handles

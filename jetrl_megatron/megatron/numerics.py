@@ -231,8 +231,7 @@ def _rms_fwd_vllm_cuda_plain(x: Tensor, w: Tensor, eps: float, out_dtype: torch.
 def _rms_fwd_vllm_cuda_fused(x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """vLLM's ``fused_add_rms_norm`` kernel on (x, zeros): ``x`` is already the BF16 sum the kernel would form
     (``x + 0`` is ``x``), so the kernel's own reduction and rounding normalise it."""
-    y, _ = vllm_cuda_ops.fused_add_rms_norm(x, torch.zeros_like(x), w, eps)
-    return y.to(out_dtype), _rstd(x, eps)
+    return vllm_cuda_ops.fused_rms_norm_of_sum(x, w, eps).to(out_dtype), _rstd(x, eps)
 
 
 VLLM_CUDA_NORMS: dict[str, OpKernels] = {

@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["available", "unavailable_reason", "rms_norm", "fused_add_rms_norm", "rope_neox_", "silu_and_mul",
-           "rope_cache", "PrefillAttention", "KV_BLOCK", "token_logprobs"]
+__all__ = ["available", "unavailable_reason", "rms_norm", "fused_add_rms_norm", "fused_rms_norm_of_sum",
+           "rope_neox_", "silu_and_mul", "rope_cache", "PrefillAttention", "KV_BLOCK", "token_logprobs"]
 
 KV_BLOCK = 16  # vLLM's default KV-cache block size for the FlashAttention backend on CUDA
 _STATE: dict = {}
@@ -87,6 +87,15 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) 
     res = residual.contiguous().clone()
     torch.ops._C.fused_add_rms_norm(out, res, weight, eps)
     return out, res
+
+
+def fused_rms_norm_of_sum(s: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """The fused kernel's normalised output for a residual sum ``s`` the caller already rounded to BF16: the kernel
+    on ``(s, zeros)`` forms ``s + 0 = s`` and normalises it with its own reduction (one copy of ``s``, one zero
+    buffer the kernel overwrites, no further copies)."""
+    out = s.contiguous().clone()
+    torch.ops._C.fused_add_rms_norm(out, torch.zeros_like(out), weight, eps)
+    return out
 
 
 def rope_neox_(positions: Tensor, q: Tensor, k: Tensor, head_size: int, cos_sin_cache: Tensor) -> None:
