@@ -35,6 +35,7 @@ from jetrl_megatron.rl.dist import dist_rank, dist_world, init_distributed, is_m
 from jetrl_megatron.rl.generation import engine_groups, rollout, start_engine, validate, validation_split
 from jetrl_megatron.rl.logging import RunLogger
 from jetrl_megatron.rl.metrics import position_bins
+from jetrl_megatron.rl.phase_memory import PhaseMemory
 from jetrl_megatron.rl.refit_source import RefitSource, verify_served_fp8
 from jetrl_megatron.rl.summary import print_probe, run_arm_probe, summarize
 from jetrl_megatron.rl.tasks import PromptStream, build_task
@@ -148,23 +149,30 @@ def grpo_step(cfg: RunConfig, trainer: Trainer, ro: Rollout, step: int, logger: 
     from jetrl_megatron.megatron.grad_buffers import release_grad_buffers, restore_grad_buffers
 
     t_step = time.perf_counter()
+    mem = PhaseMemory()
     # 1. rollout (vLLM frees its KV cache while the trainer runs, when colocated on CUDA)
     prompts = ro.stream.take(cfg.grpo.num_prompts_per_step)
+    mem.begin()
     samples, t_rollout = rollout(cfg, ro.engine, ro.task, prompts, step)
+    mem.end("rollout")
     batch = make_batch(cfg, ro.task, prompts, samples)
     asleep = cfg.policy.generation.colocated.enabled and ro.engine.sleep(level=1)
     # 2. rewards -> advantages
     adv = advantages(cfg, batch.rewards)
     # 3. trainer logprobs of the sampled tokens (old policy, reference policy)
+    mem.begin()
     t0 = time.perf_counter()
     logp_old, filtered_out = policy_logprobs(cfg, trainer.model, batch)
-    logp_ref = reference_logprobs(cfg, trainer.ref_model, batch) if trainer.ref_model is not None else None
     t_logprob = time.perf_counter() - t0
+    logp_ref = reference_logprobs(cfg, trainer.ref_model, batch) if trainer.ref_model is not None else None
+    t_ref_logprob = time.perf_counter() - t0 - t_logprob
+    mem.end("logprob")
     # 4. mismatch on response tokens (trainer vs rollout), overall and by response position
     metrics = mismatch(cfg, batch, logp_old, ro.bins)
     metrics["mismatch/filtered_out_tokens"] = float(filtered_out)
     # 5. rollout correction (optional) and the policy update (the optimizer re-quantizes the FP8 cache once)
     is_w, kept = importance(cfg, batch, logp_old)
+    mem.begin()
     t0 = time.perf_counter()
     if ro.release_grads:
         restore_grad_buffers(trainer.model)  # zeroed
@@ -173,18 +181,24 @@ def grpo_step(cfg: RunConfig, trainer: Trainer, ro: Rollout, step: int, logger: 
     if ro.release_grads:
         release_grad_buffers(trainer.model)  # before vLLM wakes up
     t_update = time.perf_counter() - t0
+    mem.end("update")
     # 6. refit: reshard the trainer's tensors and copy them into vLLM's live parameters in place
+    mem.begin()
     t0 = time.perf_counter()
     if asleep:
         ro.engine.wake_up()
+    t_wake = time.perf_counter() - t0
     shards = ro.source.shards()
     report = ro.engine.refit_from_shards(shards, rank=ro.vllm_rank, exchange=ro.source.exchange)
     t_refit = time.perf_counter() - t0
+    mem.end("refit")
     served_equal = verify_served_fp8(cfg, trainer, ro.engine, shards.states)
     n_resp = float(batch.mask.sum())
     metrics.update(batch_metrics(batch, kept))
     metrics.update({
-        "time/rollout": t_rollout, "time/logprob": t_logprob, "time/update": t_update, "time/refit": t_refit,
+        "time/rollout": t_rollout, "time/logprob": t_logprob + t_ref_logprob, "time/policy_logprob": t_logprob,
+        "time/reference_logprob": t_ref_logprob, "time/update": t_update, "time/refit": t_refit,
+        "time/wake_up": t_wake,
         "time/step": time.perf_counter() - t_step,
         "throughput/rollout_tokens_per_s": n_resp / max(t_rollout, 1e-9),
         "throughput/train_tokens_per_s": float(batch.tokens.numel()) / max(t_update + t_logprob, 1e-9),
@@ -195,6 +209,7 @@ def grpo_step(cfg: RunConfig, trainer: Trainer, ro: Rollout, step: int, logger: 
     })
     if not math.isnan(served_equal):
         metrics["refit/served_fp8_equal"] = served_equal
+    metrics.update(mem.metrics())
     return metrics
 
 
