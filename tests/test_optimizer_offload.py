@@ -243,7 +243,8 @@ def test_config_passes_the_offload_keys_and_refuses_bad_ones():
 
 
 def test_plan_counts_gpu_and_host_memory_of_the_offload():
-    """Offload moves f x (12 + 4) B/param from the GPU to the host; the host check fails and says by how much."""
+    """Offload moves f x (12 + 4) B/param from the GPU to the host, plus the hybrid optimizer's pinned BF16 staging
+    (f x 2 B/param, kept by torch's pinned allocator); the host check fails and says by how much."""
     from jetrl_megatron.rl.config import load_config
     from jetrl_megatron.rl.plan import memory_estimate, model_shape, parallel_layout, plan_report
 
@@ -255,11 +256,12 @@ def test_plan_counts_gpu_and_host_memory_of_the_offload():
     assert m1["optimizer_adam"] == pytest.approx(12 * params * 0.25)
     assert m1["host_optimizer"] == pytest.approx(12 * params * 0.75)
     assert m1["host_grads_fp32"] == pytest.approx(4 * params * 0.75)
-    assert m1["host_per_node"] == pytest.approx(16 * params * 0.75 + m1["vllm_weights"])
+    assert m1["host_pinned_staging"] == pytest.approx(2 * params * 0.75) and m0["host_pinned_staging"] == 0.0
+    assert m1["host_per_node"] == pytest.approx(18 * params * 0.75 + m1["vllm_weights"])
     text, ok = plan_report(off, 139.0, show_config=False, host_mem_gib=125.0)
-    assert ok and "host 100.3 GiB per node of 125 GiB: fits" in text, text
+    assert ok and "host 111.8 GiB per node of 125 GiB: fits" in text, text
     full = load_config("qwen3_8b_1gpu", ["policy.megatron_cfg.optimizer.optimizer_offload_fraction=1.0"])
     text, ok = plan_report(full, 139.0, show_config=False, host_mem_gib=125.0)
-    assert not ok and "host 130.8 GiB per node of 125 GiB: DOES NOT FIT, 5.8 GiB over" in text, text
+    assert not ok and "host 146.1 GiB per node of 125 GiB: DOES NOT FIT, 21.1 GiB over" in text, text
     text, ok = plan_report(full, 139.0, show_config=False)
     assert ok and "not checked (--host-mem-gib)" in text
