@@ -1,7 +1,7 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|check|grpo OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|check|grpo|probe OUT_DIR
 #   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
 #           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
 #   stage1  copy .vc/p1
@@ -10,7 +10,11 @@
 #           attention vs vLLM's own ops (issue 26's cost), cuBLAS GEMMs in both
 #   grpo    `jetrl run --recipe qwen3_8b_1gpu --arm $ARM` (random weights made on the spot), LEN new tokens by
 #           ignore_eos, STEPS steps; the run directory (metrics.jsonl, summary.json, config.yaml, log) as one .tgz;
-#           PACK_DG=1 also packs DeepGEMM's JIT cache (for the next round: carry it back as .dgc/dg_cache.tgz)
+#           PACK_DG=1 also packs DeepGEMM's JIT cache (for the next round: carry it back as .dgc/dg_cache.tgz);
+#           FA_SPLITS=N sets vLLM's FA3 KV-split cap for CUDA-graph decode (attention_config, vLLM's default 32);
+#           EXTRA="key=value ..." appends overrides
+#   probe   bench/vllm_cuda_exact.py at the Qwen3-8B shape (jetrl arm, auto GEMMs, CUDA graphs, a refit), PROMPTS x LEN,
+#           with FA_SPLITS as above: trainer vs vLLM's decode and prefill, and vLLM's decode vs its own prefill
 set -uo pipefail
 mode=${1:?stage0|stage1|check|grpo}
 out=${2:?OUT_DIR}
@@ -65,7 +69,8 @@ case $mode in
       policy.max_total_sequence_length=$((len + 32)) policy.generation.vllm_cfg.max_model_len=$((len + 32)) \
       policy.generation.vllm_kwargs.kv_cache_memory_bytes=$kv logger.tensorboard_enabled=false \
       policy.megatron_cfg.optimizer.optimizer_offload_fraction="${FRACTION:-0.75}" logger.log_dir="$dir" \
-      > "$dir/run.log" 2>&1 &
+      ${FA_SPLITS:++policy.generation.vllm_kwargs.attention_config.flash_attn_max_num_splits_for_cuda_graph=$FA_SPLITS} \
+      ${EXTRA:-} > "$dir/run.log" 2>&1 &
     pid=$!
     while kill -0 $pid 2>/dev/null; do  # host and GPU memory every 5 s (the run's own metrics hold the per-phase peaks)
       echo "$(date +%T) $(free -m | awk '/Mem:/ {print "host_used_mib", $3}') $(nvidia-smi --query-gpu=memory.used \
@@ -77,5 +82,13 @@ case $mode in
     if [ "${PACK_DG:-0}" = 1 ] && [ -d /tmp/dg_cache ]; then
       tar czf "$out/dg_cache.tgz" -C /tmp dg_cache; ls -l "$out/dg_cache.tgz"
     fi ;;
-  *) echo "usage: $0 stage0|stage1|check|grpo OUT_DIR" >&2; exit 2 ;;
+  probe)
+    wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
+    tag=${FA_SPLITS:-default}
+    timeout "${RUN_LIMIT:-300}" python3 bench/vllm_cuda_exact.py --preset qwen3-8b --arms jetrl --gemm-backend auto \
+      --prompts "${PROMPTS:-32}" --new-tokens "${LEN:-512}" --kv-cache-gib 8 --cuda-graphs --refit --no-probe \
+      ${FA_SPLITS:+--fa-max-splits $FA_SPLITS} --out "$out/probe_8b_splits_$tag.json" > "$out/probe_8b_$tag.log" 2>&1
+    echo "probe rc $?"; grep -A7 '"trainer_vs_decode"\|"decode_vs_prefill"\|"trainer_vs_prefill"' "$out/probe_8b_$tag.log" \
+      | grep -E "vs_|bit_identical|k3" ;;
+  *) echo "usage: $0 stage0|stage1|check|grpo|probe OUT_DIR" >&2; exit 2 ;;
 esac

@@ -158,6 +158,8 @@ def run_arm(args, arm: str, workdir: str) -> dict:
     llm_kwargs = {"enable_prefix_caching": False}
     if args.cuda_graphs:
         llm_kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    if args.fa_max_splits is not None:  # FA3's KV-split cap for decode inside full CUDA graphs (vLLM's default 32)
+        llm_kwargs["attention_config"] = {"flash_attn_max_num_splits_for_cuda_graph": args.fa_max_splits}
     engine = RolloutEngine(RolloutConfig(
         model_dir=model_dir, recipe=recipe, kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
         max_num_seqs=max(args.prompts, 8), max_model_len=args.prompt_max + args.new_tokens + 8,
@@ -221,6 +223,8 @@ def main() -> int:
     p.add_argument("--kv-cache-gib", type=float, default=8.0, help="the engine's KV cache (an exact size: with "
                    "gpu_memory_utilization vLLM 0.26 profiles CUDA-graph memory, which failed beside the trainer)")
     p.add_argument("--cuda-graphs", action="store_true", help="engine with FULL_DECODE_ONLY CUDA graphs, mode 0")
+    p.add_argument("--fa-max-splits", type=int, default=None,
+                   help="vLLM attention_config.flash_attn_max_num_splits_for_cuda_graph (default: vLLM's, 32)")
     p.add_argument("--no-probe", dest="probe", action="store_false")
     p.add_argument("--refit", action="store_true")
     p.add_argument("--seed", type=int, default=0)
