@@ -24,8 +24,8 @@ SMALL = small_run(2, val_period=2)
 REQUIRED = ["reward/mean", "reward/accuracy", "policy/approx_entropy", "train/loss", "train/pg_loss",
             "train/clip_frac", "train/grad_norm", "time/rollout", "time/logprob", "time/update", "time/refit",
             "time/optimizer", "time/policy_logprob", "time/reference_logprob", "time/wake_up", "memory/host_rss_gib",
-            "memory/host_peak_gib", "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s"] + [f"mismatch/{k}" for k in
-                                                                                  MISMATCH_KEYS]
+            "memory/host_peak_gib", "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s",
+            *(f"mismatch/{k}" for k in MISMATCH_KEYS)]
 
 
 def _env():
