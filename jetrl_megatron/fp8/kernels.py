@@ -25,8 +25,6 @@ so there the kernels store the clamped FP32 values and torch does the (RNE) cast
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -50,7 +48,8 @@ DUAL_SPLIT = True
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether Triton runs its interpreter (its own ``TRITON_INTERPRET`` switch, asked from Triton)."""
+    return bool(triton.knobs.runtime.interpret)
 
 
 # ------------------------------------------------------------------------------------------------ device helpers

@@ -36,62 +36,66 @@ def check_trainable_shape(weight: torch.Tensor, x: torch.Tensor, fn: str) -> Non
 
 
 def _fprop(x2d: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
-           recipe: Fp8Recipe | None, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    xq, xs = ops.quant_act(x2d, recipe)
+           recipe: Fp8Recipe | None, out_dtype: torch.dtype, reference_quant: bool
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    xq, xs = ops.quant_act(x2d, recipe, reference_quant=reference_quant)
     y = fp8_gemm_fprop(xq, xs, wq, ws, bias=bias, out_dtype=out_dtype, recipe=recipe)
     return y, xq, xs
 
 
 def fp8_linear_forward(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None = None,
-                       recipe: Fp8Recipe | None = None) -> torch.Tensor:
-    """y = x W^T with x quantized 1x128 and W given as its FP8 128x128 copy (no autograd)."""
-    y, _, _ = _fprop(_flatten(x, wq.shape[1]), wq, ws, bias, recipe, x.dtype)
+                       recipe: Fp8Recipe | None = None, *, reference_quant: bool = False) -> torch.Tensor:
+    """y = x W^T with x quantized 1x128 and W given as its FP8 128x128 copy (no autograd). ``reference_quant``:
+    quantize CUDA tensors with the torch reference instead of the Triton kernels (bit-identical; for checking)."""
+    y, _, _ = _fprop(_flatten(x, wq.shape[1]), wq, ws, bias, recipe, x.dtype, reference_quant)
     return y.reshape(*x.shape[:-1], wq.shape[0])
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, wq, ws, recipe):
+    def forward(ctx, x, weight, bias, wq, ws, recipe, reference_quant):
         x2d = _flatten(x, wq.shape[1])
-        y, xq, xs = _fprop(x2d, wq, ws, bias, recipe, x.dtype)
+        y, xq, xs = _fprop(x2d, wq, ws, bias, recipe, x.dtype, reference_quant)
         # Saved for backward: the FP8 activation and its scales (~0.52x the BF16 input), plus the cached FP8 weight.
         ctx.save_for_backward(xq, xs, wq, ws)
-        ctx.recipe, ctx.x_shape, ctx.x_dtype = recipe, x.shape, x.dtype
+        ctx.recipe, ctx.reference_quant, ctx.x_shape, ctx.x_dtype = recipe, reference_quant, x.shape, x.dtype
         ctx.weight_dtype, ctx.has_bias = weight.dtype, bias is not None
         return y.reshape(*x.shape[:-1], wq.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
         xq, xs, wq, ws = ctx.saved_tensors
-        recipe = ctx.recipe
+        recipe, reference = ctx.recipe, ctx.reference_quant
         dy2d = dy.reshape(-1, dy.shape[-1])
-        gq, gs, gtq, gts = ops.quant_dual(dy2d, recipe)
+        gq, gs, gtq, gts = ops.quant_dual(dy2d, recipe, reference_quant=reference)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = fp8_gemm_dgrad(gq, gs, wq, ws, out_dtype=ctx.x_dtype, recipe=recipe).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            xtq, xts = ops.regroup_for_wgrad(xq, xs, recipe)
+            xtq, xts = ops.regroup_for_wgrad(xq, xs, recipe, reference_quant=reference)
             dw = fp8_gemm_wgrad(gtq, gts, xtq, xts, out_dtype=ctx.weight_dtype, recipe=recipe)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(ctx.weight_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                recipe: Fp8Recipe | None = None, *,
-               weight_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               weight_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+               reference_quant: bool = False) -> torch.Tensor:
     """Autograd FP8 linear. `weight` is the BF16 master (it receives dW); `weight_fp8` its per-step FP8 copy.
 
     Without `weight_fp8` the weight is quantized on the fly (tests, one-off use); the trainer passes the cache's copy so
-    that DGrad and the rollout use the very same bytes.
+    that DGrad and the rollout use the very same bytes. `reference_quant`: the torch reference quantizer for CUDA
+    tensors too (forward and backward; bit-identical to the kernels).
     """
     check_trainable_shape(weight, x, "fp8_linear")
     if weight_fp8 is None:
-        weight_fp8 = ops.quant_weight(weight.detach(), recipe)
+        weight_fp8 = ops.quant_weight(weight.detach(), recipe, reference_quant=reference_quant)
     wq, ws = weight_fp8
     if tuple(wq.shape) != tuple(weight.shape):
         raise ValueError(f"fp8_linear: FP8 weight shape {tuple(wq.shape)} != master weight shape {tuple(weight.shape)}")
-    return _Fp8LinearFunction.apply(x, weight, bias, wq, ws, recipe)
+    return _Fp8LinearFunction.apply(x, weight, bias, wq, ws, recipe, reference_quant)
 
 
 # ------------------------------------------------------------------------------------------------ fake-quant ablation

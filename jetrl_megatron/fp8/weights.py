@@ -42,11 +42,13 @@ class Fp8WeightCache:
 
     Staleness is detected with the parameter's version counter (bumped by in-place updates such as `param.add_`).
     Updates through `param.data` do not bump it, so optimizers that write `param.data` must call `refresh` (or
-    `invalidate`) after stepping — the Megatron optimizer hook does exactly that.
+    `invalidate`) after stepping — the Megatron optimizer hook does exactly that. `reference_quant`: quantize CUDA
+    weights with the torch reference instead of the Triton kernel (bit-identical; the model context's choice).
     """
 
-    def __init__(self, recipe: Fp8Recipe | None = None) -> None:
+    def __init__(self, recipe: Fp8Recipe | None = None, *, reference_quant: bool = False) -> None:
         self.recipe = recipe or Fp8Recipe()
+        self.reference_quant = bool(reference_quant)
         self.generation = 0
         self._entries: dict[int, _Entry] = {}
 
@@ -69,7 +71,7 @@ class Fp8WeightCache:
         fresh = {}
         with torch.no_grad():
             for name, p in items:
-                q, s = ops.quant_weight(p.detach(), self.recipe)
+                q, s = ops.quant_weight(p.detach(), self.recipe, reference_quant=self.reference_quant)
                 fresh[id(p)] = _Entry(name, weakref.ref(p), q, s, p._version, generation)
             for key, entry in fresh.items():
                 old = self._entries.get(key)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from jetrl_megatron.fp8.weights import Fp8WeightCache
-from jetrl_megatron.megatron.numerics import default_attn_impl
+from jetrl_megatron.megatron.numerics import ElementwiseKernels, default_attn_impl
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
 
@@ -17,19 +17,31 @@ __all__ = ["Fp8ModelContext"]
 @dataclass
 class Fp8ModelContext:
     """What every Jet-RL module of one model chunk shares: the model shape, the recipe, the chunk's global layers,
-    the resolved attention kernels and the chunk's FP8 weight cache (one per chunk, filled by the model's build)."""
+    its numerics choices (attention kernels, element-wise kernels, quantizer) and the chunk's FP8 weight cache (one
+    per chunk, filled by the model's build).
+
+    Why here and not in process switches: every module gets these through the spec, so two models of one process can
+    run different numerics, and whatever one model learns at run time (a Triton kernel that fails to build, in
+    ``auto`` mode) changes that model only."""
 
     shape: ModelShape
     recipe: Fp8Recipe
     layers: range
     attn_impl: str
     cache: Fp8WeightCache = field(repr=False)
+    # the element-wise kernels (norms, SwiGLU, RoPE, residual add): auto | torch | triton, with this model's own
+    # record of a Triton failure (numerics.ElementwiseKernels)
+    elementwise: ElementwiseKernels = field(default_factory=ElementwiseKernels)
+    # quantize CUDA tensors with the torch reference instead of the Triton kernels (bit-identical; for checking)
+    reference_quant: bool = False
 
     @classmethod
-    def create(cls, shape: ModelShape, recipe: Fp8Recipe, layers: range, attn_impl: str | None = None
-               ) -> Fp8ModelContext:
+    def create(cls, shape: ModelShape, recipe: Fp8Recipe, layers: range, attn_impl: str | None = None, *,
+               elementwise: str = "auto", reference_quant: bool = False) -> Fp8ModelContext:
         """A context with an empty cache; ``attn_impl`` None = the default for this device."""
-        return cls(shape, recipe, layers, attn_impl or default_attn_impl(), Fp8WeightCache(recipe))
+        return cls(shape, recipe, layers, attn_impl or default_attn_impl(),
+                   Fp8WeightCache(recipe, reference_quant=reference_quant), ElementwiseKernels(elementwise),
+                   bool(reference_quant))
 
     @property
     def vllm_cpu_kernels(self) -> bool:

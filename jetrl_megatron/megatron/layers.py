@@ -92,7 +92,8 @@ class _Fp8Gemm:
             return torch.nn.functional.linear(x, weight, bias)
         if self.gemm_mode == "fake_quant":
             return fake_quant_linear(x, weight, bias, recipe)
-        return fp8_linear(x, weight, bias, recipe, weight_fp8=self.fp8_context.cache.get(weight))
+        return fp8_linear(x, weight, bias, recipe, weight_fp8=self.fp8_context.cache.get(weight),
+                          reference_quant=self.fp8_context.reference_quant)
 
 
 class Fp8ColumnParallelLinear(_Fp8Gemm, ColumnParallelLinear):

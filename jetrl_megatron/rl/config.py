@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import sys
 import types
 import typing
@@ -48,6 +49,7 @@ from jetrl_megatron.recipe import (
 from jetrl_megatron.rl.config_schema import RunConfigFields, schema_defaults
 from jetrl_megatron.rl.config_yaml import ConfigError, apply_overrides, leaf_paths, load_tree, resolve_tree
 from jetrl_megatron.rl.nemo_rl_keys import IGNORED, IMPLEMENTED, REFUSED, KeyVerdict, classify
+from jetrl_megatron.rl.switches import RunSwitches, resolve_switches
 
 __all__ = ["ARM_MODES", "ConfigError", "RunConfig", "arm_overrides", "load_config", "load_config_file", "to_yaml"]
 
@@ -70,6 +72,9 @@ class RunConfig(RunConfigFields):
     # Where hub ids (policy.model_name, the tokenizer, named datasets) are looked up: read from the environment once,
     # when the config is built (model/hub.py).
     hub: HubCache = field(default_factory=HubCache.from_env, compare=False, repr=False)
+    # policy.jet_rl's numerics and checking switches with their JETRL_* environment overrides, resolved once by
+    # resolve() (rl/switches.py); nothing reads those variables later.
+    switches: RunSwitches = field(default_factory=RunSwitches, compare=False, repr=False)
 
     @property
     def arm(self) -> str:
@@ -728,6 +733,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
     check_top_k(cfg)
     _check_interpolated_twins(cfg)
     cfg.recipe = build_fp8_recipe(cfg, derive_arm(cfg))
+    cfg.switches = resolve_switches(cfg.policy.jet_rl, os.environ)
     check_hosted_recipe(cfg)
     check_bf16_layers(cfg)
     check_batches(cfg)

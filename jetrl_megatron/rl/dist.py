@@ -74,22 +74,6 @@ def dp_gather(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, 0)
 
 
-def env_flag(name: str, default: bool | None) -> bool | None:
-    """An environment switch ("1"/"0") that overrides a config default; unset keeps the default."""
-    value = os.environ.get(name)
-    return default if value is None else value == "1"
-
-
-def apply_numerics_switches(cfg: RunConfig) -> None:
-    """``policy.jet_rl``'s numerics switches for this process; an environment variable, when set, wins."""
-    from jetrl_megatron.fp8.ops import set_reference_quant
-    from jetrl_megatron.megatron.numerics import set_elementwise_impl
-
-    jr = cfg.policy.jet_rl
-    set_elementwise_impl(os.environ.get("JETRL_ELEMENTWISE") or jr.elementwise)
-    set_reference_quant(bool(env_flag("JETRL_FP8_REFERENCE_QUANT", jr.fp8_reference_quant)))
-
-
 def init_distributed(cfg: RunConfig) -> None:
     from jetrl_megatron.megatron.cpu import init_parallel
 
@@ -98,6 +82,5 @@ def init_distributed(cfg: RunConfig) -> None:
         os.environ.setdefault(k, str(v))
     os.environ.update(cfg.rollout_env())  # vllm_cfg.env_vars and use_deep_gemm's switches, before vLLM is imported
     init_parallel(mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size)
-    apply_numerics_switches(cfg)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist_rank() % torch.cuda.device_count())))

@@ -16,7 +16,6 @@ from jetrl_megatron.rl.config import RunConfig
 from jetrl_megatron.rl.dist import (
     dist_rank,
     dist_world,
-    env_flag,
     say,
     torch_dist,
 )
@@ -50,11 +49,11 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
         kwargs["distributed_executor_backend"] = "external_launcher"
     n_engines, _ = engine_groups(cfg)
     seqs = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // n_engines
+    sw = cfg.switches  # policy.jet_rl's switches, environment overrides applied at load
     return RolloutEngine(RolloutConfig(
         model_dir=model_dir, recipe=recipe or cfg.recipe, tensor_parallel_size=v.tensor_parallel_size,
-        verify_refit=env_flag("JETRL_VERIFY_REFIT", cfg.policy.jet_rl.verify_refit),
-        refit_cuda_graph=bool(env_flag("JETRL_REFIT_CUDA_GRAPH", cfg.policy.jet_rl.refit_cuda_graph)),
-        fp8_gemm_warmup=bool(env_flag("JETRL_FP8_GEMM_WARMUP", cfg.policy.jet_rl.fp8_gemm_warmup)),
+        verify_refit=sw.verify_refit, refit_cuda_graph=sw.refit_cuda_graph, fp8_gemm_warmup=sw.fp8_gemm_warmup,
+        reference_quant=sw.reference_quant,
         max_model_len=v.max_model_len,
         kv_cache_memory_bytes=cfg.kv_cache_memory_bytes(),
         gpu_memory_utilization=v.gpu_memory_utilization, max_num_seqs=max(1, seqs), seed=cfg.grpo.seed,

@@ -80,11 +80,14 @@ class ChunkBuilder:
     shape: ModelShape
     recipe: Fp8Recipe
     sequence_parallel: bool = False
+    elementwise: str = "auto"  # the chunk's element-wise kernels (Fp8ModelContext.elementwise)
+    reference_quant: bool = False  # the torch reference quantizer on CUDA too (Fp8ModelContext.reference_quant)
 
     def __call__(self, pre_process: bool | None = None, post_process: bool | None = None,
                  vp_stage: int | None = None) -> torch.nn.Module:
         return build_policy_chunk(self.shape, self.recipe, pre_process=pre_process, post_process=post_process,
-                                  vp_stage=vp_stage, sequence_parallel=self.sequence_parallel)
+                                  vp_stage=vp_stage, sequence_parallel=self.sequence_parallel,
+                                  elementwise=self.elementwise, reference_quant=self.reference_quant)
 
 
 def _chunks(chunks: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:

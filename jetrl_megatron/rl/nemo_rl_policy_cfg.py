@@ -12,14 +12,17 @@ Plain dicts in, :class:`~jetrl_megatron.recipe.Fp8Recipe` out; no NeMo-RL import
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jetrl_megatron.errors import UserError
 from jetrl_megatron.fp8.format import BLOCK, QUANT_METHOD
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe, RecipeError
+from jetrl_megatron.rl.config_schema import JetRlCfg
+from jetrl_megatron.rl.switches import RunSwitches, resolve_switches
 
 __all__ = ["PolicyConfigError", "QUANT_CONFIG_KEY", "RULES", "READS", "jetrl_vllm_kwargs", "recipe_from_policy",
            "check_policy", "model_shape", "PolicyPlan", "policy_plan", "uses_jetrl", "arm_of_switches",
@@ -250,15 +253,20 @@ class PolicyPlan:
     shape: ModelShape
     recipe: Fp8Recipe
     sequence_parallel: bool
+    # the model's numerics switches: the policy.jet_rl defaults with the JETRL_* environment overrides, read once
+    # here (rl/switches.py; the hosted policy config carries no policy.jet_rl block)
+    switches: RunSwitches = field(default_factory=RunSwitches)
 
 
 def policy_plan(policy: Mapping[str, Any], shape: ModelShape | None = None) -> PolicyPlan:
     """Check ``policy`` in its hosted form (:func:`hosted_form`, :func:`check_policy`) and return the model's shape,
-    the recipe and sequence parallelism; ``shape`` None reads ``policy.model_name``'s HF config."""
+    the recipe, sequence parallelism and the numerics switches; ``shape`` None reads ``policy.model_name``'s HF
+    config."""
     shape = shape or model_shape(policy)
     policy = hosted_form(policy, shape.num_layers)
     recipe = check_policy(policy, shape.num_layers)
-    return PolicyPlan(shape, recipe, bool(_get(policy, "megatron_cfg.sequence_parallel", False)))
+    return PolicyPlan(shape, recipe, bool(_get(policy, "megatron_cfg.sequence_parallel", False)),
+                      resolve_switches(JetRlCfg(), os.environ))
 
 
 def _switch_values(policy: Mapping[str, Any]) -> tuple[Any, Any, Any]:

@@ -12,7 +12,6 @@ import torch
 from jetrl_megatron.rl.config import RunConfig
 from jetrl_megatron.rl.dist import (
     dist_rank,
-    env_flag,
     torch_dist,
 )
 from jetrl_megatron.rl.trainer import (
@@ -254,10 +253,11 @@ def verify_served_fp8(cfg: RunConfig, trainer: Trainer, engine, states: dict) ->
     """1.0 when vLLM's live FP8 linears equal the trainer's cache byte for byte, 0.0 otherwise, NaN if not checked.
 
     Checked in the jetrl arm when rollout TP = 1 and PP = 1, on CPU or with ``policy.jet_rl.verify_served_fp8``
-    (``JETRL_VERIFY_SERVED_FP8`` wins when set; it reads every FP8 weight back from the engine)."""
+    (``JETRL_VERIFY_SERVED_FP8`` wins when set, resolved at config load into ``cfg.switches``; it reads every FP8
+    weight back from the engine)."""
     from jetrl_megatron.rl.verify import served_fp8_equal
 
-    want = env_flag("JETRL_VERIFY_SERVED_FP8", cfg.policy.jet_rl.verify_served_fp8)
+    want = cfg.switches.verify_served_fp8
     want = not torch.cuda.is_available() if want is None else want
     one_shard = cfg.policy.generation.vllm_cfg.tensor_parallel_size == 1 and \
         cfg.policy.megatron_cfg.pipeline_model_parallel_size == 1

@@ -78,8 +78,7 @@ def build_trainer(cfg: RunConfig) -> Trainer:
     recompute = ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
                  if mc.activation_checkpointing else {"recompute_granularity": None})
     policy = build_policy(shape, recipe, weights=resolve_model_weights(cfg), sequence_parallel=mc.sequence_parallel,
-                          seed=cfg.grpo.seed, attn_impl=trainer_attn_impl(cfg), **recompute,
-                          **settings.policy_kwargs())
+                          seed=cfg.grpo.seed, **model_numerics(cfg), **recompute, **settings.policy_kwargs())
     return Trainer(policy.model, policy.optimizer, None, shape, recipe)
 
 
@@ -87,6 +86,14 @@ def trainer_attn_impl(cfg: RunConfig) -> str | None:
     """``policy.jet_rl.attn_impl`` for ``build_gpt`` (None: the device's default, vLLM's own ops)."""
     impl = cfg.policy.jet_rl.attn_impl
     return None if impl == "auto" else impl
+
+
+def model_numerics(cfg: RunConfig) -> dict[str, Any]:
+    """The numerics keywords of ``build_gpt`` for this run's models (they become fields of each model's
+    ``Fp8ModelContext``): attention kernels, element-wise kernels, reference quantizer (environment overrides
+    applied at config load, ``cfg.switches``)."""
+    return {"attn_impl": trainer_attn_impl(cfg), "elementwise": cfg.switches.elementwise,
+            "reference_quant": cfg.switches.reference_quant}
 
 
 class ModelSourceError(UserError, FileNotFoundError):
@@ -115,7 +122,7 @@ def make_reference(cfg: RunConfig, trainer: Trainer):
     """A frozen copy of the current policy (for the KL penalty), same shards and arm."""
     from jetrl_megatron.megatron.model import build_gpt
 
-    ref = build_gpt(trainer.shape, trainer.recipe, seed=cfg.grpo.seed, attn_impl=trainer_attn_impl(cfg))
+    ref = build_gpt(trainer.shape, trainer.recipe, seed=cfg.grpo.seed, **model_numerics(cfg))
     ref.load_state_dict(trainer.gpt.state_dict(), strict=True)
     from jetrl_megatron.megatron.model import refresh_fp8_cache
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from jetrl_megatron.errors import UserError, one_line
+from jetrl_megatron.fp8.format import REFERENCE_QUANT_KEY
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.rollout import plugin, worker_ops
@@ -69,6 +70,10 @@ class RolloutConfig:
     # configuration up front (4.6 min for a Qwen3-1.7B body on the H200) where on-demand compiles cost ~1 min of stalls
     # over the first rollouts; worth it for benchmarks and for a warm shared DG_JIT_CACHE_DIR.
     fp8_gemm_warmup: bool = False
+    # The plugin's activation quantizer (and the self-quantizing refit's weight quantizer) on CUDA: the torch reference
+    # instead of the Triton kernels (bit-identical; for checking). Reaches vLLM's processes in the plugin's
+    # quantization_config, not through a process switch.
+    reference_quant: bool = False
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -162,6 +167,8 @@ class RolloutEngine:
                 f" only in checkpoint {sorted(have - want)[:6]}, only in recipe {sorted(want - have)[:6]}")
         cfg = dict(quant_cfg)
         cfg.update(quant_method=plugin.QUANT_METHOD, jet_rl=self.recipe.to_dict())
+        if self.config.reference_quant:
+            cfg[REFERENCE_QUANT_KEY] = True
         return cfg
 
     def _start(self, hf_overrides: dict[str, Any]):
@@ -412,7 +419,7 @@ class RolloutEngine:
         spec = self.checkpoint_spec
         prog = InplaceRefit(src, self.config.tensor_parallel_size, rank, live,
                             self_quantizing=self.recipe.rollout_weights == "self_quantized", recipe=self.recipe,
-                            checkpoint_spec=spec, exchange=exchange)
+                            checkpoint_spec=spec, exchange=exchange, reference_quant=self.config.reference_quant)
         self._inplace, self._inplace_key = prog, key
         log.info("in-place refit compiled: %d copies, %.1f MiB, %d direct / %d quantized / %d re-loaded tensors",
                  prog.program.num_copies, prog.bytes / 2**20, len(prog.direct), len(prog.quantize), len(prog.reload))

@@ -19,7 +19,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 from vllm.model_executor.parameter import BlockQuantScaleParameter, ModelWeightParameter
 
-from jetrl_megatron.fp8.format import QUANT_METHOD
+from jetrl_megatron.fp8.format import QUANT_METHOD, REFERENCE_QUANT_KEY
 from jetrl_megatron.fp8.linear import fp8_linear_forward
 from jetrl_megatron.fp8.quant import BLOCK, FP8_DTYPE
 from jetrl_megatron.recipe import Fp8Recipe
@@ -30,17 +30,20 @@ class JetRLFp8Config(QuantizationConfig):
 
     Accepted keys: `weight_block_size` (must be [128, 128]), `fmt`/`activation_scheme` (e4m3 / dynamic),
     `ignored_layers` or `modules_to_not_convert` (HF module prefixes that stay BF16; lm_head is never quantized), and
-    `jet_rl` (an `Fp8Recipe` dict: scale format and GEMM backend used for the activation quantization and GEMM).
+    `jet_rl` (an `Fp8Recipe` dict: scale format and GEMM backend used for the activation quantization and GEMM),
+    and `reference_quant` (the engine's quantizer choice: true = the torch reference quantizer on CUDA too).
     """
 
-    def __init__(self, recipe: Fp8Recipe, ignored_layers: list[str]):
+    def __init__(self, recipe: Fp8Recipe, ignored_layers: list[str], reference_quant: bool = False):
         super().__init__()
         self.recipe = recipe
         self.ignored_layers = list(ignored_layers)
         self.weight_block_size = list(recipe.weight_block)
+        self.reference_quant = reference_quant
 
     def __repr__(self) -> str:
-        return f"JetRLFp8Config(recipe={self.recipe}, ignored_layers={len(self.ignored_layers)} modules)"
+        return (f"JetRLFp8Config(recipe={self.recipe}, ignored_layers={len(self.ignored_layers)} modules, "
+                f"reference_quant={self.reference_quant})")
 
     @classmethod
     def get_name(cls) -> str:
@@ -72,7 +75,10 @@ class JetRLFp8Config(QuantizationConfig):
             raise ValueError(f"jetrl_fp8: activation_scheme must be 'dynamic' (1x128 groups), got {scheme!r}")
         recipe = Fp8Recipe.from_dict(config.get("jet_rl") or {})
         ignored = config.get("ignored_layers") or config.get("modules_to_not_convert") or []
-        return cls(recipe=recipe, ignored_layers=list(ignored))
+        reference_quant = config.get(REFERENCE_QUANT_KEY, False)
+        if not isinstance(reference_quant, bool):
+            raise ValueError(f"jetrl_fp8: {REFERENCE_QUANT_KEY} must be true or false, got {reference_quant!r}")
+        return cls(recipe=recipe, ignored_layers=list(ignored), reference_quant=reference_quant)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         self.ignored_layers = hf_to_vllm_mapper.apply_list(self.ignored_layers)
@@ -140,4 +146,5 @@ class JetRLFp8LinearMethod(LinearMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # `.data`: fresh tensor objects, so GPU backends' per-tensor layout caches (keyed by object and version)
         # can never serve a layout derived from the bytes before an in-place refit; the scale re-layout is tiny.
-        return fp8_linear_forward(x, layer.weight.data, layer.weight_scale_inv.data, bias, self.config.recipe)
+        return fp8_linear_forward(x, layer.weight.data, layer.weight_scale_inv.data, bias, self.config.recipe,
+                                  reference_quant=self.config.reference_quant)

@@ -277,11 +277,12 @@ class InplaceRefit:
 
     def __init__(self, src, rollout_tp: int, rank: int, live: Mapping[str, LiveParam], *, self_quantizing: bool,
                  recipe: Fp8Recipe, checkpoint_spec: Mapping[str, TensorSpec] | None = None, batched: bool = True,
-                 exchange=None):
+                 exchange=None, reference_quant: bool = False):
         from jetrl_megatron.reshard.mover import MegatronShards
         from jetrl_megatron.reshard.program import VllmRefitProgram
 
         self.rollout_tp, self.rank, self.recipe, self.batched = rollout_tp, rank, recipe, batched
+        self.reference_quant = reference_quant  # the self-quantizing arm's quantizer: torch reference on CUDA too
         self.live = dict(live)
         self.shape = src.shape
         problems: list[str] = []
@@ -458,7 +459,7 @@ class InplaceRefit:
         if self.exchange is not None:
             self.exchange.run(self.streamed, record)
         for name, scratch in self.quantize.items():
-            q, s = ops.quant_weight(scratch, self.recipe)
+            q, s = ops.quant_weight(scratch, self.recipe, reference_quant=self.reference_quant)
             self.live[name].tensor.view(torch.uint8).copy_(q.view(torch.uint8))
             self.live[name + SCALE_SUFFIX].tensor.copy_(s)
         for full, dst_region, scratch, src_region in self.reload_regions:
@@ -477,7 +478,7 @@ class InplaceRefit:
             checks += [c for _, c in self.streamed.checks]
         extra: list[str] = []
         for name, scratch in self.quantize.items():
-            q, s = ops.quant_weight(scratch, self.recipe)
+            q, s = ops.quant_weight(scratch, self.recipe, reference_quant=self.reference_quant)
             checks.append((self.live[name].tensor.view(torch.uint8) != q.view(torch.uint8)).any())
             checks.append((self.live[name + SCALE_SUFFIX].tensor.view(torch.int32) != s.view(torch.int32)).any())
             extra += [name, name + SCALE_SUFFIX]
