@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from jetrl_megatron.rl.batch import align_by_position, batch_metrics, importance, make_batch, padded_length
-from jetrl_megatron.rl.config import load_config
+from jetrl_megatron.rl.config import ConfigError, load_config
 from jetrl_megatron.rl.tasks import build_task
-from jetrl_megatron.rl.trainer import lr_at
+from jetrl_megatron.rl.trainer import lr_at, model_numerics
 
 
 @pytest.mark.parametrize("n, div, mb, tok", [(1, 1, 1, 1), (17, 8, 3, 128), (100, 1, 32, 128), (5, 3, 4, 6),
@@ -93,24 +93,34 @@ def test_batch_metrics_and_importance_without_correction():
 
 
 def test_numerics_switches_come_from_the_config_and_the_environment_wins(monkeypatch):
-    from jetrl_megatron.fp8 import ops
-    from jetrl_megatron.megatron import numerics
-    from jetrl_megatron.rl.dist import apply_numerics_switches
-
-    prev_ew, prev_ref = numerics.elementwise_impl(), ops.set_reference_quant(False)
-    try:
-        monkeypatch.delenv("JETRL_ELEMENTWISE", raising=False)
-        monkeypatch.delenv("JETRL_FP8_REFERENCE_QUANT", raising=False)
-        apply_numerics_switches(load_config("tiny_cpu", ["policy.jet_rl.elementwise=torch",
-                                                         "policy.jet_rl.fp8_reference_quant=true"]))
-        assert numerics.elementwise_impl() == "torch" and ops._REFERENCE_QUANT[0] is True
-        monkeypatch.setenv("JETRL_ELEMENTWISE", "triton")
-        monkeypatch.setenv("JETRL_FP8_REFERENCE_QUANT", "0")
-        apply_numerics_switches(load_config("tiny_cpu", ["policy.jet_rl.elementwise=torch",
-                                                         "policy.jet_rl.fp8_reference_quant=true"]))
-        assert numerics.elementwise_impl() == "triton" and ops._REFERENCE_QUANT[0] is False
-    finally:
-        numerics.set_elementwise_impl(prev_ew)
-        ops.set_reference_quant(prev_ref)
+    for var in ("JETRL_ELEMENTWISE", "JETRL_FP8_REFERENCE_QUANT", "JETRL_VERIFY_SERVED_FP8", "JETRL_VERIFY_REFIT",
+                "JETRL_REFIT_CUDA_GRAPH", "JETRL_FP8_GEMM_WARMUP"):
+        monkeypatch.delenv(var, raising=False)
+    keys = ["policy.jet_rl.elementwise=torch", "policy.jet_rl.fp8_reference_quant=true",
+            "policy.jet_rl.verify_refit=false", "policy.jet_rl.fp8_gemm_warmup=true"]
+    sw = load_config("tiny_cpu", keys).switches
+    assert (sw.elementwise, sw.reference_quant, sw.verify_refit, sw.fp8_gemm_warmup) == ("torch", True, False, True)
+    assert sw.verify_served_fp8 is None and sw.refit_cuda_graph is False  # the keys' defaults
+    monkeypatch.setenv("JETRL_ELEMENTWISE", "triton")
+    monkeypatch.setenv("JETRL_FP8_REFERENCE_QUANT", "0")
+    monkeypatch.setenv("JETRL_VERIFY_REFIT", "1")
+    monkeypatch.setenv("JETRL_VERIFY_SERVED_FP8", "0")
+    cfg = load_config("tiny_cpu", keys)
+    sw = cfg.switches
+    assert (sw.elementwise, sw.reference_quant, sw.verify_refit, sw.verify_served_fp8) == ("triton", False, True, False)
+    assert sw.fp8_gemm_warmup is True  # no variable set: the key
+    assert cfg.policy.jet_rl.elementwise == "torch"  # the config keeps what the user wrote
+    # resolved once: a later change of the environment changes nothing already loaded
+    monkeypatch.setenv("JETRL_ELEMENTWISE", "torch")
+    assert cfg.switches.elementwise == "triton"
+    assert model_numerics(cfg) == {"attn_impl": None, "elementwise": "triton", "reference_quant": False}
+    monkeypatch.setenv("JETRL_ELEMENTWISE", "cuda")
+    with pytest.raises(ConfigError, match="JETRL_ELEMENTWISE"):
+        load_config("tiny_cpu")
+    monkeypatch.delenv("JETRL_ELEMENTWISE")
+    monkeypatch.setenv("JETRL_VERIFY_REFIT", "yes")
+    with pytest.raises(ConfigError, match="JETRL_VERIFY_REFIT"):
+        load_config("tiny_cpu")
+    monkeypatch.delenv("JETRL_VERIFY_REFIT")
     with pytest.raises(Exception, match="policy.jet_rl.elementwise"):
         load_config("tiny_cpu", ["policy.jet_rl.elementwise=cuda"])

@@ -76,24 +76,28 @@ print("RESULT " + json.dumps(out))
 '''
 
 
-def _child(order: str) -> dict:
+def _children(*orders: str) -> list[dict]:
+    """Run one child per order, concurrently (one thread each); their RESULT dicts."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHILD, order], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = proc.stderr[-4000:]
-        if "jetrl_megatron" in tail or "AssertionError" in tail:
-            pytest.fail(f"child {order} failed:\n{tail}")
-        pytest.skip(f"the Triton interpreter could not run here:\n{tail}")
-    return json.loads(lines[-1][len("RESULT "):])
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, order], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT) for order in orders]
+    outs = [(order, *p.communicate(timeout=600), p.returncode) for order, p in zip(orders, procs, strict=True)]
+    results = []
+    for order, stdout, stderr, rc in outs:
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+        if rc != 0 or not lines:
+            tail = stderr[-4000:]
+            if "jetrl_megatron" in tail or "AssertionError" in tail:
+                pytest.fail(f"child {order} failed:\n{tail}")
+            pytest.skip(f"the Triton interpreter could not run here:\n{tail}")
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    return results
 
 
 def test_two_models_with_different_numerics_share_one_process():
     pytest.importorskip("triton")
-    shared = _child("A,B,A")
-    ref_a = _child("A")["0:A"]
-    ref_b = _child("B")["0:B"]
+    shared, alone_a, alone_b = _children("A,B,A", "A", "B")
+    ref_a, ref_b = alone_a["0:A"], alone_b["0:B"]
     a1, b, a2 = shared["0:A"], shared["1:B"], shared["2:A"]
     for r in (a1, b, a2, ref_a, ref_b):
         assert r["finite"] and r["std"] > 0.1, r["std"]  # real, non-degenerate logprobs

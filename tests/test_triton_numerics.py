@@ -181,19 +181,17 @@ def check_dispatch(device: str) -> dict:
     gs = torch.randn(6, 2, 80, generator=g).to(BF16).to(device)
 
     def run(impl):
-        prev = N.set_elementwise_impl(impl)
-        try:
-            norm.weight.grad = None
-            out, res, f1, q = (t.detach().clone().requires_grad_() for t in (out0, res0, fc1, q0))
-            h = N.fp32_residual_add((out, None), res, 0.0)
-            y = norm(h)
-            sw = N.SwiGLU()(f1)
-            qr = N.apply_rope_neox(q.transpose(0, 1), cos[:6], sin[:6])
-            fns = {_fn_module(t) for t in (h, y, sw, qr)}
-            torch.autograd.backward([y, sw, qr], [gy, gs, gq])
-            return fns, [h, y, sw, qr, out.grad, res.grad, norm.weight.grad, f1.grad, q.grad]
-        finally:
-            N.set_elementwise_impl(prev)
+        kernels = N.ElementwiseKernels(impl)
+        norm.elementwise = kernels
+        norm.weight.grad = None
+        out, res, f1, q = (t.detach().clone().requires_grad_() for t in (out0, res0, fc1, q0))
+        h = N.fp32_residual_add((out, None), res, 0.0, kernels)
+        y = norm(h)
+        sw = N.SwiGLU(elementwise=kernels)(f1)
+        qr = N.apply_rope_neox(q.transpose(0, 1), cos[:6], sin[:6], kernels)
+        fns = {_fn_module(t) for t in (h, y, sw, qr)}
+        torch.autograd.backward([y, sw, qr], [gy, gs, gq])
+        return fns, [h, y, sw, qr, out.grad, res.grad, norm.weight.grad, f1.grad, q.grad]
 
     fns_t, got = run("triton")
     fns_r, ref = run("torch")
@@ -231,26 +229,22 @@ def check_megatron_layer(device: str, seq: int, batch: int = 2) -> dict:
     gout = torch.randn(seq, batch, shape.hidden_size, generator=g).to(device)
     res, used = {}, {}
     for impl in ("torch", "triton"):
-        prev = N.set_elementwise_impl(impl)
-        try:
-            seed_everything(0)
-            config = megatron_config(shape, recipe, use_te_activation_func=True)
-            attn = "fp32" if device == "cpu" else "bf16"  # the Triton kernels serve these paths (vllm_cuda: vLLM's)
-            ctx = Fp8ModelContext.create(shape, recipe, range(1), attn)
-            layer = build_module(gpt_layer_spec(ctx, 0, lean_swiglu=True), config=config,
-                                 layer_number=1).to(device)
-            x = x0.clone().requires_grad_()
-            mods = set()
-            hooks = [m.register_forward_hook(lambda m, i, o, mods=mods: mods.add(_fn_module(o)))
-                     for m in layer.modules() if isinstance(m, (N.RolloutRMSNorm, N.SwiGLU))]
-            out, _ = layer(x, attention_mask=None)
-            out.backward(gout)
-            for h in hooks:
-                h.remove()
-            used[impl] = mods
-            res[impl] = {"out": out.detach(), "d_x": x.grad} | {f"d_{k}": p.grad for k, p in layer.named_parameters()}
-        finally:
-            N.set_elementwise_impl(prev)
+        seed_everything(0)
+        config = megatron_config(shape, recipe, use_te_activation_func=True)
+        attn = "fp32" if device == "cpu" else "bf16"  # the Triton kernels serve these paths (vllm_cuda: vLLM's)
+        ctx = Fp8ModelContext.create(shape, recipe, range(1), attn, elementwise=impl)
+        layer = build_module(gpt_layer_spec(ctx, 0, lean_swiglu=True), config=config,
+                             layer_number=1).to(device)
+        x = x0.clone().requires_grad_()
+        mods = set()
+        hooks = [m.register_forward_hook(lambda m, i, o, mods=mods: mods.add(_fn_module(o)))
+                 for m in layer.modules() if isinstance(m, (N.RolloutRMSNorm, N.SwiGLU))]
+        out, _ = layer(x, attention_mask=None)
+        out.backward(gout)
+        for h in hooks:
+            h.remove()
+        used[impl] = mods
+        res[impl] = {"out": out.detach(), "d_x": x.grad} | {f"d_{k}": p.grad for k, p in layer.named_parameters()}
     stats = {}
     for name, ref in res["torch"].items():
         got = res["triton"][name]
@@ -299,7 +293,7 @@ def test_triton_kernels_match_twins_under_interpreter():
     except ImportError:
         pytest.skip("triton is not installed")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "JETRL_ELEMENTWISE": "auto"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
                           timeout=300, cwd=root)
     print(proc.stdout[-4000:])
@@ -315,33 +309,27 @@ def test_cpu_tensors_keep_the_torch_twins(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x = torch.randn(3, 8)
     for impl in N.ELEMENTWISE_IMPLS:
-        prev = N.set_elementwise_impl(impl)
-        try:
-            assert N._triton_for(x) is None, impl
-        finally:
-            N.set_elementwise_impl(prev)
+        assert N.ElementwiseKernels(impl).triton_for(x) is None, impl
     with pytest.raises(ValueError, match="elementwise impl must be one of"):
-        N.set_elementwise_impl("cuda")
+        N.ElementwiseKernels("cuda")
 
 
-def test_auto_mode_falls_back_to_twins_when_a_kernel_fails(monkeypatch):
-    """auto: a kernel error warns once and switches the process to the twins; triton: the error propagates."""
-    monkeypatch.setattr(N, "_TRITON_FAILED", [])
+def test_auto_mode_falls_back_to_twins_when_a_kernel_fails():
+    """auto: a kernel error warns once and switches that model's kernels to the twins (no other model's);
+    triton: the error propagates."""
 
     def broken(*args):
         raise RuntimeError("cannot compile")
 
-    prev = N.set_elementwise_impl("triton")
-    try:
-        with pytest.raises(RuntimeError, match="cannot compile"):
-            N._run_triton("rms_norm", broken, 1)
-        assert N._TRITON_FAILED == []
-        N.set_elementwise_impl("auto")
-        with pytest.warns(RuntimeWarning, match="rms_norm failed"):
-            assert N._run_triton("rms_norm", broken, 1) is None
-        assert N._TRITON_FAILED and N._triton_for(torch.zeros(1)) is None
-    finally:
-        N.set_elementwise_impl(prev)
+    strict = N.ElementwiseKernels("triton")
+    with pytest.raises(RuntimeError, match="cannot compile"):
+        strict.run_triton("rms_norm", broken, 1)
+    assert strict.failures == []
+    auto, other = N.ElementwiseKernels("auto"), N.ElementwiseKernels("auto")
+    with pytest.warns(RuntimeWarning, match="rms_norm failed"):
+        assert auto.run_triton("rms_norm", broken, 1) is None
+    assert auto.failures and auto.triton_for(torch.zeros(1)) is None
+    assert other.failures == [] and strict.failures == []
 
 
 def test_repeat_kv_copies_and_sums_its_gradient_once():

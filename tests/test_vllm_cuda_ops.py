@@ -19,8 +19,8 @@ from jetrl_megatron.megatron.context import Fp8ModelContext
 from jetrl_megatron.megatron.numerics import (
     RolloutRMSNorm,
     _row_lengths,
+    fp32_residual_add,
     get_bf16_residual_bda,
-    get_fp32_residual_bda,
     rope_cos_sin_cache,
 )
 from jetrl_megatron.megatron.spec import gpt_block_spec, gpt_layer_spec
@@ -53,12 +53,12 @@ def test_without_cuda_the_gpu_ops_say_why():
     assert "CUDA" in vllm_cuda_ops.unavailable_reason()
 
 
-def _norm_kind(spec) -> str | None:
-    """The vllm_cuda kernel a norm submodule spec asks for (None: the twins)."""
-    if spec is RolloutRMSNorm:
-        return None
+def _norm_kind(spec, ctx: Fp8ModelContext) -> str | None:
+    """The vllm_cuda kernel a norm submodule spec asks for (None: the twins); every norm gets the model's own
+    element-wise kernels."""
     assert spec.module is RolloutRMSNorm
-    return spec.params["vllm_cuda"]
+    assert spec.params["elementwise"] is ctx.elementwise
+    return spec.params.get("vllm_cuda")
 
 
 @pytest.mark.parametrize("layers", [range(0, 4), range(2, 4)])  # a whole model, and a later PP stage
@@ -68,15 +68,16 @@ def test_spec_follows_vllms_qwen3_op_sequence(layers):
     assert ctx.residual_dtype == torch.bfloat16
     for g in layers:
         sub = gpt_layer_spec(ctx, g, lean_swiglu=True).submodules
-        assert _norm_kind(sub.input_layernorm) == ("plain" if g == 0 else "fused")
-        assert _norm_kind(sub.pre_mlp_layernorm) == "fused"
+        assert _norm_kind(sub.input_layernorm, ctx) == ("plain" if g == 0 else "fused")
+        assert _norm_kind(sub.pre_mlp_layernorm, ctx) == "fused"
         attn = sub.self_attention.submodules
-        assert _norm_kind(attn.q_layernorm) == _norm_kind(attn.k_layernorm) == "plain"
+        assert _norm_kind(attn.q_layernorm, ctx) == _norm_kind(attn.k_layernorm, ctx) == "plain"
         assert sub.self_attn_bda is sub.mlp_bda is get_bf16_residual_bda
-        assert sub.mlp.submodules.activation_func.params == {"vllm_cuda": True}
+        assert sub.mlp.submodules.activation_func.params == {"vllm_cuda": True, "elementwise": ctx.elementwise}
         assert isinstance(attn.core_attention, functools.partial)
         assert attn.core_attention.keywords["attn_impl"] == "vllm_cuda"
-    assert _norm_kind(gpt_block_spec(ctx, lean_swiglu=True).layer_norm) == "fused"
+        assert attn.core_attention.keywords["elementwise"] is ctx.elementwise
+    assert _norm_kind(gpt_block_spec(ctx, lean_swiglu=True).layer_norm, ctx) == "fused"
 
 
 def test_cpu_contexts_keep_the_fp32_residual_stream():
@@ -85,8 +86,10 @@ def test_cpu_contexts_keep_the_fp32_residual_stream():
         ctx = Fp8ModelContext.create(shape, Fp8Recipe(), range(4), impl)
         sub = gpt_layer_spec(ctx, 0).submodules
         assert ctx.residual_dtype == torch.float32
-        assert sub.input_layernorm is sub.pre_mlp_layernorm is RolloutRMSNorm
-        assert sub.self_attn_bda is get_fp32_residual_bda
+        assert _norm_kind(sub.input_layernorm, ctx) is _norm_kind(sub.pre_mlp_layernorm, ctx) is None
+        for bda in (sub.self_attn_bda, sub.mlp_bda):  # the FP32 add, with this model's element-wise kernels
+            fn = bda(False, False)
+            assert fn.func is fp32_residual_add and fn.keywords == {"kernels": ctx.elementwise}
 
 
 class _Packed:
@@ -109,12 +112,11 @@ _INTERP_CHECK = r'''
 import torch
 from jetrl_megatron.megatron import numerics as N
 
-N.set_elementwise_impl("triton")
 torch.manual_seed(0)
 x = torch.randn(6, 3, 64, dtype=torch.bfloat16, requires_grad=True)
 w = (1 + 0.1 * torch.randn(64)).to(torch.bfloat16).requires_grad_()
 twin = N.OpKernels("vllm_cuda", N._rms_fwd_twin, N._rms_bwd_twin)
-mixed = N._with_triton_backward(twin, "rms_norm", x)
+mixed = N.ElementwiseKernels("triton").with_triton_backward(twin, "rms_norm", x)
 assert mixed.bwd is not twin.bwd, "the Triton backward was not selected"
 g = torch.randn(6, 3, 64, dtype=torch.bfloat16)
 grads = []
