@@ -7,7 +7,7 @@ per-step FP8 weight-cache refresh (once per optimizer step, not per micro-batch)
 (unique storages seen by saved_tensors_hooks during one forward) and the allocation still held after the forward.
 
 ``--elementwise torch,triton`` repeats every mode with the rollout-matched element-wise ops (RMSNorm, qk-norm,
-RoPE, FP32 residual add, SwiGLU) as the torch twins and as the Triton kernels (numerics.set_elementwise_impl), same
+RoPE, FP32 residual add, SwiGLU) as the torch twins and as the Triton kernels (the layer context's elementwise), same
 weights and inputs. The Triton SwiGLU lives in numerics.SwiGLU, so ``triton`` arms always use that module (Megatron
 otherwise applies its own autograd ``silu(g) * u``); ``torch`` arms use it only with ``--lean-swiglu``.
 Besides the synced median, each arm reports the host time to issue one fwd+bwd and the time per fwd+bwd when 20 run
@@ -51,11 +51,11 @@ except ImportError:  # no Triton: the reference quantizers run, there is no laun
     fp8_kernels = None
 
 
-def build_layer(shape, recipe, device, attn_impl=None, lean_swiglu=False):
+def build_layer(shape, recipe, device, attn_impl=None, lean_swiglu=False, elementwise="auto"):
     from megatron.core.transformer.spec_utils import build_module
 
     config = megatron_config(shape, recipe, use_te_activation_func=lean_swiglu)
-    ctx = Fp8ModelContext.create(shape, recipe, range(1), attn_impl)
+    ctx = Fp8ModelContext.create(shape, recipe, range(1), attn_impl, elementwise=elementwise)
     layer = build_module(gpt_layer_spec(ctx, 0, lean_swiglu=lean_swiglu), config=config, layer_number=1)
     layer = layer.to(device)
     cache = ctx.cache
@@ -297,14 +297,14 @@ def main() -> None:
     arms = [(e, "bf16", "auto", None) for e in impls]
     arms += [(e, "jetrl", b, rm) for e in impls for b in args.backends.split(",") for rm in rmodes]
     arms.sort(key=lambda a: impls.index(a[0]))
+    gqa_used = True
     for ew, mode, backend, rmode in arms:
-        numerics.set_elementwise_impl(ew)
         if fp8_kernels is not None:
             fp8_kernels.REGROUP_TRANS_MODE = default_rmode if rmode is None else rmode
         recipe = Fp8Recipe(mode=mode, gemm_backend=backend)
         seed_everything(0)
         lean = args.lean_swiglu or ew == "triton"
-        layer, refresh = build_layer(shape, recipe, device, args.attn_impl, lean)
+        layer, refresh = build_layer(shape, recipe, device, args.attn_impl, lean, ew)
         if ref_state is None:
             ref_state = {k: v.detach().clone() for k, v in layer.named_parameters()}
         else:
@@ -352,8 +352,8 @@ def main() -> None:
             prof = profile_step(layer_step, device, args.top) | {"device": device.type}
             label = f"{mode} / {backend} / elementwise {ew}" + ("" if rmode is None else f" / regroup mode {rmode}")
             profiles.append({"arm": label, **prof})
+        gqa_used &= all(m._gqa_kernels_ok for m in layer.modules() if isinstance(m, numerics.RolloutCoreAttention))
         del layer
-        numerics.set_elementwise_impl("auto")
 
     ref = outputs[(impls[0], "bf16", "auto", None)]
     for r in rows:
@@ -388,7 +388,7 @@ def main() -> None:
 
         info["triton_arms_run_triton"] = triton_numerics.available() and triton_numerics.interpreting()
     if info["attn_impl"] == "bf16_gqa":
-        info["attn_native_gqa_used"] = numerics._GQA_KERNELS_OK[0]
+        info["attn_native_gqa_used"] = gqa_used
     if args.e2e:
         info.update(e2e_smoke())
     head = ("| mode | gemm_backend | elementwise | regroup mode | layer fwd+bwd ms | speedup | host issue ms "

@@ -83,7 +83,9 @@ def vllm_cpu_attention(isa: str, block_size: int = 128):
     from vllm.platforms import current_platform
 
     from jetrl_megatron.rollout.plugin import request_cpu_amx
+    from jetrl_megatron.vllm_cpu.build import apply_forced_build
 
+    apply_forced_build()  # a forced build of this process, before vLLM's kernels load
     current_platform.import_kernels()
     if isa == "amx":
         request_cpu_amx()

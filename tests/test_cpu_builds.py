@@ -37,7 +37,8 @@ MATRIX = [("amx", "amx"), ("avx512_bf16", "vec"), ("avx512", "vec"), ("avx2", "v
 CHILD = """
 import json, sys
 sys.path.insert(0, {tests!r})
-import jetrl_megatron  # applies the forced build before vLLM loads its kernels
+from jetrl_megatron.vllm_cpu.build import apply_forced_build
+apply_forced_build()  # the build of this child's environment, before vLLM loads its kernels
 from parity_report import parity_report
 print("REPORT " + json.dumps(parity_report({workdir!r})))
 """

