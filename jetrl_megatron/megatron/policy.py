@@ -42,7 +42,7 @@ class Policy:
 
     @property
     def context(self) -> Fp8ModelContext:
-        """Shape, recipe, global layers, attention kernels and the FP8 weight cache of the chunk."""
+        """Shape, recipe, global layers, numerics choices and the FP8 weight cache of the chunk."""
         return fp8_context(self.model)
 
 
