@@ -38,10 +38,6 @@ setup: $(STAMP)
 # are built once), in conftest.py's order (slowest files first); the 20 slowest tests at the end. TEST_WORKERS=0: one
 # process.
 TEST_WORKERS ?= 2
-# OpenMP threads that sleep while they wait instead of spinning: the workers and their children share two cores, and
-# a torch process spinning in OpenMP barriers (libgomp's default) starves the other worker (a 2-thread `jetrl run`
-# beside other load: 441 s spinning, 93 s sleeping). Thread counts, hence results, are unchanged.
-test: export OMP_WAIT_POLICY ?= PASSIVE
 test: setup
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 tests
 
