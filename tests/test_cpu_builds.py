@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_rl_loop as rl_loop  # the module, not its test functions: they are collected in their own file
 
 pytest.importorskip("vllm")
 
@@ -103,17 +104,14 @@ def test_forced_build_env_names_torch_and_onednn_levels():
 @pytest.mark.slow
 @pytest.mark.parametrize("build", ["avx512", "avx2"])
 @pytest.mark.parametrize("case", ["jetrl", "jetrl-topk-topp"])
-def test_tp2_loop_exact_under_forced_build(build, case):
+def test_tp2_loop_exact_under_forced_build(build, case, monkeypatch, tmp_path):
     """Trainer TP=2 + one TP=2 vLLM engine across both ranks (row-parallel outputs summed by vLLM's shared-memory
     all-reduce, whose FP32 -> BF16 conversion is the build's) stays exactly on-policy on the builds without
     AVX512-BF16, also when the rollout samples with temperature / top-k / top-p (``case``). The default build is
-    covered by tests/test_rl_loop.py itself."""
+    covered by tests/test_rl_loop.py itself: its test runs here with the forced build in the environment that its
+    `torchrun` ranks inherit (this process keeps the kernels it loaded; only the ranks run the forced build)."""
     if build not in host_builds():
         pytest.skip(f"this CPU cannot execute the {build} build (it runs {host_builds()})")
-    node = f"tests/test_rl_loop.py::test_tp2_trainer_with_one_tp2_rollout_engine_across_both_ranks[{case}]"
-    env = {**os.environ, **forced_build_env(build)}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node], cwd=TESTS.parent,
-                          env=env, capture_output=True, text=True, timeout=900)
-    tail = (proc.stdout + proc.stderr)[-3000:]
-    print(f"\nforced {build}: {tail.strip().splitlines()[-1] if tail.strip() else ''}")
-    assert proc.returncode == 0 and "1 passed" in proc.stdout, tail
+    for key, value in forced_build_env(build).items():
+        monkeypatch.setenv(key, value)
+    rl_loop.test_tp2_trainer_with_one_tp2_rollout_engine_across_both_ranks(tmp_path, case)
