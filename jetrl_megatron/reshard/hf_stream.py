@@ -20,7 +20,8 @@ import torch
 from jetrl_megatron.fp8.format import SCALE_SUFFIX
 from jetrl_megatron.model import layout
 from jetrl_megatron.model.shapes import ModelShape
-from jetrl_megatron.reshard.mover import MegatronShards, canonical_layer_tensors, raw
+from jetrl_megatron.reshard.mover import MegatronShards, canonical_layer_tensors
+from jetrl_megatron.reshard.packing import raw
 from jetrl_megatron.reshard.preflight import ReshardError
 
 __all__ = ["StreamUnit", "stream_units", "unit_names", "unit_hf_tensors", "hf_stream_metadata",
