@@ -82,7 +82,7 @@ class RefitExchange:
 
     def __init__(self, shape, tp: int, pp: int, rollout_tp: int, key: tuple[int, int, int], group, budget: int):
         self.shape, self.tp, self.pp, self.rollout_tp, self.key = shape, tp, pp, rollout_tp, key
-        self.group, self.budget = group, budget
+        self.budget = budget
         self.transport = Transport(group)
         self.me = self.transport.me
         self._shards = None
