@@ -6,13 +6,14 @@ model at PP2, 7.5 GiB received + 7.5 GiB sent per GPU), so the exchange streams 
 staging buffers per rank, one for sending and one for receiving, whose sum is at most the budget
 (``policy.refit_buffer_size_gb``; :func:`budget_bytes`). Each round carries one message per (sender, receiver)
 pair, many tensors (or row ranges of a large one) packed into it (`reshard.packing` slots), so the cost is one
-batched point-to-point call per round, not one per tensor. The receiving rank's compiled refit program copies each round's rows straight from
-its staging buffer into the engine's tensors before the next round overwrites them.
+batched point-to-point call per round, not one per tensor. The receiving rank's compiled refit program copies each
+round's rows straight from its staging buffer into the engine's tensors before the next round overwrites them.
 
 `reshard.transport.StagedStream` (driven by `rl.refit_source.RefitExchange`) allocates exactly what
-:func:`exchange_schedule` says, from the tensor lists the ranks exchange; `jetrl plan` runs the same functions over the tensor lists :func:`rollout_tensor_meta` predicts
-(:func:`refit_buffer_bytes`), so the memory estimate counts the buffers the loop holds. What a rank's vLLM rank
-copies from its own tensors needs no buffer: the program reads them in place.
+:func:`exchange_schedule` says, from the tensor lists the ranks exchange; `jetrl plan` runs the same functions over
+the tensor lists :func:`rollout_tensor_meta` predicts (:func:`refit_buffer_bytes`), so the memory estimate counts
+the buffers the loop holds. What a rank's vLLM rank copies from its own tensors needs no buffer: the program reads
+them in place.
 """
 
 from __future__ import annotations
