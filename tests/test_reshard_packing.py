@@ -204,7 +204,7 @@ def test_gather_tensors_moves_every_ranks_bytes(tmp_path):
 
     from jetrl_megatron.megatron.cpu import spawn
 
-    with deadline(120, "gather_tensors"):
+    with deadline(300, "gather_tensors"):
         spawn(_gather_rank, 2, str(tmp_path))
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for rank in range(2):
