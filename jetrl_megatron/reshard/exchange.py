@@ -5,14 +5,15 @@ model-parallel group hold. Holding a whole copy of every peer's tensors costs th
 model at PP2, 7.5 GiB received + 7.5 GiB sent per GPU), so the exchange streams them in rounds through two fixed
 staging buffers per rank, one for sending and one for receiving, whose sum is at most the budget
 (``policy.refit_buffer_size_gb``; :func:`budget_bytes`). Each round carries one message per (sender, receiver)
-pair, many tensors (or row ranges of a large one) packed into it, so the cost is one batched point-to-point call
-per round, not one per tensor. The receiving rank's compiled refit program copies each round's rows straight from
-its staging buffer into the engine's tensors before the next round overwrites them.
+pair, many tensors (or row ranges of a large one) packed into it (`reshard.packing` slots), so the cost is one
+batched point-to-point call per round, not one per tensor. The receiving rank's compiled refit program copies each
+round's rows straight from its staging buffer into the engine's tensors before the next round overwrites them.
 
-`rl.refit_source.RefitExchange` allocates exactly what :func:`exchange_schedule` says, from the tensor lists its
-ranks exchange; `jetrl plan` runs the same functions over the tensor lists :func:`rollout_tensor_meta` predicts
-(:func:`refit_buffer_bytes`), so the memory estimate counts the buffers the loop holds. What a rank's vLLM rank
-copies from its own tensors needs no buffer: the program reads them in place.
+`reshard.transport.StagedStream` (driven by `rl.refit_source.RefitExchange`) allocates exactly what
+:func:`exchange_schedule` says, from the tensor lists the ranks exchange; `jetrl plan` runs the same functions over
+the tensor lists :func:`rollout_tensor_meta` predicts (:func:`refit_buffer_bytes`), so the memory estimate counts
+the buffers the loop holds. What a rank's vLLM rank copies from its own tensors needs no buffer: the program reads
+them in place.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.reshard.addressing import BLOCK
 from jetrl_megatron.reshard.mover import SCALE_SUFFIX, CopyPair
+from jetrl_megatron.reshard.packing import ALIGN, PackSpec, Slot, aligned, rows_of
 from jetrl_megatron.reshard.program import program_sources, stand_in_shards
 
 Key = tuple[int, int, int]  # (pp_rank, vp_stage, tp_rank)
 TensorMeta = tuple[str, torch.dtype, tuple[int, ...]]
-ALIGN = 16  # bytes: every tensor starts at an aligned offset of its buffer, so its typed view is valid
 GiB = 1 << 30
 DEFAULT_BUDGET_GB = 2.0  # staging (send + receive) per GPU when policy.refit_buffer_size_gb is unset
 
@@ -60,33 +61,6 @@ def finite_chunk(budget: int) -> int:
     """Elements per step of the finiteness check of what a rank sends: at most 2 bytes of scratch each (FP8: the
     masked bytes + the flags), 1/8 of the budget."""
     return max(1, budget // 16)
-
-
-def _align(n: int) -> int:
-    return _cdiv(n, ALIGN) * ALIGN
-
-
-@dataclass(frozen=True)
-class Packed:
-    """One tensor's place in a packed byte buffer."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-def packed_layout(names: Sequence[str], meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-                  ) -> tuple[list[Packed], int]:
-    """`names` packed in order into one byte buffer (each start aligned to `ALIGN`); returns (layout, buffer size)."""
-    out, off = [], 0
-    for name in names:
-        dtype, shape = meta[name]
-        nbytes = math.prod(shape) * dtype.itemsize
-        out.append(Packed(name, dtype, tuple(shape), off, nbytes))
-        off += _cdiv(nbytes, ALIGN) * ALIGN
-    return out, off
 
 
 def copy_sources(model: ModelShape, tp: int, pp: int, rollout_tp: int, metas: Mapping[Key, Sequence[TensorMeta]],
@@ -115,30 +89,12 @@ def exchange_names(metas: Mapping[Key, Sequence[TensorMeta]], members: Sequence[
     return out
 
 
-def rows_of(shape: Sequence[int], dtype: torch.dtype) -> tuple[int, int]:
-    """(rows, bytes per row) a tensor is split by: dim 0 of a matrix; a vector or scalar is one row."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if len(shape) >= 2 and shape[0] > 0:
-        return shape[0], nbytes // shape[0]
-    return 1, nbytes
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Rows [row0, row1) of one tensor, at byte `offset` of its message."""
-
-    name: str
-    row0: int
-    row1: int
-    offset: int
-    nbytes: int
-
-
 def split_stream(names: Sequence[str], meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], cap: int,
-                 what: str = "refit exchange") -> list[list[Piece]]:
-    """`names`' bytes, in order, cut into messages of at most `cap` bytes (whole rows, each piece 16-aligned)."""
-    messages: list[list[Piece]] = []
-    cur: list[Piece] = []
+                 what: str = "refit exchange") -> list[list[Slot]]:
+    """`names`' bytes, in order, cut into messages of at most `cap` bytes: packer slots of whole rows, each
+    `ALIGN`-aligned (`reshard.packing.pack_slots` fills a message from them)."""
+    messages: list[list[Slot]] = []
+    cur: list[Slot] = []
     used = 0
     for name in names:
         dtype, shape = meta[name]
@@ -148,14 +104,14 @@ def split_stream(names: Sequence[str], meta: Mapping[str, tuple[torch.dtype, tup
                              f"{cap}-byte message cap; raise policy.refit_buffer_size_gb")
         row = 0
         while row < rows:
-            start = _align(used)
+            start = aligned(used)
             fit = (cap - start) // row_bytes if start < cap else 0
             if fit == 0:
                 messages.append(cur)
                 cur, used = [], 0
                 continue
             n = min(fit, rows - row)
-            cur.append(Piece(name, row, row + n, start, n * row_bytes))
+            cur.append(Slot(name, dtype, tuple(shape), start, row, row + n, n * row_bytes))
             used = start + n * row_bytes
             row += n
     if cur:
@@ -171,7 +127,7 @@ class Message:
     peer: int
     offset: int
     nbytes: int
-    pieces: tuple[Piece, ...]
+    pieces: tuple[Slot, ...]
 
 
 @dataclass(frozen=True)
@@ -199,7 +155,7 @@ def exchange_schedule(metas: Mapping[Key, Sequence[TensorMeta]], members: Sequen
         out_deg[src] += 1
         in_deg[dst] += 1
     side = staging_side(budget)
-    streams: dict[tuple[int, int], list[list[Piece]]] = {}
+    streams: dict[tuple[int, int], list[list[Slot]]] = {}
     for (src, dst), ns in sorted(pairs.items()):
         cap = side // max(out_deg[src], in_deg[dst]) // ALIGN * ALIGN
         # by name: the same rounds whatever order a rank lists its tensors in (the plan predicts them from shapes)
@@ -217,12 +173,12 @@ def exchange_schedule(metas: Mapping[Key, Sequence[TensorMeta]], members: Sequen
                 if msg is not None and k < len(msg):
                     size = msg[k][-1].offset + msg[k][-1].nbytes
                     sends.append(Message(peer, s_off, size, tuple(msg[k])))
-                    s_off += _align(size)
+                    s_off += aligned(size)
                 msg = streams.get((peer, me))
                 if msg is not None and k < len(msg):
                     size = msg[k][-1].offset + msg[k][-1].nbytes
                     recvs.append(Message(peer, r_off, size, tuple(msg[k])))
-                    r_off += _align(size)
+                    r_off += aligned(size)
                     received += sum(p.nbytes for p in msg[k])
             rounds.append((tuple(sends), tuple(recvs)))
             send_max, recv_max = max(send_max, s_off), max(recv_max, r_off)
@@ -253,7 +209,8 @@ def exchange_bytes(metas: Mapping[Key, Sequence[TensorMeta]], members: Sequence[
     own = [0] * len(members)
     for (src, dst), ns in names.items():
         if src == dst:
-            own[src] += sum(p.nbytes for p in packed_layout(ns, by_name[members[src][0]])[0])
+            meta = by_name[members[src][0]]
+            own[src] += PackSpec.of((n, *meta[n]) for n in ns).payload_bytes
     return [ExchangeBytes(m.send_bytes, m.recv_bytes, o, m.received, len(m.rounds))
             for m, o in zip(exchange_schedule(metas, members, names, budget), own, strict=True)]
 
@@ -333,9 +290,9 @@ def refit_buffer_bytes(model: ModelShape, tp: int, pp: int, dp: int, rollout_tp:
     return out
 
 
-__all__ = ["ALIGN", "DEFAULT_BUDGET_GB", "ExchangeBytes", "MemberSchedule", "Message", "Packed", "Piece",
+__all__ = ["ALIGN", "DEFAULT_BUDGET_GB", "ExchangeBytes", "MemberSchedule", "Message",
            "budget_bytes", "copy_sources", "exchange_bytes", "exchange_names", "exchange_schedule",
-           "model_parallel_groups", "packed_layout", "refit_buffer_bytes", "rollout_tensor_meta", "rows_of",
+           "model_parallel_groups", "refit_buffer_bytes", "rollout_tensor_meta", "rows_of",
            "finite_chunk", "split_stream", "staging_side", "stream_pairs", "VirtualSources"]
 
 
@@ -353,7 +310,7 @@ class VirtualSources:
         for key, name, dtype, shape in items:
             starts.append((off, key, name))
             self.meta[(key, name)] = (dtype, tuple(shape))
-            off += _align(max(1, math.prod(shape) * dtype.itemsize))
+            off += aligned(max(1, math.prod(shape) * dtype.itemsize))
         space = torch.empty(max(off, ALIGN), dtype=torch.uint8, device="meta")
         self.tensors: dict[tuple[Key, str], torch.Tensor] = {}
         for (start, key, name), (dtype, shape) in zip(starts, self.meta.values(), strict=True):

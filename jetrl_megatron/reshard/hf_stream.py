@@ -7,7 +7,8 @@ conversion is the resharder's own (``canonical_layer_tensors`` for decoder layer
 vocabulary and norm tensors), so the stream carries exactly the bytes an HF FP8 export holds: the trainer's E4M3
 codes and FP32 128x128 ``weight_scale_inv`` unchanged, BF16 tensors unchanged, vocab padding trimmed.
 
-Pure functions of tensors: the collective gathering lives with the trainer (``jetrl_megatron.rl.hf_refit``).
+Pure functions of tensors: the collective gathering lives with the trainer (``jetrl_megatron.rl.hf_refit``, over
+``reshard.transport``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from jetrl_megatron.fp8.format import SCALE_SUFFIX
 from jetrl_megatron.model import layout
 from jetrl_megatron.model.shapes import ModelShape
-from jetrl_megatron.reshard.mover import MegatronShards, canonical_layer_tensors, raw
+from jetrl_megatron.reshard.mover import MegatronShards, canonical_layer_tensors
+from jetrl_megatron.reshard.packing import raw
 from jetrl_megatron.reshard.preflight import ReshardError
 
 __all__ = ["StreamUnit", "stream_units", "unit_names", "unit_hf_tensors", "hf_stream_metadata",

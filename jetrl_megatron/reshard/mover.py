@@ -32,34 +32,8 @@ from jetrl_megatron.reshard.addressing import (
     vllm_padded_vocab,
     vllm_rank_plans,
 )
+from jetrl_megatron.reshard.packing import raw, widen
 from jetrl_megatron.reshard.preflight import validate_reshard
-
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """Integer view with the same item size: copies through it are exact byte moves."""
-    return t.view(_INT_VIEW[t.element_size()])
-
-
-
-
-def widen(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Re-view a (dst, src) byte-move pair with the widest integer type both allow (int64 > int32 > int16).
-
-    Same bytes, fewer and wider elements: element-wise copy kernels (strided slabs, multi-tensor copies) move
-    8 bytes per element instead of 1.
-    """
-    dst, src = pair
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        if dtype.itemsize <= dst.element_size():
-            break
-        try:
-            return dst.view(dtype), src.view(dtype)
-        except RuntimeError:
-            continue
-    return dst, src
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # Source: Megatron shards

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from jetrl_megatron.megatron.model import rollout_weights
 from jetrl_megatron.model.shapes import ModelShape
@@ -30,39 +29,19 @@ from jetrl_megatron.reshard.hf_stream import (
     unit_hf_tensors,
     unit_names,
 )
+from jetrl_megatron.reshard.packing import PackSpec
 from jetrl_megatron.reshard.preflight import ReshardError
+from jetrl_megatron.reshard.transport import Transport
 
 __all__ = ["HfRefitStream"]
-
-_ALIGN = 16  # byte offset of every tensor in a packed unit: any dtype can be viewed there
 
 Meta = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
 @dataclass(frozen=True)
-class _Slot:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
 class _UnitPlan:
     unit: StreamUnit
-    slots: tuple[_Slot, ...]
-    nbytes: int  # one TP rank's packed size
-
-
-def _packed(names: list[str], meta: Meta) -> tuple[tuple[_Slot, ...], int]:
-    slots, offset = [], 0
-    for n in names:
-        dtype, shape = meta[n]
-        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-        slots.append(_Slot(n, dtype, tuple(shape), offset, nbytes))
-        offset += -(-nbytes // _ALIGN) * _ALIGN
-    return tuple(slots), offset
+    spec: PackSpec  # one TP rank's tensors of the unit, packed
 
 
 def _meta_of(local: dict[str, torch.Tensor]) -> Meta:
@@ -85,9 +64,8 @@ class HfRefitStream:
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.pp = parallel_state.get_pipeline_model_parallel_world_size()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        self.tp_group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
-        self.pp_group = parallel_state.get_pipeline_model_parallel_group() if self.pp > 1 else None
-        self._pp_ranks = dist.get_process_group_ranks(self.pp_group) if self.pp > 1 else []
+        self.tp_transport = Transport(parallel_state.get_tensor_model_parallel_group()) if self.tp > 1 else None
+        self.pp_transport = Transport(parallel_state.get_pipeline_model_parallel_group()) if self.pp > 1 else None
         self._local_meta: Meta | None = None
         self._stage_meta: list[Meta] | None = None
         self._plans: list[_UnitPlan] | None = None
@@ -102,26 +80,22 @@ class HfRefitStream:
                 raise ReshardError(f"refit stream: the trainer's tensors changed since the first refit "
                                    f"(names, dtypes or shapes), e.g. {changed[:4]}")
             return self._plans
-        if self.tp > 1:
-            peers: list = [None] * self.tp
-            dist.all_gather_object(peers, meta, group=self.tp_group)
+        if self.tp_transport is not None:
+            peers = self.tp_transport.gather_meta(meta)
             for r, other in enumerate(peers):
                 if other != meta:
                     bad = sorted(set(other) ^ set(meta)) or [n for n in meta if other[n] != meta[n]]
                     raise ReshardError(f"refit stream: TP rank {r} of pipeline stage {self.pp_rank} holds different "
                                        f"tensors than this rank, e.g. {bad[:4]}")
-        stages: list = [meta]
-        if self.pp > 1:
-            stages = [None] * self.pp
-            dist.all_gather_object(stages, meta, group=self.pp_group)
+        stages = [meta] if self.pp_transport is None else self.pp_transport.gather_meta(meta)
         check_stage_coverage(self.shape, self.pp, self.pp_rank, meta)
         plans = []
         for unit in stream_units(self.shape, self.pp):
             names = unit_names(unit, self.shape, stages[unit.pp_rank])
             if not names:
                 raise ReshardError(f"refit stream: pipeline stage {unit.pp_rank} has no tensor of {unit.describe()}")
-            slots, nbytes = _packed(names, stages[unit.pp_rank])
-            plans.append(_UnitPlan(unit, slots, nbytes))
+            stage = stages[unit.pp_rank]
+            plans.append(_UnitPlan(unit, PackSpec.of((n, *stage[n]) for n in names)))
         self._local_meta, self._stage_meta, self._plans = meta, stages, plans
         return plans
 
@@ -134,18 +108,17 @@ class HfRefitStream:
     def _gather(self, plan: _UnitPlan, local: dict[str, torch.Tensor], device: torch.device
                 ) -> list[dict[str, torch.Tensor]]:
         """Every TP rank's tensors of the unit, on every rank (views of one fresh byte buffer)."""
-        buf = torch.empty(self.tp * plan.nbytes, dtype=torch.uint8, device=device)
-        parts = [buf[r * plan.nbytes:(r + 1) * plan.nbytes] for r in range(self.tp)]
+        nbytes = plan.spec.nbytes
+        buf = torch.empty(self.tp * nbytes, dtype=torch.uint8, device=device)
+        parts = [buf[r * nbytes:(r + 1) * nbytes] for r in range(self.tp)]
         if self.pp_rank == plan.unit.pp_rank:
-            mine = torch.empty(plan.nbytes, dtype=torch.uint8, device=device) if self.tp > 1 else parts[0]
-            for s in plan.slots:
-                mine[s.offset:s.offset + s.nbytes].copy_(local[s.name].detach().reshape(-1).view(torch.uint8))
-            if self.tp > 1:
-                dist.all_gather(parts, mine, group=self.tp_group)
-        if self.pp > 1:
-            dist.broadcast(buf, src=self._pp_ranks[plan.unit.pp_rank], group=self.pp_group)
-        return [{s.name: part[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in plan.slots}
-                for part in parts]
+            if self.tp_transport is None:
+                plan.spec.pack(local, out=parts[0])
+            else:
+                self.tp_transport.all_gather(parts, plan.spec.pack(local, device=device))
+        if self.pp_transport is not None:
+            self.pp_transport.broadcast(buf, root=plan.unit.pp_rank)
+        return [plan.spec.unpack(part) for part in parts]
 
     @torch.no_grad()
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:

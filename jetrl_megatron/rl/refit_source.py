@@ -9,16 +9,30 @@ import time
 
 import torch
 
+from jetrl_megatron.reshard.exchange import (
+    VirtualSources,
+    budget_bytes,
+    copy_sources,
+    exchange_names,
+    exchange_schedule,
+    finite_chunk,
+    stream_pairs,
+)
+from jetrl_megatron.reshard.mover import MegatronShards
+from jetrl_megatron.reshard.packing import PackSpec
+from jetrl_megatron.reshard.program import stand_in
+from jetrl_megatron.reshard.transport import StagedStream, Transport
 from jetrl_megatron.rl.config import RunConfig
 from jetrl_megatron.rl.dist import (
     dist_rank,
-    torch_dist,
 )
 from jetrl_megatron.rl.trainer import (
     Trainer,
     local_rollout_tensors,
+    megatron_states,
     mp_group,
 )
+from jetrl_megatron.rollout.refit import RefitError, _finite
 
 
 class StreamedCopies:
@@ -54,79 +68,69 @@ class StreamedCopies:
 class RefitExchange:
     """Streams the peers' Megatron tensors a rank's vLLM rank copies from, through two fixed staging buffers.
 
-    Planned once from the names, dtypes and shapes every member of the model-parallel group holds (one
-    all_gather_object): `reshard.exchange` picks which tensors each vLLM rank copies from and cuts each (sender,
+    Planned once from the names, dtypes and shapes every member of the model-parallel group holds (one exchange of
+    packer specs): `reshard.exchange` picks which tensors each vLLM rank copies from and cuts each (sender,
     receiver) stream into rounds that fit the budget (``policy.refit_buffer_size_gb``); `jetrl plan` runs the same
     functions. The peers' tensors appear in :meth:`shards` as meta-device stand-ins: the engine plans its compiled
-    program over them, hands the copies from them to :meth:`attach`, and :meth:`run` then, each round, packs what
-    this rank sends into the send buffer, exchanges one message per peer in one batched point-to-point call (NCCL
-    on GPU, gloo on CPU; bytes), and copies the received rows into the engine's tensors. What a rank copies from
-    itself is read in place: the shards hold the trainer's own tensors, which stay at fixed addresses (the FP8 cache
-    re-quantizes into the same tensors; parameters keep the storage DDP's param buffer gave them).
+    program over them, hands the copies from them to :meth:`attach`, and :meth:`run` then drives the
+    `reshard.transport.StagedStream`: each round packs what this rank sends into the send buffer, exchanges one
+    message per peer in one batched point-to-point call (NCCL on GPU, gloo on CPU; bytes), and copies the received
+    rows into the engine's tensors. What a rank copies from itself is read in place: the shards hold the trainer's
+    own tensors, which stay at fixed addresses (the FP8 cache re-quantizes into the same tensors; parameters keep
+    the storage DDP's param buffer gave them).
     """
 
     def __init__(self, shape, tp: int, pp: int, rollout_tp: int, key: tuple[int, int, int], group, budget: int):
         self.shape, self.tp, self.pp, self.rollout_tp, self.key = shape, tp, pp, rollout_tp, key
-        self.group, self.budget = group, budget
-        self.members = torch_dist().get_process_group_ranks(group)  # global ranks, in group order
-        self.me = self.members.index(dist_rank())
+        self.budget = budget
+        self.transport = Transport(group)
+        self.me = self.transport.me
         self._shards = None
+        self._stream: StagedStream | None = None
         self._local: dict[str, torch.Tensor] = {}
         self.seconds = 0.0  # the last run's packing + communication + copies
         self.received_bytes = 0  # per refit: what this rank's vLLM rank takes from trainer shards, its own included
 
-    @staticmethod
-    def _meta(local: dict[str, torch.Tensor]) -> list[tuple[str, str, tuple[int, ...]]]:
-        return [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in local.items()]
-
     def _plan(self, local: dict[str, torch.Tensor]) -> None:
-        from jetrl_megatron.reshard.exchange import (
-            ALIGN,
-            VirtualSources,
-            copy_sources,
-            exchange_names,
-            exchange_schedule,
-            packed_layout,
-            rows_of,
-        )
-        from jetrl_megatron.reshard.mover import MegatronShards
-        from jetrl_megatron.reshard.program import stand_in
-
-        n = len(self.members)
-        gathered: list = [None] * n
-        torch_dist().all_gather_object(gathered, (self.key, self._meta(local)), group=self.group)
-        metas = {key: [(name, getattr(torch, dt), shape) for name, dt, shape in meta] for key, meta in gathered}
+        spec = PackSpec.of_tensors(local)
+        gathered = self.transport.gather_meta((self.key, spec.describe()))
+        metas = {key: [(s.name, s.dtype, s.shape) for s in PackSpec.from_description(desc).slots]
+                 for key, desc in gathered}
         by_name = {key: {name: (dt, shape) for name, dt, shape in meta} for key, meta in metas.items()}
-        roles = [(key, g % self.rollout_tp) for (key, _), g in zip(gathered, self.members, strict=True)]
+        roles = [(key, g % self.rollout_tp) for (key, _), g in zip(gathered, self.transport.members, strict=True)]
         sources = copy_sources(self.shape, self.tp, self.pp, self.rollout_tp, metas, [v for _, v in roles])
         names = exchange_names(metas, roles, sources)
         self.schedule = exchange_schedule(metas, roles, names, self.budget)[self.me]
         self.peer_keys = [key for key, _ in roles]
         device = next(iter(local.values())).device
-        self.virtual = VirtualSources([(roles[peer][0], name, *by_name[roles[peer][0]][name]) for peer in range(n)
-                                       if peer != self.me for name in names.get((peer, self.me), [])])
+        self.virtual = VirtualSources([(roles[peer][0], name, *by_name[roles[peer][0]][name])
+                                       for peer in range(self.transport.size) if peer != self.me
+                                       for name in names.get((peer, self.me), [])])
         states = {key: {name: stand_in(shape, dt, device) for name, dt, shape in meta} for key, meta in metas.items()}
         for (key, name), t in self.virtual.tensors.items():
             states[key][name] = t
         self._own = names.get((self.me, self.me), [])
         self._sent = sorted({x for (src, dst), ns in names.items() if src == self.me != dst for x in ns})
-        self._row_bytes = {name: rows_of(shape, dt)[1] for name, (dt, shape) in by_name[self.key].items()}
-
-        def buffer(nbytes: int) -> torch.Tensor | None:
-            return torch.empty(-(-nbytes // ALIGN) * ALIGN, dtype=torch.uint8, device=device) if nbytes else None
-
-        self.send_buf, self.recv_buf = buffer(self.schedule.send_bytes), buffer(self.schedule.recv_bytes)
-        self.received_bytes = self.schedule.received + sum(
-            p.nbytes for p in packed_layout(self._own, by_name[self.key])[0])
-        self._local_meta = self._meta(local)
+        self._stream = StagedStream(self.transport, self.schedule, device)
+        self.received_bytes = self.schedule.received + PackSpec.of(
+            (n, *by_name[self.key][n]) for n in self._own).payload_bytes
+        self._local_spec = spec
         self._shards = MegatronShards(self.shape, self.tp, self.pp, None, states)
+
+    @property
+    def send_buf(self) -> torch.Tensor | None:
+        return None if self._stream is None else self._stream.send_buf
+
+    @property
+    def recv_buf(self) -> torch.Tensor | None:
+        return None if self._stream is None else self._stream.recv_buf
 
     def shards(self, local: dict[str, torch.Tensor]):
         """The `reshard.MegatronShards` the engine plans its refit over: this rank's own tensors, the peers' as
         meta stand-ins (planned once, on the first call)."""
         if self._shards is None:
             self._plan(local)
-        elif self._meta(local) != self._local_meta:
+        elif PackSpec.of_tensors(local) != self._local_spec:
             raise RuntimeError(f"rank {dist_rank()}: the trainer's rollout tensors changed names, dtypes or shapes "
                                "since the refit exchange was planned")
         own = self._shards.states[self.key]
@@ -137,12 +141,10 @@ class RefitExchange:
 
     def buffer_bytes(self) -> tuple[int, int]:
         """(send, receive) bytes of the staging buffers allocated on this rank (the storage itself)."""
-        return tuple(0 if b is None else b.untyped_storage().nbytes() for b in (self.send_buf, self.recv_buf))
+        return (0, 0) if self._stream is None else self._stream.buffer_bytes()
 
     def attach(self, program) -> StreamedCopies:
         """Take the copies from the peers' stand-ins out of a refit program planned over :meth:`shards`."""
-        from jetrl_megatron.reshard.exchange import stream_pairs
-
         pairs = program.take_pairs(lambda s: s.is_meta)
         if pairs and self.recv_buf is None:
             raise RuntimeError("the refit program copies from peers' tensors the exchange does not deliver")
@@ -153,18 +155,13 @@ class RefitExchange:
     def agree_finite(self, local_bad: list[str]) -> None:
         """Every member refuses the refit, before anything is written, if any member holds a non-finite tensor its
         engine copies from or that it sends (one all-reduce of a count over the group)."""
-        from jetrl_megatron.reshard.exchange import finite_chunk
-        from jetrl_megatron.rollout.refit import RefitError, _finite
-
         flags = [_finite(self._local[x], finite_chunk(self.budget)) for x in self._sent]
         bad = list(local_bad)
         if flags:
             ok = torch.stack([f.to(self._local[self._sent[0]].device) for f in flags]).tolist()
             bad += [f"{x} (sent)" for x, good in zip(self._sent, ok, strict=True) if not good]
         device = self.send_buf.device if self.send_buf is not None else next(iter(self._local.values())).device
-        count = torch.tensor([len(bad)], dtype=torch.int64, device=device)
-        torch_dist().all_reduce(count, group=self.group)
-        total = int(count.item())
+        total = self.transport.total(len(bad), device)
         if total:
             mine = f": {', '.join(bad[:8])}" if bad else ""
             raise RefitError.refused([f"{total} trainer tensor(s) contain NaN/Inf across the model-parallel group, "
@@ -172,31 +169,9 @@ class RefitExchange:
 
     def run(self, copies: StreamedCopies, record: bool = False) -> None:
         """Every round: pack, exchange, copy the received rows into the engine's tensors (collective)."""
-        from jetrl_megatron.reshard.mover import widen
-
         t0 = time.perf_counter()
-        dist = torch_dist()
         copies.checks = []
-        for k, (sends, recvs) in enumerate(self.schedule.rounds):
-            dsts, srcs = [], []
-            for m in sends:
-                for p in m.pieces:
-                    rb = self._row_bytes[p.name]
-                    flat = self._local[p.name].reshape(-1).view(torch.uint8)
-                    d, s = widen((self.send_buf[m.offset + p.offset:m.offset + p.offset + p.nbytes],
-                                  flat[p.row0 * rb:p.row1 * rb]))
-                    dsts.append(d)
-                    srcs.append(s)
-            if dsts:
-                torch._foreach_copy_(dsts, srcs)
-            ops = [dist.P2POp(dist.isend, self.send_buf[m.offset:m.offset + m.nbytes], self.members[m.peer],
-                              group=self.group) for m in sends]
-            ops += [dist.P2POp(dist.irecv, self.recv_buf[m.offset:m.offset + m.nbytes], self.members[m.peer],
-                               group=self.group) for m in recvs]
-            if ops:
-                for req in dist.batch_isend_irecv(ops):
-                    req.wait()
-            copies.run_round(k, record)
+        self._stream.run(self._local, lambda k: copies.run_round(k, record))
         self.seconds = time.perf_counter() - t0
 
 
@@ -210,8 +185,6 @@ class RefitSource:
 
     def __init__(self, trainer: Trainer, rollout_tp: int = 1, budget: int | None = None):
         from megatron.core import parallel_state
-
-        from jetrl_megatron.reshard.exchange import budget_bytes
 
         self.trainer = trainer
         self.rollout_tp = rollout_tp
@@ -237,8 +210,6 @@ class RefitSource:
         return [] if self.exchange is None else self.exchange._own
 
     def shards(self):
-        from jetrl_megatron.reshard.mover import MegatronShards
-
         local = local_rollout_tensors(self.trainer)
         if self.exchange is None:
             return MegatronShards(self.trainer.shape, 1, 1, None, {self.key: local})
@@ -265,15 +236,8 @@ def verify_served_fp8(cfg: RunConfig, trainer: Trainer, engine, states: dict) ->
         return math.nan
     if any(t.is_meta for st in states.values() for t in st.values()):
         # the exchange streamed the peers' tensors and kept none: gather the trainer's own shards for the check
-        # (a second, independent path; CPU copies, only when verifying)
-        from megatron.core import parallel_state as ps
-
-        key = (ps.get_pipeline_model_parallel_rank(), 0, ps.get_tensor_model_parallel_rank())
-        local = {n: (t.detach().reshape(-1).view(torch.uint8).cpu().clone(), t.dtype, tuple(t.shape))
-                 for n, t in local_rollout_tensors(trainer).items()}  # bytes: FP8 storages do not pickle
-        gathered: list = [None] * torch_dist().get_world_size(mp_group())
-        torch_dist().all_gather_object(gathered, (key, local), group=mp_group())
-        states = {k: {n: b.view(dt).view(shp) for n, (b, dt, shp) in st.items()} for k, st in gathered}
+        # (a second, independent path: whole tensors to CPU, only when verifying)
+        states = megatron_states(trainer)
     tp_states = [states[k] for k in sorted(states)]
     ok, bad = served_fp8_equal(engine, tp_states, trainer.shape)
     if not ok:

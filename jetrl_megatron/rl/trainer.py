@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from jetrl_megatron.errors import UserError
+from jetrl_megatron.reshard.transport import Transport
 from jetrl_megatron.rl import grpo
 from jetrl_megatron.rl.batch import (
     RolloutBatch,
@@ -322,23 +323,21 @@ def mp_group():
 
 @torch.no_grad()
 def megatron_states(trainer: Trainer) -> dict[tuple[int, int, int], dict[str, torch.Tensor]]:
-    """Every model-parallel rank's rollout tensors (`local_rollout_tensors`, copied to CPU), keyed
-    (pp_rank, 0, tp_rank); collective over the MP group. Used for whole-model exports (initial model dir, probes);
+    """Every model-parallel rank's rollout tensors (`local_rollout_tensors`, bytes exact, on CPU), keyed
+    (pp_rank, 0, tp_rank); collective over the MP group (`reshard.transport.Transport.gather_tensors`: each rank's
+    tensors packed into one buffer and broadcast in turn). Used for whole-model exports (initial model dir, probes);
     the per-step refit exchanges only what each rank needs (`RefitSource`)."""
     from megatron.core import parallel_state
 
-    local = {k: v.cpu().clone() for k, v in local_rollout_tensors(trainer).items()}
+    local = local_rollout_tensors(trainer)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     key = (parallel_state.get_pipeline_model_parallel_rank(), 0, parallel_state.get_tensor_model_parallel_rank())
     if tp * pp == 1:
-        return {key: local}
-    # Pickling float8 tensors is not supported by torch's object collectives: send their bytes as uint8 views.
-    fp8 = {k for k, v in local.items() if v.dtype == torch.float8_e4m3fn}
-    packed = {k: (v.view(torch.uint8) if k in fp8 else v) for k, v in local.items()}
-    parts: list = [None] * (tp * pp)
-    torch_dist().all_gather_object(parts, (key, packed, fp8), group=mp_group())
-    return {k: {n: (t.view(torch.float8_e4m3fn) if n in f else t) for n, t in st.items()} for k, st, f in parts}
+        return {key: {k: v.cpu().clone() for k, v in local.items()}}
+    transport = Transport(mp_group())
+    keys = transport.gather_meta(key)
+    return dict(zip(keys, transport.gather_tensors(local), strict=True))
 
 
 def local_rollout_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
