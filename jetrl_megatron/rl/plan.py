@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from jetrl_megatron.megatron.optimizer_settings import OptimizerSettings
 from jetrl_megatron.rl.config import ConfigError, RunConfig, to_yaml
 
 if TYPE_CHECKING:
@@ -43,36 +44,31 @@ def model_shape(cfg: RunConfig):
 
 @dataclass(frozen=True)
 class TrainerSettings:
-    """How the trainer's DDP wrapper and optimizer are built. ``build_trainer`` builds them from this object and
+    """How the trainer's DDP wrapper and optimizer are built: the config's optimizer settings (the object Megatron's
+    optimizer is built from) and what is not a recipe key. ``build_trainer`` builds them from this object and
     :func:`memory_estimate` reads the same object, so the plan cannot assume a setting the trainer does not use."""
 
-    use_distributed_optimizer: bool
-    use_precision_aware_optimizer: bool
+    optimizer: OptimizerSettings
     grad_reduce_in_fp32: bool
-    lr: float
-    weight_decay: float
-    clip_grad: float
-    adam_beta1: float
-    adam_beta2: float
-    adam_eps: float
+    use_precision_aware_optimizer: bool = False
     # The GRPO loop frees the DDP grad buffers after each update and re-allocates them (zeroed) before the next
     # (megatron/grad_buffers.py). Not a recipe key: NeMo-RL's Megatron worker frees them unconditionally too.
     release_grad_buffers: bool = True
-    # Megatron's HybridDeviceOptimizer: this share of the FP32 masters + Adam moments lives and steps on the host
-    optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: float = 0.0
+
+    @property
+    def use_distributed_optimizer(self) -> bool:
+        return self.optimizer.use_distributed_optimizer
 
     @property
     def host_fraction(self) -> float:
         """The share of the optimizer state (and its FP32 gradient copies) held on the host."""
-        return self.optimizer_offload_fraction if self.optimizer_cpu_offload else 0.0
+        return self.optimizer.host_fraction
 
     def policy_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``megatron.policy.build_policy`` (DDP and optimizer settings)."""
-        optimizer = asdict(self)
-        flags = {k: optimizer.pop(k) for k in ("grad_reduce_in_fp32", "use_distributed_optimizer")}
-        optimizer.pop("release_grad_buffers")
-        return {**flags, "optimizer": optimizer}
+        optimizer = {**asdict(self.optimizer), "use_precision_aware_optimizer": self.use_precision_aware_optimizer}
+        return {"grad_reduce_in_fp32": self.grad_reduce_in_fp32,
+                "use_distributed_optimizer": self.use_distributed_optimizer, "optimizer": optimizer}
 
     def describe(self, dp: int) -> str:
         """One line for `jetrl plan`: which optimizer layout the memory estimate assumed, and the keys behind it."""
@@ -80,8 +76,8 @@ class TrainerSettings:
             how = f"Megatron distributed optimizer: FP32 master + Adam moments sharded over DP={dp}"
         else:
             how = "Megatron Float16 optimizer: FP32 master + Adam moments replicated on every DP rank"
-        if self.optimizer_cpu_offload:
-            how += (f"; {self.optimizer_offload_fraction:g} of it on the host, stepped there by Megatron's "
+        if self.optimizer.optimizer_cpu_offload:
+            how += (f"; {self.optimizer.optimizer_offload_fraction:g} of it on the host, stepped there by Megatron's "
                     "HybridDeviceOptimizer (optimizer_cpu_offload=true)")
         return (f"{how} (policy.megatron_cfg.optimizer.use_distributed_optimizer="
                 f"{str(self.use_distributed_optimizer).lower()}, use_precision_aware_optimizer="
@@ -98,17 +94,12 @@ class TrainerSettings:
 
 
 def trainer_settings(cfg: RunConfig) -> TrainerSettings:
-    """The trainer's DDP/optimizer settings from ``policy.megatron_cfg.optimizer`` (refusals name the key)."""
-    o = cfg.policy.megatron_cfg.optimizer
+    """The trainer's DDP/optimizer settings: ``policy.megatron_cfg.optimizer`` as loaded, and the fixed choices."""
     # use_precision_aware_optimizer is accepted without effect (rl/nemo_rl_keys.py): with NeMo-RL's FP32 master weights
     # and moments it only moves where that state lives, and it needs TransformerEngine's FusedAdam.
     # grad_reduce_in_fp32 off: BF16 grad buffers, NeMo-RL's default (distributed_data_parallel_config)
-    return TrainerSettings(use_distributed_optimizer=o.use_distributed_optimizer,
-                           use_precision_aware_optimizer=False, grad_reduce_in_fp32=False,
-                           lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad, adam_beta1=o.adam_beta1,
-                           adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                           optimizer_cpu_offload=o.optimizer_cpu_offload,
-                           optimizer_offload_fraction=o.optimizer_offload_fraction)
+    return TrainerSettings(optimizer=cfg.policy.megatron_cfg.optimizer, grad_reduce_in_fp32=False,
+                           use_precision_aware_optimizer=False)
 
 
 @dataclass
