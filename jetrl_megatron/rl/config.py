@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import sys
@@ -35,8 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from jetrl_megatron.config_key import Range, at_least, field_keys
 from jetrl_megatron.model.hub import HubCache
 from jetrl_megatron.recipe import (
     ATTN_IMPLS,
@@ -147,82 +150,86 @@ def _precision(fp8_rollout: bool) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+_KIND = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}
+_KINDS = {bool: "true/false values", int: "integers", float: "numbers", str: "strings"}
 
 
-def _coerce(value: Any, tp: Any, path: str) -> Any:
-    """Check ``value`` against the declared type ``tp``; ints are accepted for floats. Errors name ``path``."""
-    origin = typing.get_origin(tp)
+def _expected(tp: Any) -> str:
+    """What a declared type asks for, in a recipe writer's words."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, path)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+        kinds = [_expected(a) for a in args if a is not type(None)]
+        return " or ".join(kinds + (["null"] if type(None) in args else []))
     if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping (section), got {value!r}")
-        return _build(tp, value, path)
+        return "a mapping (section)"
     if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
-        kt, vt = typing.get_args(tp)
-        if vt is Any:
-            return dict(value)
-        return {str(k): _coerce(v, vt, f"{path}.{k}") for k, v in value.items()}
+        return "a mapping" if args[1] is Any else f"a mapping of {_KINDS.get(args[1], 'values')}"
     if origin is list:
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
-        (et,) = typing.get_args(tp)
-        return [_coerce(v, et, f"{path}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{path}: expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{path}: expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-6" as a string
+        return f"a list of {_KINDS.get(args[0], 'values')}"
+    return _KIND.get(tp, str(tp))
+
+
+def _check_kinds(value: Any, tp: Any, path: str) -> None:
+    """Refuse a YAML value of another kind than its field declares, naming the key. Why not leave it to OmegaConf's
+    structured merge: it would read ``1`` or ``"yes"`` as true, ``3`` as ``"3"`` and keep a list where a string is
+    declared; a recipe saying ``enabled: 1`` is a mistake to name, not a value to guess. Ints are numbers, and so is
+    a string that reads as one (YAML 1.1 reads ``1e-6`` as a string); converting them is OmegaConf's job."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return
+        for member in (a for a in args if a is not type(None)):
             try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{path}: expected a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{path}: expected a string, got {value!r}")
+                _check_kinds(value, member, path)
+                return
+            except ConfigError as e:
+                if str(e).startswith((f"{path}.", f"{path}[")):
+                    raise  # the value has the member's shape; the error names the entry inside it
+    elif dataclasses.is_dataclass(tp) or origin is dict:
+        if isinstance(value, dict):
+            hints = typing.get_type_hints(tp) if origin is None else {}
+            for k, v in value.items():  # a key the section lacks was refused as unknown before
+                _check_kinds(v, hints.get(k, Any) if origin is None else args[1], f"{path}.{k}" if path else str(k))
+            return
+    elif origin is list:
+        if isinstance(value, list):
+            for i, v in enumerate(value):
+                _check_kinds(v, args[0], f"{path}[{i}]")
+            return
+    elif _is_kind(value, tp):
+        return
+    raise ConfigError(f"{path}: expected {_expected(tp)}, got {value!r}")
+
+
+def _is_kind(value: Any, tp: Any) -> bool:
     if tp is Any:
-        return value
-    raise ConfigError(f"{path}: unsupported declared type {tp}")
+        return True
+    if isinstance(value, bool):
+        return tp is bool
+    if tp is float and isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return False
+        return True
+    return isinstance(value, (int, float) if tp is float else tp)
 
 
-def _build(cls: type, d: dict[str, Any], path: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(RunConfigFields if cls is RunConfig else cls)]
-    unknown = sorted(set(d) - set(names))
-    if unknown:
-        where = f"{path}." if path else ""
-        raise ConfigError(
-            f"unknown key(s) {', '.join(where + k for k in unknown)}; allowed under '{path or '<top>'}': "
-            f"{', '.join(names)}"
-        )
-    kwargs = {}
-    for k, v in d.items():
-        kwargs[k] = _coerce(v, hints[k], f"{path}.{k}" if path else k)
-    return cls(**kwargs)
+@functools.cache
+def _structured_schema() -> DictConfig:
+    """The schema as an OmegaConf structured config, built once (``OmegaConf.merge`` copies it)."""
+    return OmegaConf.structured(RunConfigFields)
+
+
+def _typed(resolved: dict[str, Any]) -> RunConfig:
+    """The checked tree as dataclasses: OmegaConf's structured merge over the schema converts (ints and numeric
+    strings to floats) and builds the sections; what is not in the tree keeps the schema's default."""
+    _check_kinds(resolved, RunConfigFields, "")
+    try:
+        sections = OmegaConf.to_object(OmegaConf.merge(_structured_schema(), resolved))
+    except OmegaConfBaseException as e:  # not expected after the kind check; still one line naming the key
+        raise ConfigError(f"{e.full_key or '<top>'}: {' '.join(str(e).split()).split(' full_key:')[0]}") from None
+    return RunConfig(**{f.name: getattr(sections, f.name) for f in dataclasses.fields(RunConfigFields)})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -365,7 +372,7 @@ def load_config_file(path: Path, overrides: list[str] | None = None, name: str |
     user_keys = _move_legacy_data_keys(resolved, user_keys)
     verdicts = _account(resolved)
     _drop(resolved, [v.key for v in verdicts if v.status == IGNORED])
-    cfg = _build(RunConfig, resolved, "")
+    cfg = _typed(resolved)
     cfg.name = name or Path(path).stem
     by_user = [v.key in user_keys or any(v.key.startswith(u + ".") for u in user_keys) for v in verdicts]
     cfg.key_report = [v for v, mine in zip(verdicts, by_user, strict=True) if mine]
@@ -476,114 +483,40 @@ def build_fp8_recipe(cfg: RunConfig, arm: str) -> Fp8Recipe:
         raise ConfigError(f"{key}:{str(e).split(':', 1)[1]}") from None
 
 
-# Where each Fp8Recipe field comes from in the config (errors name the key the user wrote).
-RECIPE_FIELD_KEYS = {
-    "mode": "policy.jet_rl.arm",
-    "scale_fmt": "policy.generation.vllm_cfg.pow2_weight_scaling_factors",
-    "amax_eps": "policy.jet_rl.amax_eps",
-    "bf16_first_layers": "policy.generation.vllm_cfg.num_first_layers_in_bf16",
-    "bf16_last_layers": "policy.generation.vllm_cfg.num_last_layers_in_bf16",
-    "bf16_module_keywords": "policy.generation.vllm_cfg.quantization_ignored_layer_kws",
-    "gemm_backend": "policy.jet_rl.gemm_backend",
-    "batch_invariant": "policy.jet_rl.batch_invariant",
-}
+# Where each Fp8Recipe field comes from in the config (errors name the key the user wrote): the schema fields say.
+RECIPE_FIELD_KEYS = {k.recipe: path for path, _, k in field_keys(RunConfigFields) if k.recipe}
+# vllm_kwargs is a pass-through mapping; its one entry with a range is read as vLLM's KV cache size
+KV_CACHE_KEY, KV_CACHE_BOUNDS = "policy.generation.vllm_kwargs.kv_cache_memory_bytes", at_least(1)
 
 
-_INF = math.inf
+def _value_at(cfg: RunConfig, path: str) -> Any:
+    """The value of dotted key ``path`` (None when a section on the way is unset, like data.validation)."""
+    node: Any = cfg
+    for part in path.split("."):
+        node = getattr(node, part) if node is not None else None
+    return node
 
 
-def _ranges(cfg: RunConfig) -> list[tuple[str, float | int | None, float, float, bool, bool]]:
-    """(key, value, low, high, low inclusive, high inclusive) for every numeric key with a meaningful range.
-
-    Why: the type check alone let negative step counts, learning rates, temperatures or node counts through, and
-    the run then did something useless (zero steps, ascent instead of descent) and still exited 0."""
-    g, lf, ck, pol, mc = cfg.grpo, cfg.loss_fn, cfg.checkpointing, cfg.policy, cfg.policy.megatron_cfg
-    o, sch, gen, v, d, jr = mc.optimizer, mc.scheduler, pol.generation, pol.generation.vllm_cfg, cfg.data, pol.jet_rl
-    sw, tr = jr.sft_warmstart, d.train
-    return [
-        ("grpo.num_prompts_per_step", g.num_prompts_per_step, 1, _INF, True, True),
-        ("grpo.num_generations_per_prompt", g.num_generations_per_prompt, 2, _INF, True, True),
-        ("grpo.max_num_steps", g.max_num_steps, 0 if sw.save_model_dir else 1, _INF, True, True),
-        ("grpo.max_num_epochs", g.max_num_epochs, 1, _INF, True, True),
-        ("grpo.max_val_samples", g.max_val_samples, 0, _INF, True, True),
-        ("grpo.num_val_generations_per_prompt", g.num_val_generations_per_prompt, 0, _INF, True, True),
-        ("grpo.seed", g.seed, 0, 2**63 - 1, True, True),
-        ("policy.jet_rl.sft_warmstart.steps", sw.steps, 0, _INF, True, True),
-        ("policy.jet_rl.sft_warmstart.lr", sw.lr, 0, _INF, True, False),
-        ("policy.jet_rl.sft_warmstart.batch_size", sw.batch_size, 1, _INF, True, True),
-        ("policy.jet_rl.sft_warmstart.stop_at_loss", sw.stop_at_loss, 0, _INF, False, False),
-        ("policy.jet_rl.sft_warmstart.stop_window", sw.stop_window, 1, _INF, True, True),
-        ("policy.jet_rl.amax_eps", jr.amax_eps, 0, 1e-3, False, False),
-        ("loss_fn.reference_policy_kl_penalty", lf.reference_policy_kl_penalty, 0, _INF, True, False),
-        ("loss_fn.kl_input_clamp_value", lf.kl_input_clamp_value, 0, _INF, False, False),
-        ("loss_fn.kl_output_clamp_value", lf.kl_output_clamp_value, 0, _INF, False, False),
-        ("loss_fn.ratio_clip_min", lf.ratio_clip_min, 0, 1, True, True),
-        ("loss_fn.ratio_clip_max", lf.ratio_clip_max, 0, _INF, True, False),
-        ("loss_fn.ratio_clip_c", lf.ratio_clip_c, 1, _INF, False, False),
-        ("loss_fn.truncated_importance_sampling_ratio", lf.truncated_importance_sampling_ratio, 0, _INF, False, False),
-        ("loss_fn.truncated_importance_sampling_ratio_min", lf.truncated_importance_sampling_ratio_min, 0, _INF, True,
-         False),
-        ("checkpointing.save_period", ck.save_period, 1, _INF, True, True),
-        ("checkpointing.keep_top_k", ck.keep_top_k, 1, _INF, True, True),
-        ("policy.train_global_batch_size", pol.train_global_batch_size, 1, _INF, True, True),
-        ("policy.train_micro_batch_size", pol.train_micro_batch_size, 1, _INF, True, True),
-        ("policy.logprob_batch_size", pol.logprob_batch_size, 1, _INF, True, True),
-        ("policy.max_total_sequence_length", pol.max_total_sequence_length, 2, _INF, True, True),
-        ("policy.make_sequence_length_divisible_by", pol.make_sequence_length_divisible_by, 1, _INF, True, True),
-        ("policy.max_grad_norm", pol.max_grad_norm, 0, _INF, True, False),
-        ("policy.refit_buffer_size_gb", pol.refit_buffer_size_gb, 0, _INF, False, False),
-        ("policy.megatron_cfg.tensor_model_parallel_size", mc.tensor_model_parallel_size, 1, _INF, True, True),
-        ("policy.megatron_cfg.pipeline_model_parallel_size", mc.pipeline_model_parallel_size, 1, _INF, True, True),
-        ("policy.megatron_cfg.optimizer.lr", o.lr, 0, _INF, True, False),
-        ("policy.megatron_cfg.optimizer.min_lr", o.min_lr, 0, _INF, True, False),
-        ("policy.megatron_cfg.optimizer.weight_decay", o.weight_decay, 0, _INF, True, False),
-        ("policy.megatron_cfg.optimizer.adam_beta1", o.adam_beta1, 0, 1, True, False),
-        ("policy.megatron_cfg.optimizer.adam_beta2", o.adam_beta2, 0, 1, True, False),
-        ("policy.megatron_cfg.optimizer.adam_eps", o.adam_eps, 0, _INF, False, False),
-        ("policy.megatron_cfg.optimizer.clip_grad", o.clip_grad, 0, _INF, True, False),
-        ("policy.megatron_cfg.optimizer.optimizer_offload_fraction", o.optimizer_offload_fraction, 0, 1, True, True),
-        ("policy.megatron_cfg.scheduler.lr_warmup_iters", sch.lr_warmup_iters, 0, _INF, True, True),
-        ("policy.megatron_cfg.scheduler.lr_warmup_init", sch.lr_warmup_init, 0, _INF, True, False),
-        ("policy.megatron_cfg.scheduler.lr_decay_iters", sch.lr_decay_iters, 1, _INF, True, True),
-        ("policy.generation.max_new_tokens", gen.max_new_tokens, 1, _INF, True, True),
-        ("policy.generation.temperature", gen.temperature, 0, _INF, True, False),
-        ("policy.generation.top_p", gen.top_p, 0, 1, False, True),
-        ("policy.generation.vllm_cfg.tensor_parallel_size", v.tensor_parallel_size, 1, _INF, True, True),
-        ("policy.generation.vllm_cfg.gpu_memory_utilization", v.gpu_memory_utilization, 0, 1, False, True),
-        ("policy.generation.vllm_cfg.max_model_len", v.max_model_len, 1, _INF, True, True),
-        ("policy.generation.vllm_cfg.num_first_layers_in_bf16", v.num_first_layers_in_bf16, 0, _INF, True, True),
-        ("policy.generation.vllm_cfg.num_last_layers_in_bf16", v.num_last_layers_in_bf16, 0, _INF, True, True),
-        ("policy.generation.vllm_kwargs.kv_cache_memory_bytes", cfg.kv_cache_memory_bytes(), 1, _INF, True, True),
-        ("data.max_input_seq_length", d.max_input_seq_length, 1, _INF, True, True),
-        ("data.train.split_validation_size", tr.split_validation_size, 0, 1, True, False),
-        ("data.train.num_digits", tr.num_digits, 1, _INF, True, True),
-        ("data.train.num_items", tr.num_items, 1, _INF, True, True),
-        ("data.train.num_prompts", tr.num_prompts, 1, _INF, True, True),
-        ("data.train.seed", tr.seed, 0, 2**63 - 1, True, True),
-        ("data.train.num_terms", tr.num_terms, 1, _INF, True, True),
-        ("data.train.term_digits", tr.term_digits, 1, 9, True, True),
-        ("env.math.num_workers", cfg.env.math.num_workers, 1, _INF, True, True),
-        ("logger.num_val_samples_to_print", cfg.logger.num_val_samples_to_print, 0, _INF, True, True),
-        ("cluster.gpus_per_node", cfg.cluster.gpus_per_node, 0, _INF, True, True),
-        ("cluster.num_nodes", cfg.cluster.num_nodes, 1, _INF, True, True),
-    ]
-
-
-def _interval(lo: float, hi: float, lo_in: bool, hi_in: bool) -> str:
-    if hi == _INF:
-        return f"{'>=' if lo_in else '>'} {lo}" + ("" if hi_in else " and finite")
-    return f"in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+def _check_range(cfg: RunConfig, path: str, value: float | None, bounds: Range) -> None:
+    if value is None:
+        return
+    lo = None
+    if bounds.lo_when_set is not None and _value_at(cfg, bounds.lo_when_set[0]):
+        lo = bounds.lo_when_set[1]
+    if not bounds.contains(value, lo):
+        raise ConfigError(f"{path}: must be {bounds.describe(lo)}, got {value!r}")
 
 
 def check_ranges(cfg: RunConfig) -> None:
-    """Refuse a value outside its key's range, naming the key, the range and the value (None = key unset)."""
-    for key, value, lo, hi, lo_in, hi_in in _ranges(cfg):
-        if value is None:
-            continue
-        ok = math.isfinite(value) or (hi == _INF and hi_in)
-        ok = ok and (value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi)
-        if not ok:
-            raise ConfigError(f"{key}: must be {_interval(lo, hi, lo_in, hi_in)}, got {value!r}")
+    """Refuse a value outside its key's range (declared on its schema field), naming the key, the range and the value
+    (None = key unset).
+
+    Why: the type check alone let negative step counts, learning rates, temperatures or node counts through, and
+    the run then did something useless (zero steps, ascent instead of descent) and still exited 0."""
+    for path, _, k in field_keys(RunConfigFields):
+        if k.bounds is not None:
+            _check_range(cfg, path, _value_at(cfg, path), k.bounds)
+    _check_range(cfg, KV_CACHE_KEY, cfg.kv_cache_memory_bytes(), KV_CACHE_BOUNDS)
 
 
 def check_top_k(cfg: RunConfig) -> None:
