@@ -26,6 +26,34 @@ def test_auto_table_picks_known_backends_for_every_m():
         auto_table.pick("bprop", 4)
 
 
+def test_m_invariant_fprop_policy_of_the_jetrl_arm():
+    """The jetrl arm's auto FProp is only a backend the table lists as measured M-invariant, at every M; without
+    one it is Triton's batch-invariant mode. DGrad / WGrad (never compared with the rollout) keep the speed table."""
+    from jetrl_megatron.fp8.gemm import _batch_invariant_mode, needs_m_invariant_fprop
+    from jetrl_megatron.recipe import Fp8Recipe
+
+    assert auto_table.M_INVARIANT_FPROP and "cublas" not in auto_table.M_INVARIANT_FPROP
+    everything = lambda name: True  # noqa: E731
+    nothing_invariant = lambda name: name not in auto_table.M_INVARIANT_FPROP  # noqa: E731
+    for m in (1, 3, 8, 16, 64, 8192):
+        assert auto_table.pick("fprop", m, m_invariant=True) == auto_table.M_INVARIANT_FPROP[0]
+        assert auto_table.pick("fprop", m, m_invariant=True, available=nothing_invariant) == "triton"
+        assert auto_table.pick("dgrad", m, m_invariant=True) == auto_table.pick("dgrad", m)
+        assert auto_table.pick("wgrad", m, m_invariant=True) == auto_table.pick("wgrad", m)
+    assert auto_table.m_invariant_choice(everything) == (auto_table.M_INVARIANT_FPROP[0], False)
+    assert auto_table.m_invariant_choice(nothing_invariant) == ("triton", True)
+    assert needs_m_invariant_fprop(Fp8Recipe(mode="jetrl"))
+    for arm in ("bf16", "bf16_train_fp8_rollout", "fake_quant"):
+        assert not needs_m_invariant_fprop(Fp8Recipe(mode=arm)), arm
+    # the batch-invariant flag: asked for, or the jetrl arm's auto fallback to Triton; never for an explicit Triton
+    jet = Fp8Recipe(mode="jetrl")
+    assert _batch_invariant_mode("fprop", "triton", None, jet)
+    assert not _batch_invariant_mode("fprop", "triton", "triton", jet)
+    assert not _batch_invariant_mode("fprop", "triton", None, Fp8Recipe(mode="bf16_train_fp8_rollout"))
+    assert not _batch_invariant_mode("dgrad", "triton", None, jet)
+    assert _batch_invariant_mode("dgrad", "triton", None, Fp8Recipe(mode="jetrl", batch_invariant=True))
+
+
 def test_pad_cols4_and_col_major():
     s = torch.arange(15, dtype=torch.float32).reshape(3, 5) + 1
     p = _layout.pad_cols4(s)

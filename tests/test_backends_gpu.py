@@ -154,6 +154,34 @@ def test_dispatch_auto_and_batch_invariant_recipe():
     assert torch.equal(y_bi[:1], y_one)
 
 
+def test_measured_m_invariant_fprop_backends_are_m_invariant():
+    """The table's claim (auto_table.M_INVARIANT_FPROP, used by the jetrl arm's auto): at every Qwen3-8B linear shape
+    a row's FProp bytes at decode M equal that row's bytes at training M; and the dispatch of a jetrl recipe with
+    auto resolves FProp to such a backend (or Triton's batch-invariant mode) at every M."""
+    from jetrl_megatron.fp8 import kernels
+    from jetrl_megatron.fp8.backends import auto_table
+
+    jet = Fp8Recipe(mode="jetrl")
+    for m in (1, 3, 8, 16, 8192):
+        name = G.resolve_backend("fprop", torch.device("cuda"), m, None, jet)
+        assert name in auto_table.M_INVARIANT_FPROP or name == "triton", (m, name)
+    names = [n for n in auto_table.M_INVARIANT_FPROP if G.load_backend(n) is not None]
+    if not names:
+        pytest.skip(f"none of {auto_table.M_INVARIANT_FPROP} is installed here (DeepGEMM comes with vLLM)")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):  # qkv, o, gate_up, down
+        w = torch.randn(n, k, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+        x = torch.randn(8192, k, generator=g, device="cuda", dtype=torch.bfloat16)
+        wq, ws = kernels.quant_weight(w)
+        xq, xs = kernels.quant_act(x)
+        for name in names:
+            full = G.fp8_gemm_fprop(xq, xs, wq, ws, backend=name)
+            for m in (1, 2, 3, 8, 16, 24, 31, 64, 128, 255, 512, 1000):
+                xq_m, xs_m = kernels.quant_act(x[:m].clone())  # per-row groups: the same codes as xq[:m]
+                part = G.fp8_gemm_fprop(xq_m, xs_m, wq, ws, backend=name)
+                assert torch.equal(part, full[:m]), f"{name} FProp rows differ at M={m}, N={n}, K={k}"
+
+
 def test_fp8_linear_cuda_matches_cpu_reference():
     """fp8_linear on CUDA (fused kernels + auto backends) vs the same function on CPU (reference quant,
     emulated FP64 GEMMs): FP8 codes identical, so y/dX/dW differ only by GEMM accumulation and BF16 rounding."""

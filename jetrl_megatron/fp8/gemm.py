@@ -21,6 +21,7 @@ from types import ModuleType
 
 import torch
 
+from jetrl_megatron.fp8.backends.auto_table import M_INVARIANT_FPROP, pick
 from jetrl_megatron.fp8.quant import BLOCK, FP8_DTYPE
 from jetrl_megatron.recipe import GEMM_BACKENDS, Fp8Recipe
 
@@ -120,7 +121,8 @@ def resolve_backend(form: str, device: torch.device, m: int, requested: str | No
     """Which backend computes `form` for M rows on `device`: explicit > recipe > auto.
 
     `auto` is the emulated reference on CPU and, on CUDA, the pick of the measured table in
-    `backends/auto_table.py` (falling back to cuBLAS, then Triton, then emulated).
+    `backends/auto_table.py` (falling back to cuBLAS, then Triton, then emulated). In the jetrl arm the FProp must
+    be M-invariant (:func:`needs_m_invariant_fprop`): auto then picks only measured-invariant backends.
     """
     name = requested or (recipe.gemm_backend if recipe is not None else "auto")
     if name not in GEMM_BACKENDS:
@@ -136,17 +138,31 @@ def resolve_backend(form: str, device: torch.device, m: int, requested: str | No
             raise RuntimeError(f"gemm_backend {name!r} is not available on this machine")
         return name
     batch_invariant = bool(recipe is not None and recipe.batch_invariant)
-    try:
-        from jetrl_megatron.fp8.backends.auto_table import pick
-        choice = pick(form, m, batch_invariant=batch_invariant, available=lambda n: load_backend(n) is not None)
-        if choice == "emulated" or load_backend(choice) is not None:
-            return choice
-    except ImportError:
-        pass
+    choice = pick(form, m, batch_invariant=batch_invariant, m_invariant=needs_m_invariant_fprop(recipe),
+                  available=lambda n: load_backend(n) is not None)
+    if choice == "emulated" or load_backend(choice) is not None:
+        return choice
     for fallback in (("triton",) if batch_invariant else ("cublas", "triton")):
         if load_backend(fallback) is not None:
             return fallback
     return "emulated"
+
+
+def needs_m_invariant_fprop(recipe: Fp8Recipe | None) -> bool:
+    """The jetrl arm serves the trainer's FP8 weights to a rollout that runs this same FProp at decode M: exactly
+    on-policy needs a row's bytes not to depend on M (the BF16-trainer arms do not compare FP8 FProps)."""
+    return recipe is not None and recipe.trains_fp8 and recipe.rollout_weights == "trainer_fp8"
+
+
+def _batch_invariant_mode(form: str, name: str, requested: str | None, recipe: Fp8Recipe | None) -> bool:
+    """Triton's fixed-order mode: asked for, or auto's fallback when no measured M-invariant FProp is available."""
+    if recipe is None:
+        return False
+    if recipe.batch_invariant:
+        return True
+    auto = (requested or recipe.gemm_backend) == "auto"
+    return (auto and form == "fprop" and name == "triton" and "triton" not in M_INVARIANT_FPROP
+            and needs_m_invariant_fprop(recipe))
 
 
 def _run(form: str, m: int, device: torch.device, args: tuple, kwargs: dict, backend: str | None,
@@ -155,7 +171,7 @@ def _run(form: str, m: int, device: torch.device, args: tuple, kwargs: dict, bac
     if name == "emulated":
         return _EMULATED[form](*args, **kwargs)
     fn = getattr(load_backend(name), form)
-    if recipe is not None and recipe.batch_invariant:
+    if _batch_invariant_mode(form, name, backend, recipe):
         if "batch_invariant" not in inspect.signature(fn).parameters:
             raise ValueError(f"gemm_backend {name!r} has no batch-invariant mode; use 'triton' or 'emulated'")
         kwargs = {**kwargs, "batch_invariant": True}

@@ -19,6 +19,7 @@ positions are 0..s-1 for every row (no packing).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -391,6 +392,7 @@ class StepResult:
     grad_norm: float | None
     fp8_generation: int
     metrics: dict[str, float] = field(default_factory=dict)
+    optimizer_seconds: float = 0.0  # optimizer.step (with the FP8 cache refresh; on the host when offloaded)
 
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -469,10 +471,20 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn
     loss, metrics = forward_backward(model, batch, loss_fn, micro_batch_size=micro_batch_size,
                                      grad_scale_func=optimizer.scale_loss, vocab_parallel=vocab_parallel,
                                      sampling=sampling, unfiltered=unfiltered)
+    _sync(model)
+    t0 = time.perf_counter()
     ok, grad_norm, _ = optimizer.step()
+    _sync(model)
     gpt = unwrap(_as_chunks(model)[0])
     return StepResult(loss=loss, skipped=not ok, grad_norm=None if grad_norm is None else float(grad_norm),
-                      fp8_generation=fp8_context(gpt).cache.generation, metrics=metrics)
+                      fp8_generation=fp8_context(gpt).cache.generation, metrics=metrics,
+                      optimizer_seconds=time.perf_counter() - t0)
+
+
+def _sync(model) -> None:
+    """Wait for the GPU so that a host timer around the optimizer step measures the step alone."""
+    if next(unwrap(_as_chunks(model)[0]).parameters()).is_cuda:
+        torch.cuda.synchronize()
 
 
 # ------------------------------------------------------------------------------------------------ rollout weights

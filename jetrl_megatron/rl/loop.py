@@ -46,6 +46,7 @@ from jetrl_megatron.rl.dist import dist_rank, dist_world, init_distributed, is_m
 from jetrl_megatron.rl.generation import engine_groups, rollout, start_engine, validate, validation_split
 from jetrl_megatron.rl.logging import RunLogger
 from jetrl_megatron.rl.metrics import position_bins
+from jetrl_megatron.rl.phase_memory import PhaseMemory
 from jetrl_megatron.rl.refit_source import RefitSource, verify_served_fp8
 from jetrl_megatron.rl.summary import print_probe, run_arm_probe, summarize
 from jetrl_megatron.rl.tasks import PromptStream, build_task
@@ -156,62 +157,77 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
 def grpo_step(cfg: RunConfig, trainer: Trainer, ro: Rollout, step: int, logger: RunLogger) -> dict[str, float]:
     """One GRPO step: rollout -> advantages -> trainer logprobs -> mismatch -> policy update -> refit."""
-    clock = Stopwatch()
-    # 1. rollout
+    meter = StepMeter()
     prompts = ro.stream.take(cfg.grpo.num_prompts_per_step)
-    samples, clock.seconds["rollout"] = rollout(cfg, ro.engine, ro.task, prompts, step)
+    with meter.memory_phase("rollout"):  # 1. rollout
+        samples, meter.seconds["rollout"] = rollout(cfg, ro.engine, ro.task, prompts, step)
     batch = make_batch(cfg, ro.task, prompts, samples)
-    with TrainPhase(cfg, trainer, ro, clock) as phase:
-        # 2. rewards -> advantages
-        adv = advantages(cfg, batch.rewards)
-        # 3. trainer logprobs of the sampled tokens (old policy, reference policy)
-        with clock("logprob"):
-            logp_old, filtered_out = policy_logprobs(cfg, trainer.model, batch)
-            logp_ref = reference_logprobs(cfg, trainer.ref_model, batch) if trainer.ref_model is not None else None
+    with TrainPhase(cfg, trainer, ro) as phase:
+        adv = advantages(cfg, batch.rewards)  # 2. rewards -> advantages
+        with meter.memory_phase("logprob"):  # 3. trainer logprobs of the sampled tokens (old, reference policy)
+            with meter.time("policy_logprob"):
+                logp_old, filtered_out = policy_logprobs(cfg, trainer.model, batch)
+            with meter.time("reference_logprob"):
+                logp_ref = reference_logprobs(cfg, trainer.ref_model, batch) if trainer.ref_model is not None else None
         # 4. mismatch on response tokens (trainer vs rollout), overall and by response position
         metrics = {**mismatch(cfg, batch, logp_old, ro.bins), "mismatch/filtered_out_tokens": float(filtered_out)}
         # 5. rollout correction (optional) and the policy update (the optimizer re-quantizes the FP8 cache once)
         is_w, kept = importance(cfg, batch, logp_old)
-        with clock("update"), phase.grad_buffers_held():
+        with meter.phase("update"), phase.grad_buffers_held():
             metrics.update(policy_update(cfg, trainer, batch, adv, logp_old, logp_ref, is_w, loss_mask(cfg, batch),
                                          step, logger))
-    # 6. refit: reshard the trainer's tensors and copy them into vLLM's live parameters in place
-    with clock("refit"):
-        shards = ro.source.shards()
-        report = ro.engine.refit_from_shards(shards, rank=ro.vllm_rank, exchange=ro.source.exchange)
+        with meter.phase("refit"):  # 6. refit: the trainer's tensors resharded into vLLM's live parameters
+            with meter.time("wake_up"):
+                phase.wake_up()
+            shards = ro.source.shards()
+            report = ro.engine.refit_from_shards(shards, rank=ro.vllm_rank, exchange=ro.source.exchange)
     served_equal = verify_served_fp8(cfg, trainer, ro.engine, shards.states)
     metrics.update(batch_metrics(batch, kept))
-    metrics.update(step_telemetry(batch, clock, report, ro.source))
+    metrics.update(step_telemetry(batch, meter, report, ro.source))
     if not math.isnan(served_equal):
         metrics["refit/served_fp8_equal"] = served_equal
-    return metrics
+    return {**metrics, **meter.memory.metrics()}
 
 
-class Stopwatch:
-    """The wall-clock seconds of a step's named parts (a part timed twice adds up) and of the whole step."""
+class StepMeter:
+    """One step's wall-clock seconds per named part (a part timed twice adds up), of the whole step, and its peak
+    memory per phase (``PhaseMemory``: rollout, logprob, update, refit)."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.seconds: dict[str, float] = {}
+        self.memory = PhaseMemory()
 
     @contextmanager
-    def __call__(self, part: str) -> Iterator[None]:
+    def time(self, part: str) -> Iterator[None]:
         t0 = time.perf_counter()
         yield
         self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - t0
+
+    @contextmanager
+    def memory_phase(self, phase: str) -> Iterator[None]:
+        self.memory.begin()
+        yield
+        self.memory.end(phase)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Timed and metered under one name (the timer inside the memory phase, as its readings cost time)."""
+        with self.memory_phase(name), self.time(name):
+            yield
 
     def total(self) -> float:
         return time.perf_counter() - self.start
 
 
 class TrainPhase:
-    """The trainer's part of a step, between rollout and refit. Colocated, vLLM sleeps through it (on CUDA its KV
-    cache is freed), and the DDP grad buffers, when released between updates (``Rollout.release_grads``), are held
-    only inside ``grad_buffers_held`` (the update), not during the logprob pass. The engine wakes on exit, counted
-    as refit time (the refit is what needs it awake)."""
+    """The trainer's part of a step, from the end of the rollout to the refit. Colocated, vLLM sleeps through it (on
+    CUDA its KV cache is freed) until ``wake_up`` (the refit needs it awake; on leaving, it is awake); the DDP grad
+    buffers, when released between updates (``Rollout.release_grads``), are held only inside ``grad_buffers_held``
+    (the update), not during the logprob pass or the refit."""
 
-    def __init__(self, cfg: RunConfig, trainer: Trainer, ro: Rollout, clock: Stopwatch) -> None:
-        self.cfg, self.trainer, self.ro, self.clock = cfg, trainer, ro, clock
+    def __init__(self, cfg: RunConfig, trainer: Trainer, ro: Rollout) -> None:
+        self.cfg, self.trainer, self.ro = cfg, trainer, ro
         self.asleep = False
 
     def __enter__(self) -> TrainPhase:
@@ -219,9 +235,13 @@ class TrainPhase:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None and self.asleep:
-            with self.clock("refit"):
-                self.ro.engine.wake_up()
+        if exc_type is None:
+            self.wake_up()
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.ro.engine.wake_up()
+            self.asleep = False
 
     @contextmanager
     def grad_buffers_held(self) -> Iterator[None]:
@@ -232,16 +252,18 @@ class TrainPhase:
             release_grad_buffers(self.trainer.model)  # before vLLM wakes up
 
 
-def step_telemetry(batch: RolloutBatch, clock: Stopwatch, report: Any, source: RefitSource) -> dict[str, float]:
+def step_telemetry(batch: RolloutBatch, meter: StepMeter, report: Any, source: RefitSource) -> dict[str, float]:
     """The step's time/*, throughput/* and refit/* metrics: the parts' seconds, tokens per second of rollout and
     training, and what the refit moved (``report``: the engine's refit report)."""
-    t = clock.seconds
+    t = meter.seconds
     n_resp = float(batch.mask.sum())
     return {
-        "time/rollout": t["rollout"], "time/logprob": t["logprob"], "time/update": t["update"],
-        "time/refit": t["refit"], "time/step": clock.total(),
+        "time/rollout": t["rollout"], "time/logprob": t["policy_logprob"] + t["reference_logprob"],
+        "time/policy_logprob": t["policy_logprob"], "time/reference_logprob": t["reference_logprob"],
+        "time/update": t["update"], "time/refit": t["refit"], "time/wake_up": t["wake_up"],
+        "time/step": meter.total(),
         "throughput/rollout_tokens_per_s": n_resp / max(t["rollout"], 1e-9),
-        "throughput/train_tokens_per_s": float(batch.tokens.numel()) / max(t["update"] + t["logprob"], 1e-9),
+        "throughput/train_tokens_per_s": float(batch.tokens.numel()) / max(t["update"] + t["policy_logprob"], 1e-9),
         "refit/bytes": float(report.num_bytes), "refit/verified": float(report.verified),
         "refit/rebuilt": float(report.rebuilt), "refit/reloaded_tensors": float(report.reloaded),
         "time/refit_gather": source.gather_seconds, "time/refit_copy": report.reload_seconds,

@@ -208,6 +208,7 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
         "train/skipped_steps": float(sum(r.skipped for r in results)),
         "train/fp8_generation": float(results[-1].fp8_generation),
         "train/lr": lr_at(cfg, step),
+        "time/optimizer": float(sum(r.optimizer_seconds for r in results)),
     }
     return m
 

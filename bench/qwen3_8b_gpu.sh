@@ -1,0 +1,80 @@
+#!/bin/bash
+# Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
+# FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|check|grpo OUT_DIR
+#   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
+#           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
+#   stage1  copy .vc/p1
+#   check   copy .vc/p2, install the vLLM 0.26 bundle; FP8 FProp M-invariance per backend at the Qwen3-8B shapes
+#           (DeepGEMM included); the backend GPU tests again with DeepGEMM; the Qwen3-8B layer fwd+bwd, bf16
+#           attention vs vLLM's own ops (issue 26's cost), cuBLAS GEMMs in both
+#   grpo    `jetrl run --recipe qwen3_8b_1gpu --arm $ARM` (random weights made on the spot), LEN new tokens by
+#           ignore_eos, STEPS steps; the run directory (metrics.jsonl, summary.json, config.yaml, log) as one .tgz;
+#           PACK_DG=1 also packs DeepGEMM's JIT cache (for the next round: carry it back as .dgc/dg_cache.tgz)
+set -uo pipefail
+mode=${1:?stage0|stage1|check|grpo}
+out=${2:?OUT_DIR}
+mkdir -p /tmp/vc "$out"
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+  TRANSFORMERS_OFFLINE=1 PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} DG_JIT_CACHE_DIR=/tmp/dg_cache \
+  PYTHONUNBUFFERED=1
+[ -f .dgc/dg_cache.tgz ] && [ ! -d /tmp/dg_cache ] && mkdir -p /tmp/dg_cache && tar xzf .dgc/dg_cache.tgz -C /tmp
+wheels() {
+  [ -f /tmp/site/.whl_ok ] && return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.whl_ok
+}
+vllm_bundle() {
+  [ -f /tmp/site/.vllm_ok ] && return 0
+  cp .vc/p2/* /tmp/vc/ && cat /tmp/vc/part0* > /tmp/vllm026.tar && sha256sum -c /tmp/vc/SHA256 && mkdir -p /tmp/w \
+    && tar xf /tmp/vllm026.tar -C /tmp/w && rm -f /tmp/vllm026.tar /tmp/vc/part0* \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+       /tmp/w/.whl/*.whl && rm -rf /tmp/w && touch /tmp/site/.vllm_ok
+}
+case $mode in
+  stage0)
+    cp .vc/p0/* /tmp/vc/ && ls -l /tmp/vc
+    wheels > "$out/wheels.log" 2>&1 || { tail -20 "$out/wheels.log"; exit 1; }
+    { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; free -g; df -h /tmp "$PWD";
+      python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } | tee "$out/machine.txt"
+    timeout "${RUN_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_kernels_gpu.py \
+      tests/test_backends_gpu.py tests/test_triton_numerics.py tests/test_phase_memory.py > "$out/tests_novllm.log" 2>&1
+    echo "tests rc $?"; grep -E "passed|failed|FAILED|SKIPPED|Error" "$out/tests_novllm.log" | tail -15 ;;
+  stage1) cp .vc/p1/* /tmp/vc/ && ls -l /tmp/vc ;;
+  check)
+    wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
+    timeout 200 python3 bench/gemm_m_invariance.py --presets qwen3-8b --backends deep_gemm cublas \
+      --out "$out/gemm_m_invariance.json" > "$out/gemm_m.log" 2>&1; echo "m-invariance rc $?"; tail -4 "$out/gemm_m.log"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_backends_gpu.py > "$out/backends.log" 2>&1
+    echo "backends rc $?"; grep -E "passed|failed|FAILED|SKIPPED|Error" "$out/backends.log" | tail -8
+    for impl in bf16 vllm_cuda; do
+      timeout 120 python3 bench/megatron_layer_bench.py --seq 8192 --iters 20 --warmup 5 --backends cublas \
+        --lean-swiglu --elementwise triton --attn-impl "$impl" --out "$out/layer_$impl.json" > "$out/layer_$impl.log" 2>&1
+      echo "layer $impl rc $?"; grep -iE " ms|ratio|x bf16" "$out/layer_$impl.log" | tail -6
+    done ;;
+  grpo)
+    wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
+    arm=${ARM:?ARM} len=${LEN:-1024} steps=${STEPS:-3}
+    # the run directory holds the engine's start-up model (16 GB of BF16 safetensors): on disk, not in a tmpfs
+    base=/tmp; [ "$(stat -f -c %T /tmp)" = tmpfs ] && base=$PWD/..
+    dir=$base/r8b/len${len}_$arm; rm -rf "$dir"; mkdir -p "$dir"
+    kv=$(( (len <= 1024 ? 20 : 80) * 1073741824 ))
+    timeout "${RUN_LIMIT:-520}" python3 -m jetrl_megatron.cli run --recipe qwen3_8b_1gpu --arm "$arm" \
+      grpo.max_num_steps="$steps" policy.generation.ignore_eos=true policy.generation.max_new_tokens="$len" \
+      policy.max_total_sequence_length=$((len + 32)) policy.generation.vllm_cfg.max_model_len=$((len + 32)) \
+      policy.generation.vllm_kwargs.kv_cache_memory_bytes=$kv logger.tensorboard_enabled=false \
+      policy.megatron_cfg.optimizer.optimizer_offload_fraction="${FRACTION:-0.75}" logger.log_dir="$dir" \
+      > "$dir/run.log" 2>&1 &
+    pid=$!
+    while kill -0 $pid 2>/dev/null; do  # host and GPU memory every 5 s (the run's own metrics hold the per-phase peaks)
+      echo "$(date +%T) $(free -m | awk '/Mem:/ {print "host_used_mib", $3}') $(nvidia-smi --query-gpu=memory.used \
+        --format=csv,noheader,nounits | head -1) gpu_used_mib" >> "$dir/memory_trace.txt"; sleep 5
+    done
+    wait $pid; echo "== run $arm len $len: rc $?"
+    grep -E "^step|rollout engine|Error|error:|Killed|CUDA out" "$dir/run.log" | tail -12
+    (cd "$dir/.." && tar czf "$out/grpo8b_len${len}_$arm.tgz" --exclude='model_init_engine*' "$(basename "$dir")")
+    if [ "${PACK_DG:-0}" = 1 ] && [ -d /tmp/dg_cache ]; then
+      tar czf "$out/dg_cache.tgz" -C /tmp dg_cache; ls -l "$out/dg_cache.tgz"
+    fi ;;
+  *) echo "usage: $0 stage0|stage1|check|grpo OUT_DIR" >&2; exit 2 ;;
+esac

@@ -1,0 +1,77 @@
+"""Peak GPU and host memory of each GRPO phase (rollout, logprobs, update, refit), as `jetrl plan` estimates them.
+
+Why not `torch.cuda.max_memory_allocated` alone: the colocated vLLM engine's weights and KV cache live in its own
+sleep-mode pool, and the CUDA context, cuBLAS workspaces and NCCL buffers are outside any allocator. The device's own
+count (total - free, `torch.cuda.mem_get_info`) sees all of it but only at the instants it is read, while the torch
+caching allocator's peak (`max_memory_reserved`) sees the trainer's transient peaks between them. A phase's peak is
+taken as the larger of the device count at its start and end and (device - torch reserved at the start) + torch's
+reserved peak during the phase: exact when memory outside torch's allocator does not change inside the phase.
+Host memory: this process's resident set now and its high-water mark (Linux /proc; NaN elsewhere).
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+GIB = float(1 << 30)
+
+
+def host_rss_gib() -> float:
+    """This process's resident set size now, GiB (NaN where /proc is absent)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return math.nan
+    return pages * resource.getpagesize() / GIB
+
+
+def host_peak_gib() -> float:
+    """This process's resident-set high-water mark, GiB (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (GIB if sys.platform == "darwin" else GIB / 1024)
+
+
+class PhaseMemory:
+    """Records, per named phase, the peak GPU memory of the whole device and the host memory at its end.
+
+    Usage: ``meter.begin()`` before a phase, ``meter.end("rollout")`` after it; ``meter.metrics()`` gives
+    ``memory/gpu_peak_gib_<phase>``, ``memory/host_rss_gib`` and ``memory/host_peak_gib``. On a CPU-only machine
+    the GPU entries are absent (there is no device to read)."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.cuda = torch.cuda.is_available() and (device is None or device.type == "cuda")
+        self.device = device if device is not None else (torch.device("cuda") if self.cuda else torch.device("cpu"))
+        self._outside_torch = 0
+        self._used_at_begin = 0
+        self.peaks: dict[str, float] = {}
+
+    def _device_used(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def begin(self) -> None:
+        if not self.cuda:
+            return
+        torch.cuda.synchronize(self.device)
+        self._used_at_begin = self._device_used()
+        self._outside_torch = self._used_at_begin - torch.cuda.memory_reserved(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def end(self, phase: str) -> None:
+        if not self.cuda:
+            return
+        torch.cuda.synchronize(self.device)
+        peak = max(self._used_at_begin, self._device_used(),
+                   self._outside_torch + torch.cuda.max_memory_reserved(self.device))
+        self.peaks[phase] = max(self.peaks.get(phase, 0.0), peak / GIB)
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"memory/gpu_peak_gib_{phase}": value for phase, value in self.peaks.items()}
+        out["memory/host_rss_gib"] = host_rss_gib()
+        out["memory/host_peak_gib"] = host_peak_gib()
+        return out

@@ -1,0 +1,51 @@
+"""Per-phase memory meter (rl/phase_memory.py): host readings follow a real allocation; on CUDA a transient
+allocation freed before the phase ends still shows in that phase's peak, and not in the next phase's."""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import pytest
+import torch
+
+from jetrl_megatron.rl.phase_memory import PhaseMemory, host_peak_gib, host_rss_gib
+
+
+def test_host_memory_follows_an_allocation():
+    before = host_rss_gib()
+    if math.isnan(before):
+        pytest.skip("no /proc/self/statm on this platform")
+    block = torch.ones(96 << 20, dtype=torch.float32)  # 384 MiB, every page written
+    grown = host_rss_gib() - before
+    assert 0.3 < grown < 0.6, grown
+    assert host_peak_gib() >= host_rss_gib() - 1e-3
+    del block
+    gc.collect()
+
+
+def test_cpu_meter_reports_host_only():
+    meter = PhaseMemory(torch.device("cpu"))
+    meter.begin()
+    meter.end("rollout")
+    m = meter.metrics()
+    assert not any(k.startswith("memory/gpu_peak") for k in m)
+    assert m["memory/host_rss_gib"] > 0 and m["memory/host_peak_gib"] >= m["memory/host_rss_gib"] - 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_phase_peak_sees_a_freed_transient():
+    meter = PhaseMemory(torch.device("cuda"))
+    free, total = torch.cuda.mem_get_info()
+    meter.begin()
+    used0 = (total - free) / 2**30
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")  # 2 GiB
+    x.fill_(1)
+    del x
+    torch.cuda.empty_cache()
+    meter.end("update")
+    meter.begin()
+    meter.end("refit")
+    m = meter.metrics()
+    assert m["memory/gpu_peak_gib_update"] >= used0 + 1.99, (m, used0)
+    assert m["memory/gpu_peak_gib_refit"] < m["memory/gpu_peak_gib_update"] - 1.9, m
