@@ -37,6 +37,7 @@ case $mode in
     wheels > "$out/wheels.log" 2>&1 || { tail -20 "$out/wheels.log"; exit 1; }
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; free -g; df -h /tmp "$PWD";
       python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } | tee "$out/machine.txt"
+    [ "${TESTS:-1}" = 0 ] && exit 0
     timeout "${RUN_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_kernels_gpu.py \
       tests/test_backends_gpu.py tests/test_triton_numerics.py tests/test_phase_memory.py > "$out/tests_novllm.log" 2>&1
     echo "tests rc $?"; grep -E "passed|failed|FAILED|SKIPPED|Error" "$out/tests_novllm.log" | tail -15 ;;

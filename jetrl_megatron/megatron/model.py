@@ -325,7 +325,6 @@ def _as_chunks(model) -> list[torch.nn.Module]:
     return chunks
 
 
-@torch.no_grad()
 def _logprob_step(gpt: GPTModel, vocab_parallel: bool, loss_for: Callable, sampling: LogitsSampling | None = None,
                   unfiltered: bool = False) -> Callable:
     """Megatron ``forward_step_func``: the micro-batch's token logprobs on the last stage, with ``loss_for(mb)``.
@@ -371,10 +370,14 @@ def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None 
     step = _logprob_step(gpt, vocab_parallel, lambda mb: lambda o: (o.sum() * 0.0, {"logprobs": o.detach()}),
                          sampling)
 
+    # Megatron's forward_only schedule leaves autograd on: without no_grad every micro-batch would keep its whole
+    # activation graph (eval mode: no recompute) until its logprobs are detached -- at Qwen3-8B with 8 x 1056-token
+    # micro-batches, ~60 GiB that the second GRPO step's logprob pass ran out of.
     try:
-        store = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(mbatches), model=chunks, num_microbatches=len(mbatches),
-            seq_length=s, micro_batch_size=mbs, forward_only=True)
+        with torch.no_grad():
+            store = get_forward_backward_func()(
+                forward_step_func=step, data_iterator=iter(mbatches), model=chunks, num_microbatches=len(mbatches),
+                seq_length=s, micro_batch_size=mbs, forward_only=True)
     finally:
         for c, t in zip(chunks, was_training, strict=True):
             c.train(t)

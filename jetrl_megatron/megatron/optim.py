@@ -127,6 +127,39 @@ def _fp32_grad_norm():
         clip_grads.l2_norm_impl = local_multi_tensor_l2_norm
 
 
+def unscale_and_check(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+                      native: Any = None) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_`` for BF16 gradients too: sets ``found_inf`` to 1 when
+    any gradient holds a NaN/Inf and multiplies every gradient by ``inv_scale`` in place.
+
+    Why: under CPU offload Megatron's hybrid optimizer checks the BF16 gradients of the grad buffer itself
+    (its precision-aware path), and the CUDA kernel of that torch op has no BF16 variant (the CPU one has). FP32 /
+    FP16 lists still go to the native op (``native``, the original torch function)."""
+    native = native or _NATIVE_UNSCALE
+    bf16 = [g for g in grads if g.dtype == torch.bfloat16]
+    rest = [g for g in grads if g.dtype != torch.bfloat16]
+    if rest:
+        native(rest, found_inf, inv_scale)
+    if bf16:
+        bad = torch.stack([(~torch.isfinite(g)).any() for g in bf16]).any()
+        found_inf.copy_(torch.maximum(found_inf, bad.to(found_inf.dtype)))
+        for g in bf16:
+            g.mul_(inv_scale)  # in FP32, rounded to BF16 once: the native op's arithmetic
+
+
+_NATIVE_UNSCALE = torch._amp_foreach_non_finite_check_and_unscale_
+
+
+@contextlib.contextmanager
+def _bf16_unscale():
+    """Routes Megatron's found-inf check through :func:`unscale_and_check` while the hybrid optimizer steps."""
+    torch._amp_foreach_non_finite_check_and_unscale_ = unscale_and_check
+    try:
+        yield
+    finally:
+        torch._amp_foreach_non_finite_check_and_unscale_ = _NATIVE_UNSCALE
+
+
 class Fp8RefreshingOptimizer:
     """Wraps a Megatron optimizer; ``step()`` has Megatron's return value ``(ok, grad_norm, num_zeros)``."""
 
@@ -152,6 +185,7 @@ class Fp8RefreshingOptimizer:
         stack = contextlib.ExitStack()
         stack.enter_context(host_offload_scope())
         stack.enter_context(_fp32_grad_norm())
+        stack.enter_context(_bf16_unscale())
         return stack
 
     def step(self) -> tuple[bool, Any, Any]:
