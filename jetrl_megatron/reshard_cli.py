@@ -1,4 +1,6 @@
-"""Command entry points behind `jetrl reshard-check` and `jetrl export` (argparse; return an exit code)."""
+"""The resharder's commands, `jetrl reshard-check` and `jetrl export`: each takes the namespace the one `jetrl` parser
+(`cli_args.parser`) made and returns an exit code; ``reshard_check_main`` / ``export_main`` take an argument list
+(the command's flags) and parse it with that same parser."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from jetrl_megatron.cli_args import FP8_RECIPE_FLAGS, parser
 from jetrl_megatron.errors import one_line
 from jetrl_megatron.model.shapes import ModelShape, get_model_shape
 from jetrl_megatron.recipe import Fp8Recipe
@@ -23,21 +26,9 @@ from jetrl_megatron.rl.checkpoint import is_run_checkpoint, load_run_checkpoint
 _MEGATRON_FILE = re.compile(r"tp(\d+)_pp(\d+)(?:_vp(\d+))?\.pt$")
 
 
-_RECIPE_FLAGS = ("mode", "bf16_first_layers", "bf16_last_layers", "scale_fmt")
-
-
-def _recipe_args(p: argparse.ArgumentParser) -> None:
-    # default None: "not given", so a run checkpoint's own jet_rl section can fill what the command line leaves out
-    p.add_argument("--mode", default=None,
-                   help="recipe mode (bf16 | bf16_train_fp8_rollout | jetrl | fake_quant; default jetrl, or the run's)")
-    p.add_argument("--bf16-first-layers", type=int, default=None)
-    p.add_argument("--bf16-last-layers", type=int, default=None)
-    p.add_argument("--scale-fmt", default=None, choices=("fp32", "pow2"))
-
-
 def _recipe_changes(ns: argparse.Namespace) -> dict:
     """The recipe flags given on the command line."""
-    return {k: getattr(ns, k) for k in _RECIPE_FLAGS if getattr(ns, k) is not None}
+    return {k: getattr(ns, k) for k in FP8_RECIPE_FLAGS if getattr(ns, k) is not None}
 
 
 def _recipe(ns: argparse.Namespace) -> Fp8Recipe:
@@ -45,17 +36,17 @@ def _recipe(ns: argparse.Namespace) -> Fp8Recipe:
 
 
 def reshard_check_main(argv: list[str]) -> int:
-    """Print the Megatron TP x PP -> vLLM TP' plan (exit 0) or every violation (exit 2)."""
-    p = argparse.ArgumentParser(prog="jetrl reshard-check",
-                                description="Check that FP8 weights reshard block-exactly and print the plan.")
-    p.add_argument("--model", required=True, help="preset name or path to an HF config.json / model directory")
-    p.add_argument("--train-tp", type=int, required=True)
-    p.add_argument("--train-pp", type=int, default=1)
-    p.add_argument("--train-vpp", type=int, default=None, help="virtual pipeline stages per PP rank")
-    p.add_argument("--rollout-tp", type=int, required=True)
-    p.add_argument("--json", action="store_true", help="print the plan's numbers as JSON")
-    _recipe_args(p)
-    ns = p.parse_args(argv)
+    """`jetrl reshard-check` with these flags."""
+    return reshard_check(parser().parse_args(["reshard-check", *argv]))
+
+
+def export_main(argv: list[str]) -> int:
+    """`jetrl export` with these flags."""
+    return export(parser().parse_args(["export", *argv]))
+
+
+def reshard_check(ns: argparse.Namespace) -> int:
+    """Print the Megatron TP x PP -> vLLM TP' plan (exit 0), every violation (exit 1), or a bad argument (exit 2)."""
     try:
         shape = get_model_shape(ns.model)
         recipe = _recipe(ns)
@@ -124,25 +115,8 @@ def _iter_hf_quantized(path: Path, shape: ModelShape, recipe: Fp8Recipe) -> Iter
                     yield name, t.to(torch.bfloat16) if t.is_floating_point() else t
 
 
-def export_main(argv: list[str]) -> int:
+def export(ns: argparse.Namespace) -> int:
     """Write an HF block-FP8 checkpoint (safetensors + config.json with quantization_config) atomically."""
-    p = argparse.ArgumentParser(prog="jetrl export", description="Export an HF block-FP8 checkpoint for vLLM.")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--from-megatron", type=Path,
-                     help="a `jetrl run` checkpoint (<checkpointing.checkpoint_dir>/step_N, any TP x PP; model and "
-                          "recipe from its meta.json), or a directory of tp<T>_pp<P>[_vp<V>].pt Megatron state dicts "
-                          "(FP8 weights + scales)")
-    src.add_argument("--from-hf", type=Path, help="BF16 HF checkpoint directory: quantize its projections 128x128")
-    p.add_argument("--model", default=None, help="preset or config.json (default: the source's config.json; a run "
-                                                 "checkpoint's meta.json)")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--rollout-tp", type=int, default=None, help="also refuse if vLLM at this TP cannot load it")
-    p.add_argument("--quant-method", default="fp8", help="quantization_config.quant_method (fp8 | jetrl_fp8)")
-    p.add_argument("--tokenizer-dir", type=Path, default=None, help="copy tokenizer files from here")
-    p.add_argument("--max-shard-gb", type=float, default=4.0)
-    _recipe_args(p)
-    ns = p.parse_args(argv)
     try:
         source = ns.from_megatron or ns.from_hf
         run_ckpt = ns.from_megatron is not None and is_run_checkpoint(ns.from_megatron)

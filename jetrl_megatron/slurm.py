@@ -1,4 +1,5 @@
-"""SLURM support shared by `jetrl sbatch` (on the login node) and slurm/jetrl.sbatch (on the job's first node).
+"""SLURM support shared by `jetrl sbatch` (on the login node: the sbatch line, the submission) and slurm/jetrl.sbatch
+(on the job's first node).
 
 Why one module for both sides: the ranks a node runs and whether the virtual environment can serve the job are checked
 twice -- before submitting (cheap: package metadata, SLURM's own view of the job) and in the job before ``srun``
@@ -13,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import subprocess
 import sys
 from importlib import metadata
 
 from jetrl_megatron.errors import UserError, one_line
-from jetrl_megatron.rl.config import RunConfig, load_config
+from jetrl_megatron.rl.config import REPO_ROOT, RunConfig, load_config
 
 # Pending reasons of a job that can never start on this cluster as it is configured (SLURM keeps such a job pending
 # forever unless the site sets EnforcePartLimits): too many nodes or too long for the partition, unknown features.
@@ -108,6 +110,39 @@ def never_starts(job_id: str) -> str | None:
     return (f"job {job_id} could never start (Reason={reason}): it asks for {nodes} node(s) and time {limit}, "
             f"partition {partition} has {have or 'other limits'}; ask for fewer nodes (--nodes) or use another "
             "partition (SBATCH_PARTITION=...)")
+
+
+def sbatch_command(recipe: str, nodes: int, overrides: list[str], gres: str, parsable: bool = False) -> list[str]:
+    """The sbatch line for slurm/jetrl.sbatch; ``gres`` is ``gpu:N`` or ``none`` (a CPU recipe: see ``gres``)."""
+    env = [f"RECIPE={recipe}"]
+    if overrides:
+        env.append(f"OVERRIDES={' '.join(overrides)}")
+    script = str(REPO_ROOT / "slurm" / "jetrl.sbatch")
+    return ["env", *env, "sbatch", *(["--parsable"] if parsable else []), f"--nodes={nodes}", f"--gres={gres}",
+            f"--chdir={REPO_ROOT}", script]
+
+
+def submit(recipe: str, nodes: int, overrides: list[str], cfg: RunConfig) -> int:
+    """Submit the job (``cfg``: ``recipe`` with ``overrides``) and print its id and where its logs go; a job SLURM
+    can never start is cancelled at once (see ``never_starts``). Returns the exit code of `jetrl sbatch --submit`."""
+    if shutil.which("sbatch") is None:
+        print("jetrl sbatch --submit: `sbatch` is not on PATH (not a SLURM login node)", file=sys.stderr)
+        return 2
+    (REPO_ROOT / "logs").mkdir(exist_ok=True)
+    r = subprocess.run(sbatch_command(recipe, nodes, overrides, gres(cfg), parsable=True),
+                       stdout=subprocess.PIPE, text=True)
+    if r.returncode:
+        return r.returncode
+    job_id = r.stdout.strip().split(";")[0]
+    why = never_starts(job_id)
+    if why:
+        subprocess.run(["scancel", job_id])
+        print(f"jetrl sbatch: {why}; cancelled it", file=sys.stderr)
+        return 2
+    print(f"Submitted batch job {job_id}")
+    print(f"jetrl sbatch: {ranks_per_node(cfg)} rank(s) per node on {nodes} node(s); batch log "
+          f"{REPO_ROOT / 'logs' / f'jetrl-{job_id}.out'}, run logs {REPO_ROOT / 'logs' / f'jetrl-{job_id}'}/")
+    return 0
 
 
 def preflight(argv: list[str] | None = None) -> int:

@@ -161,3 +161,48 @@ def test_mismatch_metrics_random_vs_loop():
 def test_position_bins():
     assert position_bins(16, 4) == [(0, 4), (4, 8), (8, 12), (12, 16)]
     assert position_bins(3, 4) == [(0, 1), (1, 2), (2, 3)]
+
+
+@pytest.mark.parametrize("kl_clamps", [(0.5, 10.0), (20.0, 0.1)])  # (input, output): each one active in turn
+def test_policy_loss_passes_the_run_settings_and_normalizes_the_global_batch(kl_clamps):
+    """``PolicyLoss`` from a loaded config: the same loss and logged parts as ``clipped_pg_loss`` called with the
+    overridden values by hand (asymmetric clips, so a swap shows), -inf logprobs of filtered tokens as 0, and the
+    normalizer counted by hand (tokens; sequences without the truncated ones)."""
+    from jetrl_megatron.rl.config import load_config
+    from jetrl_megatron.rl.grpo import PolicyLoss
+
+    kl_in, kl_out = kl_clamps
+    cfg = load_config("tiny_cpu", [
+        "loss_fn.ratio_clip_min=0.1", "loss_fn.ratio_clip_max=0.3", "loss_fn.ratio_clip_c=3.0",
+        "loss_fn.reference_policy_kl_penalty=0.05", "loss_fn.reference_policy_kl_type=k2",
+        f"loss_fn.kl_input_clamp_value={kl_in}", f"loss_fn.kl_output_clamp_value={kl_out}",
+        "loss_fn.token_level_loss=false", "grpo.overlong_filtering=true"])
+    loss = PolicyLoss.from_config(cfg.loss_fn, overlong_filtering=cfg.grpo.overlong_filtering, filtered_sampling=True)
+    g = torch.Generator().manual_seed(3)
+    b, t = 6, 7
+    mask = (torch.rand(b, t, generator=g) > 0.25).float()
+    mb = {"mask": mask, "adv": torch.randn(b, generator=g), "logp_old": -torch.rand(b, t, generator=g) * 2,
+          "logp_ref": -torch.rand(b, t, generator=g) * 2, "is_w": torch.rand(b, t, generator=g) + 0.5}
+    lp = (mb["logp_old"] + torch.randn(b, t, generator=g) * 0.4).requires_grad_(True)
+    filtered = torch.zeros(b, t, dtype=torch.bool)
+    filtered[0, 1] = filtered[3, 4] = True
+    mask[0, 1] = mask[3, 4] = 1.0
+    lp_in = torch.where(filtered, torch.full_like(lp, -math.inf), lp)
+    got, parts = loss(lp_in, mb, 4.0)
+    ref = clipped_pg_loss(torch.where(filtered, torch.zeros_like(lp), lp), mb["logp_old"], mb["adv"], mask,
+                          clip_low=0.1, clip_high=0.3, clip_c=3.0, is_weights=mb["is_w"], logp_ref=mb["logp_ref"],
+                          kl_coef=0.05, kl_type="k2", kl_input_clamp=kl_in, kl_output_clamp=kl_out,
+                          token_level=False, normalizer=4.0)
+    assert torch.equal(got, ref.loss) and got.item() != 0
+    for name, want in (("pg_loss", ref.pg_loss), ("kl_ref", ref.kl), ("clip_frac", ref.clip_frac),
+                       ("ratio_mean", ref.ratio_mean)):
+        assert torch.equal(parts[name], want), name
+    (g1,) = torch.autograd.grad(got, lp)
+    assert torch.all(g1[filtered] == 0) and g1.abs().sum() > 0
+    assert loss.for_batch(4.0)(lp_in, mb)[0].item() == got.item()
+    truncated = torch.tensor([True, False, False, True, False, False])
+    assert loss.normalizer(mask, truncated, 6, 2, 2) == 4 / 4  # 4 untruncated sequences / (2 micro x 2 DP)
+    token = PolicyLoss.from_config(load_config("tiny_cpu", []).loss_fn, overlong_filtering=False,
+                                   filtered_sampling=False)
+    assert token.normalizer(mask, truncated, 6, 3, 1) == float(mask.sum()) / 3
+    assert loss.uses_unfiltered_kl(True) and not loss.uses_unfiltered_kl(False) and not token.uses_unfiltered_kl(True)

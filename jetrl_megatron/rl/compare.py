@@ -5,8 +5,8 @@ the same seeds in every arm (the loop seeds data order and sampling from ``grpo.
 from ``data.train.seed``, one set for every run), and
 several seeds per arm, reported as mean with spread, so a difference between arms can be told from seed noise.
 
-Everything here is pure (files in, numbers / text / a PNG out): no Megatron or vLLM import. The command itself,
-which runs one subprocess per run, is ``cmd_compare`` in ``jetrl_megatron/cli.py``.
+Everything here is pure (files in, numbers / text / a PNG out): no Megatron or vLLM import. Running the runs, one
+subprocess each, is ``rl/compare_runner.py`` (behind ``jetrl compare``).
 """
 
 from __future__ import annotations

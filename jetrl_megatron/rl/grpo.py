@@ -12,8 +12,11 @@ the rollout engine's log-prob (``generation_logprobs``), ``logp_ref`` = the refe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from jetrl_megatron.sampling import mask_filtered_out
 
 
 def _spread(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -271,6 +274,71 @@ def clipped_pg_loss(
             ratio_mean=((ratio * m).sum() / n).detach(),
             num_tokens=m.sum().detach(),
         )
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """GRPO's training objective of one run (``loss_fn``), as the micro-batch loss Megatron's schedule calls.
+
+    Why an object: the settings of ``clipped_pg_loss`` and the normalization of a global batch are fixed for the
+    whole run, so the trainer's update loop only slices tensors and hands this over (``for_batch``).
+    """
+
+    clip_low: float
+    clip_high: float
+    clip_c: float | None
+    kl_coef: float
+    kl_type: str
+    kl_input_clamp: float | None
+    kl_output_clamp: float | None
+    token_level: bool
+    force_on_policy_ratio: bool  # ratio = pi / stop_grad(pi) = 1, with pi's gradient (NeMo-RL)
+    on_policy_kl: bool  # the KL term weighted by exp(logp - logp_gen) (``use_on_policy_kl_approximation``)
+    overlong_filtering: bool  # sequence-level: truncated answers do not count in the normalizer
+    filtered_sampling: bool  # the rollout samples under top-k / top-p: -inf logprobs of filtered tokens become 0
+
+    @classmethod
+    def from_config(cls, loss_fn: Any, *, overlong_filtering: bool, filtered_sampling: bool) -> PolicyLoss:
+        """From the ``loss_fn`` section, ``grpo.overlong_filtering`` and whether the rollout's sampling filters."""
+        return cls(clip_low=loss_fn.ratio_clip_min, clip_high=loss_fn.ratio_clip_max, clip_c=loss_fn.ratio_clip_c,
+                   kl_coef=loss_fn.reference_policy_kl_penalty, kl_type=loss_fn.reference_policy_kl_type,
+                   kl_input_clamp=loss_fn.kl_input_clamp_value, kl_output_clamp=loss_fn.kl_output_clamp_value,
+                   token_level=loss_fn.token_level_loss, force_on_policy_ratio=loss_fn.force_on_policy_ratio,
+                   on_policy_kl=loss_fn.use_on_policy_kl_approximation, overlong_filtering=overlong_filtering,
+                   filtered_sampling=filtered_sampling)
+
+    def uses_unfiltered_kl(self, has_reference: bool) -> bool:
+        """NeMo-RL: under top-k / top-p the KL term uses the current policy's temperature-only logprobs, like the
+        reference's (``kl_logp``)."""
+        return self.filtered_sampling and has_reference and bool(self.kl_coef)
+
+    def normalizer(self, keep: torch.Tensor, truncated: torch.Tensor, global_batch_size: int,
+                   num_micro_batches: int, dp: int) -> float:
+        """The divisor of one global batch's loss sum (``keep``, ``truncated``: that batch's rows), so the optimised
+        objective is the sum over its response tokens (sequences) / their global count. Megatron's schedule divides
+        each micro-batch loss by the number of micro-batches and DDP averages over DP: the divisor undoes both."""
+        tokens = float(keep.sum().clamp_min(1.0))
+        seqs = float((~truncated).sum().clamp_min(1)) if self.overlong_filtering else float(global_batch_size)
+        return (tokens if self.token_level else seqs) / (num_micro_batches * dp)
+
+    def for_batch(self, normalizer: float):
+        """``loss_fn(logp, micro_batch) -> (loss, metrics)`` for Megatron's schedule, dividing by ``normalizer``."""
+        return lambda lp, mb: self(lp, mb, normalizer)
+
+    def __call__(self, lp: torch.Tensor, mb: dict[str, torch.Tensor],
+                 normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one micro-batch ``mb`` (``mask``, ``adv``, ``logp_old`` and, when used, ``is_w``,
+        ``logp_ref``, ``logp_gen``, ``logp_unfiltered``) given the policy's logprobs ``lp``, and its logged parts."""
+        if self.filtered_sampling:  # a sampled token outside the trainer's filter: -inf -> 0, as NeMo-RL
+            lp, _ = mask_filtered_out(lp, mb["mask"])
+        old = lp.detach() if self.force_on_policy_ratio else mb["logp_old"]
+        out = clipped_pg_loss(
+            lp, old, mb["adv"], mb["mask"], clip_low=self.clip_low, clip_high=self.clip_high, clip_c=self.clip_c,
+            is_weights=mb.get("is_w"), logp_ref=mb.get("logp_ref"), kl_coef=self.kl_coef, kl_type=self.kl_type,
+            kl_input_clamp=self.kl_input_clamp, kl_output_clamp=self.kl_output_clamp, token_level=self.token_level,
+            normalizer=normalizer, kl_logp_gen=mb.get("logp_gen"), kl_logp=mb.get("logp_unfiltered"))
+        return out.loss, {"pg_loss": out.pg_loss, "kl_ref": out.kl, "clip_frac": out.clip_frac,
+                          "ratio_mean": out.ratio_mean}
 
 
 def sft_loss(logp: torch.Tensor, mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:

@@ -23,12 +23,23 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jetrl_megatron.megatron.grad_buffers import release_grad_buffers, restore_grad_buffers
 from jetrl_megatron.rl import health
-from jetrl_megatron.rl.batch import advantages, batch_metrics, importance, loss_mask, make_batch, mismatch
+from jetrl_megatron.rl.batch import (
+    RolloutBatch,
+    advantages,
+    batch_metrics,
+    importance,
+    loss_mask,
+    make_batch,
+    mismatch,
+)
 from jetrl_megatron.rl.checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint
 from jetrl_megatron.rl.config import RunConfig, to_yaml
 from jetrl_megatron.rl.dist import dist_rank, dist_world, init_distributed, is_main, say, seed_everything, warn
@@ -146,71 +157,118 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
 def grpo_step(cfg: RunConfig, trainer: Trainer, ro: Rollout, step: int, logger: RunLogger) -> dict[str, float]:
     """One GRPO step: rollout -> advantages -> trainer logprobs -> mismatch -> policy update -> refit."""
-    from jetrl_megatron.megatron.grad_buffers import release_grad_buffers, restore_grad_buffers
-
-    t_step = time.perf_counter()
-    mem = PhaseMemory()
-    # 1. rollout (vLLM frees its KV cache while the trainer runs, when colocated on CUDA)
+    meter = StepMeter()
     prompts = ro.stream.take(cfg.grpo.num_prompts_per_step)
-    mem.begin()
-    samples, t_rollout = rollout(cfg, ro.engine, ro.task, prompts, step)
-    mem.end("rollout")
+    with meter.memory_phase("rollout"):  # 1. rollout
+        samples, meter.seconds["rollout"] = rollout(cfg, ro.engine, ro.task, prompts, step)
     batch = make_batch(cfg, ro.task, prompts, samples)
-    asleep = cfg.policy.generation.colocated.enabled and ro.engine.sleep(level=1)
-    # 2. rewards -> advantages
-    adv = advantages(cfg, batch.rewards)
-    # 3. trainer logprobs of the sampled tokens (old policy, reference policy)
-    mem.begin()
-    t0 = time.perf_counter()
-    logp_old, filtered_out = policy_logprobs(cfg, trainer.model, batch)
-    t_logprob = time.perf_counter() - t0
-    logp_ref = reference_logprobs(cfg, trainer.ref_model, batch) if trainer.ref_model is not None else None
-    t_ref_logprob = time.perf_counter() - t0 - t_logprob
-    mem.end("logprob")
-    # 4. mismatch on response tokens (trainer vs rollout), overall and by response position
-    metrics = mismatch(cfg, batch, logp_old, ro.bins)
-    metrics["mismatch/filtered_out_tokens"] = float(filtered_out)
-    # 5. rollout correction (optional) and the policy update (the optimizer re-quantizes the FP8 cache once)
-    is_w, kept = importance(cfg, batch, logp_old)
-    mem.begin()
-    t0 = time.perf_counter()
-    if ro.release_grads:
-        restore_grad_buffers(trainer.model)  # zeroed
-    metrics.update(policy_update(cfg, trainer, batch, adv, logp_old, logp_ref, is_w, loss_mask(cfg, batch), step,
-                                 logger))
-    if ro.release_grads:
-        release_grad_buffers(trainer.model)  # before vLLM wakes up
-    t_update = time.perf_counter() - t0
-    mem.end("update")
-    # 6. refit: reshard the trainer's tensors and copy them into vLLM's live parameters in place
-    mem.begin()
-    t0 = time.perf_counter()
-    if asleep:
-        ro.engine.wake_up()
-    t_wake = time.perf_counter() - t0
-    shards = ro.source.shards()
-    report = ro.engine.refit_from_shards(shards, rank=ro.vllm_rank, exchange=ro.source.exchange)
-    t_refit = time.perf_counter() - t0
-    mem.end("refit")
+    with TrainPhase(cfg, trainer, ro) as phase:
+        adv = advantages(cfg, batch.rewards)  # 2. rewards -> advantages
+        with meter.memory_phase("logprob"):  # 3. trainer logprobs of the sampled tokens (old, reference policy)
+            with meter.time("policy_logprob"):
+                logp_old, filtered_out = policy_logprobs(cfg, trainer.model, batch)
+            with meter.time("reference_logprob"):
+                logp_ref = reference_logprobs(cfg, trainer.ref_model, batch) if trainer.ref_model is not None else None
+        # 4. mismatch on response tokens (trainer vs rollout), overall and by response position
+        metrics = {**mismatch(cfg, batch, logp_old, ro.bins), "mismatch/filtered_out_tokens": float(filtered_out)}
+        # 5. rollout correction (optional) and the policy update (the optimizer re-quantizes the FP8 cache once)
+        is_w, kept = importance(cfg, batch, logp_old)
+        with meter.phase("update"), phase.grad_buffers_held():
+            metrics.update(policy_update(cfg, trainer, batch, adv, logp_old, logp_ref, is_w, loss_mask(cfg, batch),
+                                         step, logger))
+        with meter.phase("refit"):  # 6. refit: the trainer's tensors resharded into vLLM's live parameters
+            with meter.time("wake_up"):
+                phase.wake_up()
+            shards = ro.source.shards()
+            report = ro.engine.refit_from_shards(shards, rank=ro.vllm_rank, exchange=ro.source.exchange)
     served_equal = verify_served_fp8(cfg, trainer, ro.engine, shards.states)
-    n_resp = float(batch.mask.sum())
     metrics.update(batch_metrics(batch, kept))
-    metrics.update({
-        "time/rollout": t_rollout, "time/logprob": t_logprob + t_ref_logprob, "time/policy_logprob": t_logprob,
-        "time/reference_logprob": t_ref_logprob, "time/update": t_update, "time/refit": t_refit,
-        "time/wake_up": t_wake,
-        "time/step": time.perf_counter() - t_step,
-        "throughput/rollout_tokens_per_s": n_resp / max(t_rollout, 1e-9),
-        "throughput/train_tokens_per_s": float(batch.tokens.numel()) / max(t_update + t_logprob, 1e-9),
-        "refit/bytes": float(report.num_bytes), "refit/verified": float(report.verified),
-        "refit/rebuilt": float(report.rebuilt), "refit/reloaded_tensors": float(report.reloaded),
-        "time/refit_gather": ro.source.gather_seconds, "time/refit_copy": report.reload_seconds,
-        "refit/received_bytes": float(ro.source.received_bytes),
-    })
+    metrics.update(step_telemetry(batch, meter, report, ro.source))
     if not math.isnan(served_equal):
         metrics["refit/served_fp8_equal"] = served_equal
-    metrics.update(mem.metrics())
-    return metrics
+    return {**metrics, **meter.memory.metrics()}
+
+
+class StepMeter:
+    """One step's wall-clock seconds per named part (a part timed twice adds up), of the whole step, and its peak
+    memory per phase (``PhaseMemory``: rollout, logprob, update, refit)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+        self.memory = PhaseMemory()
+
+    @contextmanager
+    def time(self, part: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - t0
+
+    @contextmanager
+    def memory_phase(self, phase: str) -> Iterator[None]:
+        self.memory.begin()
+        yield
+        self.memory.end(phase)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Timed and metered under one name (the timer inside the memory phase, as its readings cost time)."""
+        with self.memory_phase(name), self.time(name):
+            yield
+
+    def total(self) -> float:
+        return time.perf_counter() - self.start
+
+
+class TrainPhase:
+    """The trainer's part of a step, from the end of the rollout to the refit. Colocated, vLLM sleeps through it (on
+    CUDA its KV cache is freed) until ``wake_up`` (the refit needs it awake; on leaving, it is awake); the DDP grad
+    buffers, when released between updates (``Rollout.release_grads``), are held only inside ``grad_buffers_held``
+    (the update), not during the logprob pass or the refit."""
+
+    def __init__(self, cfg: RunConfig, trainer: Trainer, ro: Rollout) -> None:
+        self.cfg, self.trainer, self.ro = cfg, trainer, ro
+        self.asleep = False
+
+    def __enter__(self) -> TrainPhase:
+        self.asleep = self.cfg.policy.generation.colocated.enabled and self.ro.engine.sleep(level=1)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.wake_up()
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.ro.engine.wake_up()
+            self.asleep = False
+
+    @contextmanager
+    def grad_buffers_held(self) -> Iterator[None]:
+        if self.ro.release_grads:
+            restore_grad_buffers(self.trainer.model)  # zeroed
+        yield
+        if self.ro.release_grads:
+            release_grad_buffers(self.trainer.model)  # before vLLM wakes up
+
+
+def step_telemetry(batch: RolloutBatch, meter: StepMeter, report: Any, source: RefitSource) -> dict[str, float]:
+    """The step's time/*, throughput/* and refit/* metrics: the parts' seconds, tokens per second of rollout and
+    training, and what the refit moved (``report``: the engine's refit report)."""
+    t = meter.seconds
+    n_resp = float(batch.mask.sum())
+    return {
+        "time/rollout": t["rollout"], "time/logprob": t["policy_logprob"] + t["reference_logprob"],
+        "time/policy_logprob": t["policy_logprob"], "time/reference_logprob": t["reference_logprob"],
+        "time/update": t["update"], "time/refit": t["refit"], "time/wake_up": t["wake_up"],
+        "time/step": meter.total(),
+        "throughput/rollout_tokens_per_s": n_resp / max(t["rollout"], 1e-9),
+        "throughput/train_tokens_per_s": float(batch.tokens.numel()) / max(t["update"] + t["policy_logprob"], 1e-9),
+        "refit/bytes": float(report.num_bytes), "refit/verified": float(report.verified),
+        "refit/rebuilt": float(report.rebuilt), "refit/reloaded_tensors": float(report.reloaded),
+        "time/refit_gather": source.gather_seconds, "time/refit_copy": report.reload_seconds,
+        "refit/received_bytes": float(source.received_bytes),
+    }
 
 
 def start_rollout(cfg: RunConfig, trainer: Trainer, task, stream: PromptStream, model_dir: Path) -> Rollout:
@@ -218,7 +276,6 @@ def start_rollout(cfg: RunConfig, trainer: Trainer, task, stream: PromptStream, 
     own ``model_dir``), then refit in place with the trainer's own bytes: this rank is vLLM rank (rank % rollout TP)
     of engine (rank // rollout TP). Colocated memory: the DDP grad buffers are held only during policy updates, not
     while the engine starts, nor during the logprob pass, refit or rollout; `jetrl plan` reads the same setting."""
-    from jetrl_megatron.megatron.grad_buffers import release_grad_buffers
     from jetrl_megatron.reshard.exchange import budget_bytes
     from jetrl_megatron.rl.plan import trainer_settings
 

@@ -169,24 +169,27 @@ def reference_logprobs(cfg: RunConfig, model, batch: RolloutBatch) -> torch.Tens
     return trainer_logprobs(cfg, model, batch.tokens, rollout_sampling(cfg).unfiltered(), batch.lengths)
 
 
+def policy_loss(cfg: RunConfig) -> grpo.PolicyLoss:
+    """The run's GRPO loss (``loss_fn``; the rollout's sampling filter and ``grpo.overlong_filtering`` decide what
+    it masks and how it normalizes)."""
+    return grpo.PolicyLoss.from_config(cfg.loss_fn, overlong_filtering=cfg.grpo.overlong_filtering,
+                                       filtered_sampling=rollout_sampling(cfg).filters)
+
+
 def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: torch.Tensor, logp_old: torch.Tensor,
                   logp_ref: torch.Tensor | None, is_w: torch.Tensor | None, keep: torch.Tensor,
                   step: int, logger: RunLogger) -> dict[str, float]:
     """One optimizer step per ``train_global_batch_size`` slice of the rollout batch (micro-batched, DP-sharded)."""
     from jetrl_megatron.megatron.model import train_step
 
-    lf = cfg.loss_fn
     gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
     dp, _, _ = dp_coords()
-    sampling = rollout_sampling(cfg)
-    # NeMo-RL: under top-k / top-p the KL term uses the current policy's temperature-only logprobs, like the
-    # reference's
-    kl_unfiltered = sampling.filters and logp_ref is not None and bool(lf.reference_policy_kl_penalty)
+    sampling, loss = rollout_sampling(cfg), policy_loss(cfg)
+    unfiltered = loss.uses_unfiltered_kl(logp_ref is not None)
     n_micro = gbs // (mbs * dp)
     results = []
     for mb_start in logger.bar(range(0, batch.tokens.shape[0], gbs), "update", total=batch.tokens.shape[0] // gbs):
         sl = slice(mb_start, mb_start + gbs)
-        global_tokens = float(keep[sl].sum().clamp_min(1.0))
         data = {"tokens": batch.tokens[sl], "mask": keep[sl], "adv": adv[sl], "logp_old": logp_old[sl]}
         if logp_ref is not None:
             data["logp_ref"] = logp_ref[sl]
@@ -194,32 +197,13 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
             data["is_w"] = is_w[sl]
         if batch.lengths is not None:
             data["lengths"] = batch.lengths[sl]
-        if lf.use_on_policy_kl_approximation and logp_ref is not None:
+        if loss.on_policy_kl and logp_ref is not None:
             data["logp_gen"] = batch.gen_logprobs[sl]
         data = {k: dp_slice(v) for k, v in data.items()}
-        # Megatron's schedule divides each micro-batch loss by n_micro and DDP averages over DP: undo both so the
-        # optimised objective is the sum over this step's response tokens / their global count (token-level).
-        seqs = float((~batch.truncated[sl]).sum().clamp_min(1)) if cfg.grpo.overlong_filtering else float(gbs)
-        norm = (global_tokens if lf.token_level_loss else seqs) / (n_micro * dp)
-
-        def loss_fn(lp, mb, norm=norm):
-            if sampling.filters:  # a sampled token outside the trainer's filter: -inf -> 0, as NeMo-RL
-                lp, _ = mask_filtered_out(lp, mb["mask"])
-            # force_on_policy_ratio (NeMo-RL): the ratio is pi / stop_grad(pi) = 1, with pi's gradient
-            old = lp.detach() if lf.force_on_policy_ratio else mb["logp_old"]
-            out = grpo.clipped_pg_loss(
-                lp, old, mb["adv"], mb["mask"], clip_low=lf.ratio_clip_min, clip_high=lf.ratio_clip_max,
-                clip_c=lf.ratio_clip_c, is_weights=mb.get("is_w"), logp_ref=mb.get("logp_ref"),
-                kl_coef=lf.reference_policy_kl_penalty, kl_type=lf.reference_policy_kl_type,
-                kl_input_clamp=lf.kl_input_clamp_value, kl_output_clamp=lf.kl_output_clamp_value,
-                token_level=lf.token_level_loss, normalizer=norm, kl_logp_gen=mb.get("logp_gen"),
-                kl_logp=mb.get("logp_unfiltered"))
-            return out.loss, {"pg_loss": out.pg_loss, "kl_ref": out.kl, "clip_frac": out.clip_frac,
-                              "ratio_mean": out.ratio_mean}
-
+        norm = loss.normalizer(keep[sl], batch.truncated[sl], gbs, n_micro, dp)
         set_lr(trainer.optimizer, lr_at(cfg, step))
-        results.append(train_step(trainer.model, trainer.optimizer, data, loss_fn, micro_batch_size=mbs,
-                                  sampling=sampling, unfiltered=kl_unfiltered))
+        results.append(train_step(trainer.model, trainer.optimizer, data, loss.for_batch(norm), micro_batch_size=mbs,
+                                  sampling=sampling, unfiltered=unfiltered))
     m = {
         "train/loss": sum(r.loss for r in results) * 1.0,
         # the micro-batch metrics are not divided by Megatron (only the loss is): their mean is already the token
