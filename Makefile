@@ -42,8 +42,13 @@ TEST_WORKERS ?= 2
 test: setup
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 tests
 
-test-gpu: setup
-	$(VPY) -m pytest -q -m gpu tests
+# The GPU tests (they skip without CUDA, and say so). ENV=system: in the Python environment already on the PATH
+# (python3 with this project's dependencies installed, e.g. an offline GPU node's image plus vLLM), no venv, no
+# install.
+ENV ?= venv
+GPU_PY = $(if $(filter system,$(ENV)),python3,$(VPY))
+test-gpu: $(if $(filter system,$(ENV)),,setup)
+	$(GPU_PY) -m pytest -q -rs -p no:cacheprovider --durations=25 -m gpu tests
 
 lint: setup
 	$(VENV)/bin/ruff check .

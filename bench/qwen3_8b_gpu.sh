@@ -1,10 +1,12 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|check|grpo|probe OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|suite|check|grpo|probe OUT_DIR
 #   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
 #           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
 #   stage1  copy .vc/p1
+#   suite   copy .vc/p2, install the vLLM 0.26 bundle; `make test-gpu ENV=system` (the whole GPU suite, one command, in
+#           this machine's Python: it has no internet for the venv)
 #   check   copy .vc/p2, install the vLLM 0.26 bundle; FP8 FProp M-invariance per backend at the Qwen3-8B shapes
 #           (DeepGEMM included); the backend GPU tests again with DeepGEMM; the Qwen3-8B layer fwd+bwd, bf16
 #           attention vs vLLM's own ops (issue 26's cost), cuBLAS GEMMs in both
@@ -46,6 +48,13 @@ case $mode in
       tests/test_backends_gpu.py tests/test_triton_numerics.py tests/test_phase_memory.py > "$out/tests_novllm.log" 2>&1
     echo "tests rc $?"; grep -E "passed|failed|FAILED|SKIPPED|Error" "$out/tests_novllm.log" | tail -15 ;;
   stage1) cp .vc/p1/* /tmp/vc/ && ls -l /tmp/vc ;;
+  suite)
+    wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
+    python3 -c "import vllm, megatron.core; print('vllm', vllm.__version__, 'megatron-core', megatron.core.__version__)"
+    start=$(date +%s)
+    timeout "${RUN_LIMIT:-540}" make test-gpu ENV=system > "$out/test_gpu.log" 2>&1
+    echo "make test-gpu rc $? in $(( $(date +%s) - start )) s"
+    grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$out/test_gpu.log" | tail -25 ;;
   check)
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     timeout 200 python3 bench/gemm_m_invariance.py --presets qwen3-8b --backends deep_gemm cublas \
@@ -90,5 +99,5 @@ case $mode in
       ${FA_SPLITS:+--fa-max-splits $FA_SPLITS} --out "$out/probe_8b_splits_$tag.json" > "$out/probe_8b_$tag.log" 2>&1
     echo "probe rc $?"; grep -A7 '"trainer_vs_decode"\|"decode_vs_prefill"\|"trainer_vs_prefill"' "$out/probe_8b_$tag.log" \
       | grep -E "vs_|bit_identical|k3" ;;
-  *) echo "usage: $0 stage0|stage1|check|grpo|probe OUT_DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 stage0|stage1|suite|check|grpo|probe OUT_DIR" >&2; exit 2 ;;
 esac

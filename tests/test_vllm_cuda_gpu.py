@@ -64,7 +64,7 @@ def test_prefill_attention_and_its_backward_match_an_fp32_reference(head_dim):
     q, k, v = (torch.randn(t, n, head_dim, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
                for n in (h, kvh, kvh))
     scale = head_dim ** -0.5
-    out = _VllmCudaAttentionFn.apply(q, k, v, cu, max(lens), scale, ops.PrefillAttention())
+    out = _VllmCudaAttentionFn.apply(q, k, v, ops.PagedLayout.build(cu, max(lens)), scale, ops.PrefillAttention())
     dout = torch.randn(out.shape, generator=g, device="cuda", dtype=torch.bfloat16)
     out.backward(dout)
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))

@@ -17,6 +17,7 @@ import torch
 
 from jetrl_megatron.megatron.context import Fp8ModelContext
 from jetrl_megatron.megatron.numerics import (
+    PackedRowsCache,
     RolloutRMSNorm,
     _row_lengths,
     fp32_residual_add,
@@ -155,3 +156,52 @@ def test_triton_backwards_behind_vllm_forwards_match_the_twins_under_the_interpr
         if "AssertionError" in tail or "jetrl_megatron" in tail:
             pytest.fail(tail)
         pytest.skip(f"the Triton interpreter could not run the kernels here:\n{tail}")
+
+
+def _reference_slots(lens: list[int], bs: int) -> tuple[list[list[int]], list[int]]:
+    """Block table rows and token slots of fresh requests laid out one after another, written out by hand."""
+    table, slots, next_block = [], [], 0
+    for n in lens:
+        blocks = list(range(next_block, next_block + -(-n // bs)))
+        next_block += len(blocks)
+        table.append(blocks)
+        slots += [blocks[i // bs] * bs + i % bs for i in range(n)]
+    return table, slots
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_paged_layout_matches_a_hand_written_block_manager(seed):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 70, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    layout = vllm_cuda_ops.PagedLayout.build(cu, max(lens), block_size=16)
+    table, slots = _reference_slots(lens, 16)
+    assert layout.slot.tolist() == slots
+    assert layout.total_blocks == sum(len(r) for r in table)
+    for row, want in zip(layout.block_table.tolist(), table, strict=True):
+        assert row[:len(want)] == want and all(x == 0 for x in row[len(want):])
+    assert layout.lens.tolist() == lens and layout.max_seqlen == max(lens)
+
+
+def test_packed_rows_are_built_once_per_micro_batch_and_rebuilt_when_it_changes():
+    cache = PackedRowsCache()
+    dev = torch.device("cpu")
+    p1 = _Packed([0, 4, 14, 15])
+    rows = cache.get(p1, 3, 10, dev)
+    assert rows.idx.tolist() == [*range(0, 4), *range(10, 20), 20]
+    assert rows.positions.tolist() == [0, 1, 2, 3, *range(10), 0]
+    assert cache.get(p1, 3, 10, dev) is rows  # the next layer of the same forward
+    p2 = _Packed([0, 4, 14, 15])  # the next micro-batch: equal values, a new tensor
+    assert cache.get(p2, 3, 10, dev) is not rows
+    again = cache.get(p2, 3, 10, dev)
+    p2.cu_seqlens_q[1:] = torch.tensor([2, 12, 13], dtype=torch.int32)  # changed in place
+    changed = cache.get(p2, 3, 10, dev)
+    assert changed is not again and changed.lengths.tolist() == [2, 10, 1]
+    full = cache.get(None, 2, 5, dev)
+    assert full.idx.tolist() == list(range(10)) and cache.get(None, 2, 5, dev) is full
+    assert cache.get(None, 2, 6, dev) is not full
+    table = torch.randn(16, 8).to(torch.bfloat16)
+    cos, sin = changed.cos_sin(table)
+    at = table[changed.positions].float()
+    assert torch.equal(cos, at[:, :4]) and torch.equal(sin, at[:, 4:])
+    assert changed.cos_sin(table)[0] is cos

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from jetrl_megatron.fp8.weights import Fp8WeightCache
-from jetrl_megatron.megatron.numerics import ElementwiseKernels, default_attn_impl
+from jetrl_megatron.megatron.numerics import ElementwiseKernels, PackedRowsCache, default_attn_impl
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
 
@@ -34,6 +34,8 @@ class Fp8ModelContext:
     elementwise: ElementwiseKernels = field(default_factory=ElementwiseKernels)
     # quantize CUDA tensors with the torch reference instead of the Triton kernels (bit-identical; for checking)
     reference_quant: bool = False
+    # the micro-batch's packed-token layout for GPU vLLM's attention, built by the first layer, read by the others
+    packed_rows: PackedRowsCache = field(default_factory=PackedRowsCache, repr=False)
 
     @classmethod
     def create(cls, shape: ModelShape, recipe: Fp8Recipe, layers: range, attn_impl: str | None = None, *,

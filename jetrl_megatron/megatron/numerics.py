@@ -39,8 +39,9 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -510,13 +511,15 @@ class RolloutCoreAttention(torch.nn.Module):
       each sequence packed back to back (lengths from ``packed_seq_params.cu_seqlens_q``, else every row is full),
       vLLM's rotary kernel at each token's position, FlashAttention 3 over a paged KV cache. Backward: the
       flash-attention backward of PyTorch fed with FA3's output and log-sum-exp; RoPE's is the inverse rotation.
-    Build with :func:`functools.partial` to bind ``rope``, ``attn_impl`` and ``elementwise`` (the model's
-    :class:`ElementwiseKernels`; Megatron calls the class with its own kwargs).
+    Build with :func:`functools.partial` to bind ``rope``, ``attn_impl``, ``elementwise`` (the model's
+    :class:`ElementwiseKernels`) and ``packed_rows`` (the model's :class:`PackedRowsCache`); Megatron calls the class
+    with its own kwargs.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
                  cp_comm_type=None, softmax_scale: float | None = None, pg_collection=None, *,
-                 rope: dict, attn_impl: str | None = None, elementwise: ElementwiseKernels | None = None) -> None:
+                 rope: dict, attn_impl: str | None = None, elementwise: ElementwiseKernels | None = None,
+                 packed_rows: PackedRowsCache | None = None) -> None:
         super().__init__()
         if getattr(config, "context_parallel_size", 1) != 1:
             raise ValueError("RolloutCoreAttention: context parallelism is not supported")
@@ -537,6 +540,8 @@ class RolloutCoreAttention(torch.nn.Module):
         self._gqa_kernels_ok = True
         self._rope = rope
         self._vllm_cuda: tuple | None = None  # (rope cache, prefill attention), built on the first CUDA forward
+        # the micro-batch's packed layout, shared with the chunk's other layers (their model's context holds it)
+        self.packed_rows = packed_rows if packed_rows is not None else PackedRowsCache()
         self.softmax_scale = softmax_scale
         self.layer_number = layer_number
         cos, sin = rope_cos_sin_cache(config.kv_channels, rope["theta"], rope["max_positions"], rope.get("scaling"))
@@ -593,29 +598,21 @@ class RolloutCoreAttention(torch.nn.Module):
                                              self._rope.get("scaling"), dev)
             self._vllm_cuda = (cache, vllm_cuda_ops.PrefillAttention())
         cache, prefill = self._vllm_cuda
-        lengths = _row_lengths(packed_seq_params, b, sq, dev)
-        if int(lengths.max()) > cache.shape[0]:
-            raise ValueError(f"sequence length {int(lengths.max())} exceeds max_position_embeddings {cache.shape[0]}")
-        cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)
-        cu[1:] = torch.cumsum(lengths, 0)
-        col = torch.arange(sq, device=dev)
-        keep = (col[None, :] < lengths[:, None]).reshape(-1)
-        idx = keep.nonzero().squeeze(1)  # rows of the (b * sq) token grid that are real tokens, sequence by sequence
-        positions = idx % sq
-        half = hd // 2
-        cs = cache.index_select(0, positions).float()
-        cos, sin = cs[:, :half].contiguous(), cs[:, half:].contiguous()
-        rope = OpKernels("vllm_cuda", functools.partial(_rope_fwd_vllm_cuda, positions=positions, cache=cache),
+        rows = self.packed_rows.get(packed_seq_params, b, sq, dev)
+        if rows.max_len > cache.shape[0]:
+            raise ValueError(f"sequence length {rows.max_len} exceeds max_position_embeddings {cache.shape[0]}")
+        cos, sin = rows.cos_sin(cache)
+        rope = OpKernels("vllm_cuda", functools.partial(_rope_fwd_vllm_cuda, positions=rows.positions, cache=cache),
                          _rope_bwd_packed_triton if self.elementwise.triton_for(query) is not None
                          else _rope_bwd_twin)
 
         def packed(t: Tensor) -> Tensor:
-            return t.transpose(0, 1).reshape(b * sq, t.shape[2], hd).index_select(0, idx)
+            return t.transpose(0, 1).reshape(b * sq, t.shape[2], hd).index_select(0, rows.idx)
 
         q = _RopeFn.apply(packed(query), cos, sin, rope)
         k = _RopeFn.apply(packed(key), cos, sin, rope)
-        out = _VllmCudaAttentionFn.apply(q, k, packed(value), cu, int(lengths.max()), hd ** -0.5, prefill)
-        full = out.new_zeros(b * sq, nh, hd).index_copy(0, idx, out)
+        out = _VllmCudaAttentionFn.apply(q, k, packed(value), rows.paged, hd ** -0.5, prefill)
+        full = out.new_zeros(b * sq, nh, hd).index_copy(0, rows.idx, out)
         return full.view(b, sq, nh * hd).transpose(0, 1).contiguous()
 
 
@@ -640,22 +637,80 @@ def _row_lengths(packed_seq_params, b: int, sq: int, device: torch.device) -> Te
     return lengths
 
 
+@dataclass
+class PackedRows:
+    """Where the real tokens of b padded rows of sq positions sit, packed back to back as vLLM's prefill sees them:
+    their indices in the (b * sq) grid, their positions, the sequences' offsets and paged KV layout, and the rotary
+    cos/sin gathered at those positions (per rotary table). Built once per micro-batch, read by every layer."""
+
+    lengths: Tensor  # (b,) int32
+    idx: Tensor  # (T,) rows of the (b * sq) token grid that are real tokens, sequence by sequence
+    positions: Tensor  # (T,) each token's position in its sequence
+    max_len: int
+    paged: vllm_cuda_ops.PagedLayout
+    _cos_sin: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, lengths: Tensor, sq: int) -> PackedRows:
+        b = lengths.shape[0]
+        dev = lengths.device
+        cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)
+        cu[1:] = torch.cumsum(lengths, 0)
+        col = torch.arange(sq, device=dev)
+        max_len = int(lengths.max())
+        idx = (col[None, :] < lengths[:, None]).reshape(-1).nonzero().squeeze(1)
+        return cls(lengths, idx, idx % sq, max_len, vllm_cuda_ops.PagedLayout.build(cu, max_len))
+
+    def cos_sin(self, cache: Tensor) -> tuple[Tensor, Tensor]:
+        """FP32 (T, d/2) cos and sin of vLLM's BF16 table ``cache`` at each token's position."""
+        key = (cache.data_ptr(), tuple(cache.shape))
+        if key not in self._cos_sin:
+            half = cache.shape[1] // 2
+            cs = cache.index_select(0, self.positions).float()
+            self._cos_sin[key] = (cs[:, :half].contiguous(), cs[:, half:].contiguous())
+        return self._cos_sin[key]
+
+
+class PackedRowsCache:
+    """The last micro-batch's :class:`PackedRows`, shared by a model chunk's attention layers (one per
+    ``Fp8ModelContext``): every layer of a forward gets the same ``packed_seq_params``, so the layout, its checks and
+    their host syncs happen once per micro-batch instead of once per layer.
+
+    Keyed on the identity and version of ``cu_seqlens_q`` (an in-place change invalidates it) and the row grid;
+    without ``packed_seq_params`` every row is full and the grid alone is the key."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._ref: weakref.ref | None = None
+        self._rows: PackedRows | None = None
+
+    def get(self, packed_seq_params, b: int, sq: int, device: torch.device) -> PackedRows:
+        cu = None if packed_seq_params is None else packed_seq_params.cu_seqlens_q
+        key = (None if cu is None else (id(cu), cu._version), b, sq, str(device))
+        if (self._rows is not None and key == self._key
+                and (cu is None or (self._ref is not None and self._ref() is cu))):
+            return self._rows
+        self._rows = PackedRows.build(_row_lengths(packed_seq_params, b, sq, device), sq)
+        self._key, self._ref = key, (None if cu is None else weakref.ref(cu))
+        return self._rows
+
+
 class _VllmCudaAttentionFn(torch.autograd.Function):
     """Forward: GPU vLLM's prefill attention on packed q (T, h, d), k/v (T, g, d). Backward: PyTorch's
     flash-attention backward given FA3's output and log-sum-exp (no recomputed forward), GQA native."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, prefill):
-        out, lse = prefill(q, k, v, cu_seqlens, max_seqlen, scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+    def forward(ctx, q, k, v, layout, scale, prefill):
+        out, lse = prefill(q, k, v, layout, scale)
+        ctx.save_for_backward(q, k, v, out, lse, layout.cu_seqlens)
+        ctx.max_seqlen, ctx.scale = layout.max_seqlen, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu = ctx.saved_tensors
         dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, cu, ctx.max_seqlen, ctx.scale)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None
 
 
 def flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

@@ -28,11 +28,14 @@ from a torch twin (RMSNorm, RoPE, SwiGLU) or from a flash-attention backward fed
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor
 
 __all__ = ["available", "unavailable_reason", "rms_norm", "fused_add_rms_norm", "fused_rms_norm_of_sum",
-           "rope_neox_", "silu_and_mul", "rope_cache", "PrefillAttention", "KV_BLOCK", "token_logprobs"]
+           "rope_neox_", "silu_and_mul", "rope_cache", "PagedLayout", "PrefillAttention", "KV_BLOCK",
+           "token_logprobs"]
 
 KV_BLOCK = 16  # vLLM's default KV-cache block size for the FlashAttention backend on CUDA
 _STATE: dict = {}
@@ -138,61 +141,90 @@ def rope_cache(head_dim: int, max_positions: int, theta: float, scaling: dict | 
     return cache.to(torch.bfloat16)
 
 
-class PrefillAttention:
-    """vLLM's prefill attention call: causal FlashAttention over a paged BF16 KV cache.
+@dataclass
+class PagedLayout:
+    """One batch's paged KV-cache layout, as vLLM's block manager gives fresh requests: one run of ``block_size``-token
+    blocks per sequence, each token's cache slot, and FA3's ahead-of-time schedule per head configuration.
 
-    ``__call__(q, k, v, cu_seqlens)`` with packed q (T, h, d), k/v (T, g, d) and the sequences' start offsets
-    ``cu_seqlens`` (b + 1,) int32 returns (out (T, h, d), lse (h, T) FP32). K/V are written into a cache of
-    ``KV_BLOCK``-token blocks, one run of blocks per sequence (the layout vLLM's block manager gives a fresh
-    request), and the kernel reads them through the block table, as vLLM's prefill does; the scheduler metadata is
-    FA3's ahead-of-time schedule with FA3's split heuristic (``num_splits=0``: what vLLM's builder passes for a batch
-    larger than its CUDA-graph capture sizes).
-    """
+    Why an object: it depends only on the batch's sequence lengths, so it is built once per micro-batch and shared
+    by every layer (vLLM, too, builds its attention metadata once per step); built per layer it cost host syncs and
+    small kernels in each of a model's layers."""
 
-    def __init__(self, block_size: int = KV_BLOCK) -> None:
-        if not available():
-            raise RuntimeError(f"GPU vLLM attention is not available: {unavailable_reason()}")
-        self.block_size = block_size
-        self.fa = _STATE["fa"]
-        self.fa_version = _STATE["fa_version"]
+    cu_seqlens: Tensor  # (b + 1,) int32 start offsets of the packed sequences
+    lens: Tensor  # (b,) int32
+    max_seqlen: int
+    block_table: Tensor  # (b, max blocks) int32, rows padded with block 0 (never read)
+    slot: Tensor  # (T,) int64 cache slot of each packed token
+    total_blocks: int
+    block_size: int
+    _schedules: dict = field(default_factory=dict, repr=False)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                 scale: float) -> tuple[Tensor, Tensor]:
-        t, h, d = q.shape
-        g = k.shape[1]
-        bs = self.block_size
-        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
-        blocks_per_seq = (lens + bs - 1) // bs
-        max_blocks = -(-max_seqlen // bs)
+    @classmethod
+    def build(cls, cu_seqlens: Tensor, max_seqlen: int, block_size: int = KV_BLOCK) -> PagedLayout:
+        cu = cu_seqlens.to(torch.int32)
+        dev = cu.device
+        lens = cu[1:] - cu[:-1]
+        blocks_per_seq = (lens + block_size - 1) // block_size
         nseq = lens.shape[0]
-        total_blocks = int(blocks_per_seq.sum().item())
-        # each sequence's blocks are consecutive; block_table rows hold them, padded with block 0 (never read)
+        # one host read per batch: the token and block totals size the slot map and the cache
+        total_tokens, total_blocks = (int(x) for x in torch.stack((cu[-1], blocks_per_seq.sum())).tolist())
         first_block = torch.cumsum(blocks_per_seq, 0) - blocks_per_seq
-        col = torch.arange(max_blocks, device=q.device, dtype=torch.int32)
+        col = torch.arange(-(-max_seqlen // block_size), device=dev, dtype=torch.int32)
         block_table = torch.where(col[None, :] < blocks_per_seq[:, None], first_block[:, None] + col[None, :], 0)
         block_table = block_table.to(torch.int32).contiguous()
         # slot of token i of sequence j: block_table[j, i // bs] * bs + i % bs
-        seq_of = torch.repeat_interleave(torch.arange(nseq, device=q.device), lens.long(), output_size=t)
-        pos = torch.arange(t, device=q.device, dtype=torch.int32) - cu_seqlens[:-1].to(torch.int32)[seq_of]
-        slot = block_table[seq_of, (pos // bs).long()].long() * bs + (pos % bs).long()
-        k_cache = k.new_zeros(total_blocks * bs, g, d)
-        v_cache = v.new_zeros(total_blocks * bs, g, d)
-        k_cache[slot] = k
-        v_cache[slot] = v
-        k_cache = k_cache.view(total_blocks, bs, g, d)
-        v_cache = v_cache.view(total_blocks, bs, g, d)
-        meta = None
-        if self.fa_version == 3:
-            meta = self.fa.get_scheduler_metadata(
-                batch_size=nseq, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, num_heads_q=h,
-                num_heads_kv=g, headdim=d, cache_seqlens=lens, qkv_dtype=q.dtype, cu_seqlens_q=cu_seqlens,
-                page_size=bs, causal=True, window_size=(-1, -1), num_splits=0)
+        seq_of = torch.repeat_interleave(torch.arange(nseq, device=dev), lens.long(), output_size=total_tokens)
+        pos = torch.arange(total_tokens, device=dev, dtype=torch.int32) - cu[:-1][seq_of]
+        slot = block_table[seq_of, (pos // block_size).long()].long() * block_size + (pos % block_size).long()
+        return cls(cu.contiguous(), lens.contiguous(), int(max_seqlen), block_table, slot, total_blocks, block_size)
+
+    def schedule(self, fa, heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype) -> Tensor:
+        """FA3's scheduler metadata for this batch and head configuration (``num_splits=0``: FA3's own split
+        heuristic, what vLLM's builder passes for a batch larger than its CUDA-graph capture sizes)."""
+        key = (heads_q, heads_kv, head_dim, dtype)
+        if key not in self._schedules:
+            self._schedules[key] = fa.get_scheduler_metadata(
+                batch_size=self.lens.shape[0], max_seqlen_q=self.max_seqlen, max_seqlen_k=self.max_seqlen,
+                num_heads_q=heads_q, num_heads_kv=heads_kv, headdim=head_dim, cache_seqlens=self.lens,
+                qkv_dtype=dtype, cu_seqlens_q=self.cu_seqlens, page_size=self.block_size, causal=True,
+                window_size=(-1, -1), num_splits=0)
+        return self._schedules[key]
+
+
+class PrefillAttention:
+    """vLLM's prefill attention call: causal FlashAttention over a paged BF16 KV cache.
+
+    ``__call__(q, k, v, layout, scale)`` with packed q (T, h, d), k/v (T, g, d) and the batch's
+    :class:`PagedLayout` returns (out (T, h, d), lse (h, T) FP32). K/V are written into a fresh cache of the
+    layout's blocks and the kernel reads them through the block table with FA3's scheduler metadata, as vLLM's
+    prefill does.
+    """
+
+    def __init__(self) -> None:
+        if not available():
+            raise RuntimeError(f"GPU vLLM attention is not available: {unavailable_reason()}")
+        self.fa = _STATE["fa"]
+        self.fa_version = _STATE["fa_version"]
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, layout: PagedLayout, scale: float) -> tuple[Tensor, Tensor]:
+        t, h, d = q.shape
+        g = k.shape[1]
+        if layout.slot.shape[0] != t:
+            raise ValueError(f"the layout holds {layout.slot.shape[0]} tokens, q has {t}")
+        bs = layout.block_size
+        k_cache = k.new_zeros(layout.total_blocks * bs, g, d)
+        v_cache = v.new_zeros(layout.total_blocks * bs, g, d)
+        k_cache[layout.slot] = k
+        v_cache[layout.slot] = v
+        k_cache = k_cache.view(layout.total_blocks, bs, g, d)
+        v_cache = v_cache.view(layout.total_blocks, bs, g, d)
+        meta = layout.schedule(self.fa, h, g, d, q.dtype) if self.fa_version == 3 else None
         out = torch.empty_like(q)
         _, lse = self.fa.flash_attn_varlen_func(
-            q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_seqlens, max_seqlen_q=max_seqlen,
-            seqused_k=lens, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True, window_size=None,
-            block_table=block_table, softcap=0.0, scheduler_metadata=meta, fa_version=self.fa_version,
-            num_splits=0, return_softmax_lse=True)
+            q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=layout.cu_seqlens, max_seqlen_q=layout.max_seqlen,
+            seqused_k=layout.lens, max_seqlen_k=layout.max_seqlen, softmax_scale=scale, causal=True,
+            window_size=None, block_table=layout.block_table, softcap=0.0, scheduler_metadata=meta,
+            fa_version=self.fa_version, num_splits=0, return_softmax_lse=True)
         return out, lse
 
 
