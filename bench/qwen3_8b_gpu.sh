@@ -14,7 +14,7 @@
 #           ignore_eos, STEPS steps; the run directory (metrics.jsonl, summary.json, config.yaml, log) as one .tgz;
 #           PACK_DG=1 also packs DeepGEMM's JIT cache (for the next round: carry it back as .dgc/dg_cache.tgz);
 #           FA_SPLITS=N sets vLLM's FA3 KV-split cap for CUDA-graph decode (attention_config, vLLM's default 32);
-#           EXTRA="key=value ..." appends overrides
+#           EXTRA="key=value ..." appends overrides; LAYER=1 then runs check's layer cost benchmark
 #   probe   bench/vllm_cuda_exact.py at the Qwen3-8B shape (jetrl arm, auto GEMMs, CUDA graphs, a refit), PROMPTS x LEN,
 #           with FA_SPLITS as above: trainer vs vLLM's decode and prefill, and vLLM's decode vs its own prefill
 set -uo pipefail
@@ -36,6 +36,13 @@ vllm_bundle() {
     && tar xf /tmp/vllm026.tar -C /tmp/w && rm -f /tmp/vllm026.tar /tmp/vc/part0* \
     && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
        /tmp/w/.whl/*.whl && rm -rf /tmp/w && touch /tmp/site/.vllm_ok
+}
+layer_cost() {  # the Qwen3-8B layer's fwd+bwd at 8K tokens, bf16 attention vs vLLM's own ops (issue 26's cost)
+  for impl in bf16 vllm_cuda; do
+    timeout 120 python3 bench/megatron_layer_bench.py --seq 8192 --iters 20 --warmup 5 --backends cublas \
+      --lean-swiglu --elementwise triton --attn-impl "$impl" --out "$out/layer_$impl.json" > "$out/layer_$impl.log" 2>&1
+    echo "layer $impl rc $?"; grep -iE " ms|ratio|x bf16" "$out/layer_$impl.log" | tail -6
+  done
 }
 case $mode in
   stage0)
@@ -61,11 +68,7 @@ case $mode in
       --out "$out/gemm_m_invariance.json" > "$out/gemm_m.log" 2>&1; echo "m-invariance rc $?"; tail -4 "$out/gemm_m.log"
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_backends_gpu.py > "$out/backends.log" 2>&1
     echo "backends rc $?"; grep -E "passed|failed|FAILED|SKIPPED|Error" "$out/backends.log" | tail -8
-    for impl in bf16 vllm_cuda; do
-      timeout 120 python3 bench/megatron_layer_bench.py --seq 8192 --iters 20 --warmup 5 --backends cublas \
-        --lean-swiglu --elementwise triton --attn-impl "$impl" --out "$out/layer_$impl.json" > "$out/layer_$impl.log" 2>&1
-      echo "layer $impl rc $?"; grep -iE " ms|ratio|x bf16" "$out/layer_$impl.log" | tail -6
-    done ;;
+    layer_cost ;;
   grpo)
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     arm=${ARM:?ARM} len=${LEN:-1024} steps=${STEPS:-3}
@@ -88,6 +91,7 @@ case $mode in
     wait $pid; echo "== run $arm len $len: rc $?"
     grep -E "^step|rollout engine|Error|error:|Killed|CUDA out" "$dir/run.log" | tail -12
     (cd "$dir/.." && tar czf "$out/grpo8b_len${len}_$arm.tgz" --exclude='model_init_engine*' "$(basename "$dir")")
+    [ "${LAYER:-0}" = 1 ] && layer_cost
     if [ "${PACK_DG:-0}" = 1 ] && [ -d /tmp/dg_cache ]; then
       tar czf "$out/dg_cache.tgz" -C /tmp dg_cache; ls -l "$out/dg_cache.tgz"
     fi ;;
