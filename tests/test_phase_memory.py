@@ -52,3 +52,9 @@ def test_gpu_phase_peak_sees_a_freed_transient():
     m = meter.metrics()
     assert m["memory/gpu_peak_gib_update"] >= used0 + 1.99, (m, used0)
     assert m["memory/gpu_peak_gib_refit"] < m["memory/gpu_peak_gib_update"] - 1.9, m
+    # the peak's parts: the 2 GiB tensor is the trainer's (torch-allocated), and it is gone by the next phase
+    assert m["memory/gpu_torch_allocated_gib_update"] >= 2.0 - 1e-6, m
+    assert m["memory/gpu_torch_allocated_gib_refit"] < m["memory/gpu_torch_allocated_gib_update"] - 1.99, m
+    for phase in ("update", "refit"):
+        parts = sum(m[f"memory/gpu_{p}_gib_{phase}"] for p in ("torch_allocated", "torch_cached", "outside_torch"))
+        assert parts <= m[f"memory/gpu_peak_gib_{phase}"] + 1e-6, (phase, m)

@@ -40,8 +40,11 @@ class PhaseMemory:
     """Records, per named phase, the peak GPU memory of the whole device and the host memory at its end.
 
     Usage: ``meter.begin()`` before a phase, ``meter.end("rollout")`` after it; ``meter.metrics()`` gives
-    ``memory/gpu_peak_gib_<phase>``, ``memory/host_rss_gib`` and ``memory/host_peak_gib``. On a CPU-only machine
-    the GPU entries are absent (there is no device to read)."""
+    ``memory/gpu_peak_gib_<phase>``, ``memory/host_rss_gib`` and ``memory/host_peak_gib``, and the peak's parts:
+    ``memory/gpu_torch_allocated_gib_<phase>`` (the trainer's tensors at their peak), ``..._torch_cached_gib_<phase>``
+    (reserved by torch's caching allocator beyond that) and ``..._outside_torch_gib_<phase>`` (the rest of the
+    device: vLLM's own pool, CUDA contexts), which is what an estimate such as ``jetrl plan`` is checked against. On a
+    CPU-only machine the GPU entries are absent (there is no device to read)."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.cuda = torch.cuda.is_available() and (device is None or device.type == "cuda")
@@ -49,6 +52,7 @@ class PhaseMemory:
         self._outside_torch = 0
         self._used_at_begin = 0
         self.peaks: dict[str, float] = {}
+        self.parts: dict[str, dict[str, float]] = {}
 
     def _device_used(self) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
@@ -66,12 +70,18 @@ class PhaseMemory:
         if not self.cuda:
             return
         torch.cuda.synchronize(self.device)
-        peak = max(self._used_at_begin, self._device_used(),
-                   self._outside_torch + torch.cuda.max_memory_reserved(self.device))
+        reserved = torch.cuda.max_memory_reserved(self.device)
+        peak = max(self._used_at_begin, self._device_used(), self._outside_torch + reserved)
+        if peak / GIB >= self.peaks.get(phase, 0.0):
+            allocated = torch.cuda.max_memory_allocated(self.device)
+            self.parts[phase] = {"torch_allocated": allocated / GIB, "torch_cached": (reserved - allocated) / GIB,
+                                 "outside_torch": max(peak - reserved, 0) / GIB}
         self.peaks[phase] = max(self.peaks.get(phase, 0.0), peak / GIB)
 
     def metrics(self) -> dict[str, float]:
         out = {f"memory/gpu_peak_gib_{phase}": value for phase, value in self.peaks.items()}
+        for phase, parts in self.parts.items():
+            out.update({f"memory/gpu_{part}_gib_{phase}": value for part, value in parts.items()})
         out["memory/host_rss_gib"] = host_rss_gib()
         out["memory/host_peak_gib"] = host_peak_gib()
         return out
