@@ -1,7 +1,7 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|suite|check|grpo|probe OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|suite|check|grpo|decode|probe OUT_DIR
 #   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
 #           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
 #   stage1  copy .vc/p1
@@ -15,6 +15,8 @@
 #           PACK_DG=1 also packs DeepGEMM's JIT cache (for the next round: carry it back as .dgc/dg_cache.tgz);
 #           FA_SPLITS=N sets vLLM's FA3 KV-split cap for CUDA-graph decode (attention_config, vLLM's default 32);
 #           EXTRA="key=value ..." appends overrides; LAYER=1 then runs check's layer cost benchmark
+#   decode  bench/decode_invariance.py at the Qwen3-8B shape: which of vLLM's ops give a token other bytes in a decode
+#           step than in a prefill (norms, SiLU-and-mul, FP8 linears per backend, BF16 lm_head, FA3 decode vs prefill)
 #   probe   bench/vllm_cuda_exact.py at the Qwen3-8B shape (jetrl arm, auto GEMMs, CUDA graphs, a refit), PROMPTS x LEN,
 #           with FA_SPLITS as above: trainer vs vLLM's decode and prefill, and vLLM's decode vs its own prefill
 set -uo pipefail
@@ -95,6 +97,11 @@ case $mode in
     if [ "${PACK_DG:-0}" = 1 ] && [ -d /tmp/dg_cache ]; then
       tar czf "$out/dg_cache.tgz" -C /tmp dg_cache; ls -l "$out/dg_cache.tgz"
     fi ;;
+  decode)
+    wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
+    timeout "${RUN_LIMIT:-300}" python3 bench/decode_invariance.py --preset "${PRESET:-qwen3-8b}" \
+      --out "$out/decode_invariance.json" > "$out/decode_invariance.log" 2>&1
+    echo "decode invariance rc $?"; grep -E "^\|" "$out/decode_invariance.log" | awk -F'|' '$4+0 < 1' | head -60 ;;
   probe)
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     tag=${FA_SPLITS:-default}
@@ -103,5 +110,5 @@ case $mode in
       ${FA_SPLITS:+--fa-max-splits $FA_SPLITS} --out "$out/probe_8b_splits_$tag.json" > "$out/probe_8b_$tag.log" 2>&1
     echo "probe rc $?"; grep -A7 '"trainer_vs_decode"\|"decode_vs_prefill"\|"trainer_vs_prefill"' "$out/probe_8b_$tag.log" \
       | grep -E "vs_|bit_identical|k3" ;;
-  *) echo "usage: $0 stage0|stage1|suite|check|grpo|probe OUT_DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 stage0|stage1|suite|check|grpo|decode|probe OUT_DIR" >&2; exit 2 ;;
 esac

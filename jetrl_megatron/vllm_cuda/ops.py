@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["available", "unavailable_reason", "rms_norm", "fused_add_rms_norm", "fused_rms_norm_of_sum",
-           "rope_neox_", "silu_and_mul", "rope_cache", "PagedLayout", "PrefillAttention", "KV_BLOCK",
-           "token_logprobs"]
+           "rope_neox_", "silu_and_mul", "rope_cache", "flash_attention_module", "PagedLayout", "PrefillAttention",
+           "KV_BLOCK", "token_logprobs"]
 
 KV_BLOCK = 16  # vLLM's default KV-cache block size for the FlashAttention backend on CUDA
 _STATE: dict = {}
@@ -70,6 +70,13 @@ def unavailable_reason() -> str | None:
     if "reason" not in _STATE:
         _STATE["reason"] = _probe()
     return _STATE["reason"]
+
+
+def flash_attention_module() -> tuple:
+    """(vLLM's flash-attention module, its FA version): the kernels vLLM's FlashAttention backend calls."""
+    if not available():
+        raise RuntimeError(f"GPU vLLM attention is not available: {unavailable_reason()}")
+    return _STATE["fa"], _STATE["fa_version"]
 
 
 def available() -> bool:
@@ -203,8 +210,7 @@ class PrefillAttention:
     def __init__(self) -> None:
         if not available():
             raise RuntimeError(f"GPU vLLM attention is not available: {unavailable_reason()}")
-        self.fa = _STATE["fa"]
-        self.fa_version = _STATE["fa_version"]
+        self.fa, self.fa_version = flash_attention_module()
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, layout: PagedLayout, scale: float) -> tuple[Tensor, Tensor]:
         t, h, d = q.shape
