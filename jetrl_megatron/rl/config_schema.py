@@ -269,6 +269,9 @@ class JetRlCfg:
     fp8_gemm_warmup: bool = False  # compile DeepGEMM's FP8 GEMMs at engine start (see rollout/engine.py)
     plot_enabled: bool = True  # PNG of reward and mismatch vs step at the end
     progress_bars: bool = True  # tqdm on rollout and training
+    # profile this GRPO step (1-based; 0: none) with torch.profiler: <log_dir>/profile_step<N>.md and .json (the
+    # step's phases and its top operators / kernels by device time)
+    profile_step: int = key(0, bounds=at_least(0))
 
 
 @dataclass

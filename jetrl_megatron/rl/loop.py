@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch.profiler import record_function
+
 from jetrl_megatron.megatron.grad_buffers import release_grad_buffers, restore_grad_buffers
 from jetrl_megatron.rl import health
 from jetrl_megatron.rl.batch import (
@@ -48,6 +50,7 @@ from jetrl_megatron.rl.logging import RunLogger
 from jetrl_megatron.rl.metrics import position_bins
 from jetrl_megatron.rl.phase_memory import PhaseMemory
 from jetrl_megatron.rl.refit_source import RefitSource, verify_served_fp8
+from jetrl_megatron.rl.step_profile import StepProfile
 from jetrl_megatron.rl.summary import print_probe, run_arm_probe, summarize
 from jetrl_megatron.rl.tasks import PromptStream, build_task
 from jetrl_megatron.rl.trainer import (
@@ -127,8 +130,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             f"{val0.get('val/reward_sampled', math.nan):.3f})")
     history: list[dict[str, Any]] = []
     collapse = None
+    profiler = StepProfile(cfg.policy.jet_rl.profile_step, log_dir, write=is_main())
     for step in logger.bar(range(start_step + 1, last_step + 1), "grpo", total=max(0, last_step - start_step)):
-        metrics = grpo_step(cfg, trainer, ro, step, logger)
+        with profiler.around(step):
+            metrics = grpo_step(cfg, trainer, ro, step, logger)
         if val_prompts and ((g.val_period > 0 and step % g.val_period == 0) or (step == last_step and g.val_at_end)):
             metrics.update(validate(cfg, ro.engine, val_task, val_prompts))
         logger.log(step, metrics)
@@ -201,13 +206,15 @@ class StepMeter:
     @contextmanager
     def time(self, part: str) -> Iterator[None]:
         t0 = time.perf_counter()
-        yield
+        with record_function(f"part/{part}"):  # a range in a step profile (policy.jet_rl.profile_step)
+            yield
         self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - t0
 
     @contextmanager
     def memory_phase(self, phase: str) -> Iterator[None]:
         self.memory.begin()
-        yield
+        with record_function(f"phase/{phase}"):
+            yield
         self.memory.end(phase)
 
     @contextmanager
