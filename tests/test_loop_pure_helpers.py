@@ -113,7 +113,8 @@ def test_numerics_switches_come_from_the_config_and_the_environment_wins(monkeyp
     # resolved once: a later change of the environment changes nothing already loaded
     monkeypatch.setenv("JETRL_ELEMENTWISE", "torch")
     assert cfg.switches.elementwise == "triton"
-    assert model_numerics(cfg) == {"attn_impl": None, "elementwise": "triton", "reference_quant": False}
+    assert model_numerics(cfg) == {"attn_impl": None, "elementwise": "triton", "reference_quant": False,
+                                   "attn_match": "prefill"}
     monkeypatch.setenv("JETRL_ELEMENTWISE", "cuda")
     with pytest.raises(ConfigError, match="JETRL_ELEMENTWISE"):
         load_config("tiny_cpu")

@@ -75,6 +75,31 @@ def test_prefill_attention_and_its_backward_match_an_fp32_reference(head_dim):
         assert _rel(got, want) < ATTN_REL_BOUND, (name, _rel(got, want))
 
 
+def test_decode_split_attention_matches_an_fp32_reference():
+    """Prompts as one prefill call, every later token as one decode call: the same attention (within rounding),
+    and its backward (the flash backward over whole sequences) too."""
+    ops = _ops()
+    from jetrl_megatron.megatron.numerics import _VllmCudaAttentionFn
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    lens, prompts = [37, 300, 129, 16], [5, 40, 129, 1]  # a sequence all prompt, one with a 1-token prompt
+    t, h, kvh, d = sum(lens), 8, 2, 128
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(t, n, d, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for n in (h, kvh, kvh))
+    layout = ops.PagedLayout.build(cu, max(lens), decode_from=torch.tensor(prompts, device="cuda"))
+    assert layout.decode.decode_rows.shape[0] == sum(n - p for n, p in zip(lens, prompts, strict=True))
+    out = _VllmCudaAttentionFn.apply(q, k, v, layout, d ** -0.5, ops.PrefillAttention())
+    dout = torch.randn(out.shape, generator=g, device="cuda", dtype=torch.bfloat16)
+    out.backward(dout)
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = _reference_attention(qf, kf, vf, lens, d ** -0.5)
+    ref.backward(dout.float())
+    assert _rel(out, ref) < ATTN_REL_BOUND
+    for name, got, want in (("dq", q.grad, qf.grad), ("dk", k.grad, kf.grad), ("dv", v.grad, vf.grad)):
+        assert _rel(got, want) < ATTN_REL_BOUND, (name, _rel(got, want))
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_vllm_logprob_kernels_and_their_backward(temperature):
     _ops()
@@ -132,7 +157,7 @@ def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
             for x in torch.randint(6, 40, (n,), generator=g)]
 
 
-def _trainer_logprobs(gpt, seqs):
+def _trainer_logprobs(gpt, seqs, prompt_lens=None):
     from jetrl_megatron.megatron.model import token_logprobs
 
     s = max(map(len, seqs))
@@ -140,7 +165,8 @@ def _trainer_logprobs(gpt, seqs):
     for i, q in enumerate(seqs):
         tokens[i, :len(q)] = torch.tensor(q)
     lp = token_logprobs(gpt, tokens.cuda(), micro_batch_size=math.gcd(4, len(seqs)),
-                        lengths=torch.tensor(list(map(len, seqs))))
+                        lengths=torch.tensor(list(map(len, seqs))),
+                        decode_from=None if prompt_lens is None else torch.tensor(prompt_lens))
     return [lp[i, :len(q) - 1].float().cpu() for i, q in enumerate(seqs)]
 
 
@@ -185,5 +211,60 @@ def test_trainer_logprobs_equal_vllm_decode_and_prefill_bit_for_bit(tmp_path, ar
                 decode = torch.tensor(s.logprobs, dtype=torch.float32)
                 assert torch.equal(tr[n - 1:], decode), (round_, (tr[n - 1:] - decode).abs().max())
                 assert torch.equal(tr, torch.tensor(pre, dtype=torch.float32)), round_
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.own_process
+def test_decode_matched_trainer_equals_vllm_decode_under_cuda_graphs(tmp_path):
+    """``attn_match="decode"``: the trainer computes each response token's query as vLLM's decode step does (CUDA
+    graphs FULL_DECODE_ONLY, decode KV splits 1), so its logprobs of the sampled tokens are the engine's, bit for bit,
+    over long responses, with 4 query heads per KV head (the Qwen3-8B ratio). What whole-sequence prefill matching
+    gives on the same tokens is printed beside it."""
+    _ops()
+    import dataclasses
+
+    from jetrl_megatron.megatron import cpu
+    from jetrl_megatron.megatron.convert import load_hf_checkpoint
+    from jetrl_megatron.megatron.model import build_gpt, rollout_weights
+    from jetrl_megatron.model.shapes import get_model_shape
+    from jetrl_megatron.recipe import Fp8Recipe
+    from jetrl_megatron.reshard.mover import MegatronShards, iter_canonical
+    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
+    from jetrl_megatron.rollout.model_dir import hf_config_for, random_hf_state_dict, write_model_dir
+
+    shape = dataclasses.replace(get_model_shape("tiny"), name="tiny-gqa4", num_attention_heads=8, num_kv_heads=2,
+                                max_position_embeddings=1024)
+    recipe = Fp8Recipe(mode="jetrl", gemm_backend="auto")
+    cpu.init_parallel(1, 1)
+    models = {m: build_gpt(shape, recipe, attn_match=m) for m in ("decode", "prefill")}
+    sd = random_hf_state_dict(shape, seed=0, logit_std=1.0)
+    for gpt in models.values():
+        load_hf_checkpoint(gpt, sd)
+    local = {k: v.cpu().clone() for k, v in rollout_weights(models["decode"]).items()}
+    model_dir = write_model_dir(tmp_path / "m", hf_config_for(shape, recipe),
+                                dict(iter_canonical(MegatronShards(shape, 1, 1, None, {(0, 0, 0): local}))))
+    engine = RolloutEngine(RolloutConfig(
+        model_dir=str(model_dir), recipe=recipe, gpu_memory_utilization=0.2, max_num_seqs=16, max_model_len=1024,
+        enforce_eager=False, fp8_gemm_warmup=False,
+        llm_kwargs={"enable_prefix_caching": False, "compilation_config": {"mode": 0,
+                                                                           "cudagraph_mode": "FULL_DECODE_ONLY"},
+                    "attention_config": {"flash_attn_max_num_splits_for_cuda_graph": 1}}))
+    try:
+        prompts = _prompts(16, shape.vocab_size, seed=3)
+        samples = engine.generate(prompts, n=1, max_tokens=600, seed=3, ignore_eos=True)
+        seqs = [s.prompt_token_ids + s.token_ids for s in samples]
+        plens = [len(s.prompt_token_ids) for s in samples]
+        got = {m: _trainer_logprobs(gpt, seqs, plens if m == "decode" else None) for m, gpt in models.items()}
+        same = {m: 0 for m in got}
+        total = 0
+        for i, s in enumerate(samples):
+            decode = torch.tensor(s.logprobs, dtype=torch.float32)
+            total += decode.numel()
+            for m in got:
+                same[m] += int((got[m][i][plens[i] - 1:] == decode).sum())
+        print(f"\nsampled tokens bit-identical: decode-matched {same['decode']}/{total}, "
+              f"prefill-matched {same['prefill']}/{total}")
+        assert same["decode"] == total, same
     finally:
         engine.shutdown()

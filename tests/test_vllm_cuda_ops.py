@@ -205,3 +205,50 @@ def test_packed_rows_are_built_once_per_micro_batch_and_rebuilt_when_it_changes(
     at = table[changed.positions].float()
     assert torch.equal(cos, at[:, :4]) and torch.equal(sin, at[:, 4:])
     assert changed.cos_sin(table)[0] is cos
+
+
+class _PackedWithPrompts(_Packed):
+    def __init__(self, cu, prompts):
+        super().__init__(cu)
+        self.decode_from = torch.tensor(prompts, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_decode_split_puts_each_token_where_vllms_sampling_computed_it(seed):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(2, 60, (5,), generator=g).tolist()
+    prompts = [int(torch.randint(1, n + 1, (1,), generator=g)) for n in lens]  # some rows all prompt
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    layout = vllm_cuda_ops.PagedLayout.build(cu, max(lens), decode_from=torch.tensor(prompts))
+    d = layout.decode
+    table, _ = _reference_slots(lens, 16)
+    want_prefill, want_decode, want_used, want_rows = [], [], [], []
+    for j, (n, p) in enumerate(zip(lens, prompts, strict=True)):
+        start = int(cu[j])
+        want_prefill += range(start, start + p)
+        want_decode += range(start + p, start + n)
+        want_used += range(p + 1, n + 1)  # a decode query at position t reads t + 1 keys
+        want_rows += [table[j]] * (n - p)
+    assert d.prefill_rows.tolist() == want_prefill and d.decode_rows.tolist() == want_decode
+    assert d.prefill_lens.tolist() == prompts and d.prefill_cu.tolist() == [0, *torch.tensor(prompts).cumsum(0)]
+    assert d.decode_used.tolist() == want_used and d.decode_cu.tolist() == list(range(len(want_decode) + 1))
+    for row, blocks in zip(d.decode_table.tolist(), want_rows, strict=True):
+        assert row[:len(blocks)] == blocks
+    assert d.prefill_max == max(prompts) and d.decode_max == max(want_used or [max(prompts)])
+    assert d.num_splits == 1
+    with pytest.raises(ValueError, match="decode_from must be >= 1"):
+        vllm_cuda_ops.PagedLayout.build(cu, max(lens), decode_from=torch.zeros(5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="decode_from has shape"):
+        vllm_cuda_ops.PagedLayout.build(cu, max(lens), decode_from=torch.ones(4, dtype=torch.int32))
+
+
+def test_packed_rows_follow_decode_from_only_when_asked():
+    cache = PackedRowsCache()
+    dev = torch.device("cpu")
+    p = _PackedWithPrompts([0, 4, 14, 15], [2, 3, 1])
+    assert cache.get(p, 3, 10, dev).paged.decode is None  # prefill matching ignores it
+    rows = cache.get(p, 3, 10, dev, decode=True)
+    assert rows.paged.decode.prefill_lens.tolist() == [2, 3, 1]
+    assert cache.get(p, 3, 10, dev, decode=True) is rows
+    p.decode_from[0] = 3  # changed in place: rebuilt
+    assert cache.get(p, 3, 10, dev, decode=True).paged.decode.prefill_lens.tolist() == [3, 3, 1]

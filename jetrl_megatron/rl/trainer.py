@@ -94,7 +94,7 @@ def model_numerics(cfg: RunConfig) -> dict[str, Any]:
     ``Fp8ModelContext``): attention kernels, element-wise kernels, reference quantizer (environment overrides
     applied at config load, ``cfg.switches``)."""
     return {"attn_impl": trainer_attn_impl(cfg), "elementwise": cfg.switches.elementwise,
-            "reference_quant": cfg.switches.reference_quant}
+            "reference_quant": cfg.switches.reference_quant, "attn_match": cfg.policy.jet_rl.attn_match}
 
 
 class ModelSourceError(UserError, FileNotFoundError):
@@ -142,15 +142,17 @@ def rollout_sampling(cfg: RunConfig) -> LogitsSampling:
 
 
 def trainer_logprobs(cfg: RunConfig, model, tokens: torch.Tensor, sampling: LogitsSampling | None = None,
-                     lengths: torch.Tensor | None = None) -> torch.Tensor:
+                     lengths: torch.Tensor | None = None, prompt_lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Logprobs of ``tokens`` under ``model``, of the ``sampling`` distribution (None: raw). With a top-k / top-p
-    filter a token the trainer filters out is -inf (``mask_filtered_out``). ``lengths``: each row's real length."""
+    filter a token the trainer filters out is -inf (``mask_filtered_out``). ``lengths``: each row's real length;
+    ``prompt_lengths``: where its response (vLLM's decode steps) begins."""
     from jetrl_megatron.megatron.model import token_logprobs
 
     mine = dp_slice(tokens)
     mbs = math.gcd(cfg.policy.logprob_batch_size, mine.shape[0])
     lp = token_logprobs(model, mine, micro_batch_size=mbs, sampling=sampling,
-                        lengths=None if lengths is None else dp_slice(lengths))
+                        lengths=None if lengths is None else dp_slice(lengths),
+                        decode_from=None if prompt_lengths is None else dp_slice(prompt_lengths))
     return dp_gather(lp.float().cpu())
 
 
@@ -159,14 +161,15 @@ def policy_logprobs(cfg: RunConfig, model, batch: RolloutBatch) -> tuple[torch.T
     many sampled tokens the trainer's top-k / top-p filter removed: those get logprob 0 (NeMo-RL's
     ``mask_out_neg_inf_logprobs``), in the mismatch metrics, the rollout correction and the loss alike."""
     sampling = rollout_sampling(cfg)
-    logp = trainer_logprobs(cfg, model, batch.tokens, sampling, batch.lengths)
+    logp = trainer_logprobs(cfg, model, batch.tokens, sampling, batch.lengths, batch.prompt_lengths)
     return mask_filtered_out(logp, batch.mask) if sampling.filters else (logp, 0)
 
 
 def reference_logprobs(cfg: RunConfig, model, batch: RolloutBatch) -> torch.Tensor:
     """The reference policy's logprobs for the KL penalty: at the rollout temperature, never filtered (NeMo-RL: its
     top-k / top-p set differs from the policy's, so filtered values would be -inf where the policy's are not)."""
-    return trainer_logprobs(cfg, model, batch.tokens, rollout_sampling(cfg).unfiltered(), batch.lengths)
+    return trainer_logprobs(cfg, model, batch.tokens, rollout_sampling(cfg).unfiltered(), batch.lengths,
+                            batch.prompt_lengths)
 
 
 def policy_loss(cfg: RunConfig) -> grpo.PolicyLoss:
@@ -197,6 +200,7 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
             data["is_w"] = is_w[sl]
         if batch.lengths is not None:
             data["lengths"] = batch.lengths[sl]
+            data["decode_from"] = batch.prompt_lengths[sl]
         if loss.on_policy_kl and logp_ref is not None:
             data["logp_gen"] = batch.gen_logprobs[sl]
         data = {k: dp_slice(v) for k, v in data.items()}

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["available", "unavailable_reason", "rms_norm", "fused_add_rms_norm", "fused_rms_norm_of_sum",
-           "rope_neox_", "silu_and_mul", "rope_cache", "flash_attention_module", "PagedLayout", "PrefillAttention",
-           "KV_BLOCK", "token_logprobs"]
+           "rope_neox_", "silu_and_mul", "rope_cache", "flash_attention_module", "PagedLayout", "DecodeSplit",
+           "PrefillAttention", "KV_BLOCK", "token_logprobs"]
 
 KV_BLOCK = 16  # vLLM's default KV-cache block size for the FlashAttention backend on CUDA
 _STATE: dict = {}
@@ -164,10 +164,15 @@ class PagedLayout:
     slot: Tensor  # (T,) int64 cache slot of each packed token
     total_blocks: int
     block_size: int
+    # which tokens vLLM computed in decode steps (None: all in prefill, as vLLM re-scores whole sequences)
+    decode: DecodeSplit | None = None
     _schedules: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, cu_seqlens: Tensor, max_seqlen: int, block_size: int = KV_BLOCK) -> PagedLayout:
+    def build(cls, cu_seqlens: Tensor, max_seqlen: int, block_size: int = KV_BLOCK, decode_from: Tensor | None = None,
+              decode_num_splits: int = 1) -> PagedLayout:
+        """``decode_from`` (b,): per sequence, the first position whose query vLLM ran as a decode step (its prompt
+        length: the prompt is prefilled, every later token is the query of one decode step); None: none."""
         cu = cu_seqlens.to(torch.int32)
         dev = cu.device
         lens = cu[1:] - cu[:-1]
@@ -183,19 +188,77 @@ class PagedLayout:
         seq_of = torch.repeat_interleave(torch.arange(nseq, device=dev), lens.long(), output_size=total_tokens)
         pos = torch.arange(total_tokens, device=dev, dtype=torch.int32) - cu[:-1][seq_of]
         slot = block_table[seq_of, (pos // block_size).long()].long() * block_size + (pos % block_size).long()
-        return cls(cu.contiguous(), lens.contiguous(), int(max_seqlen), block_table, slot, total_blocks, block_size)
+        decode = None
+        if decode_from is not None:
+            decode = DecodeSplit.build(cu, lens, decode_from.to(device=dev, dtype=torch.int32), seq_of, pos,
+                                       block_table, decode_num_splits)
+        return cls(cu.contiguous(), lens.contiguous(), int(max_seqlen), block_table, slot, total_blocks, block_size,
+                   decode)
 
-    def schedule(self, fa, heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype) -> Tensor:
-        """FA3's scheduler metadata for this batch and head configuration (``num_splits=0``: FA3's own split
-        heuristic, what vLLM's builder passes for a batch larger than its CUDA-graph capture sizes)."""
-        key = (heads_q, heads_kv, head_dim, dtype)
+    def schedule(self, fa, heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype, part: str = "all"
+                 ) -> Tensor:
+        """FA3's scheduler metadata for one call over this batch and head configuration: ``all`` every token as
+        prefill (``num_splits=0``: FA3's own split heuristic, what vLLM's builder passes for a batch larger than its
+        CUDA-graph capture sizes), ``prefill`` the prompts, ``decode`` one query per decode token."""
+        key = (part, heads_q, heads_kv, head_dim, dtype)
         if key not in self._schedules:
+            d = self.decode
+            batch, cu_q, used, max_q, max_k, splits = {
+                "all": (self.lens.shape[0], self.cu_seqlens, self.lens, self.max_seqlen, self.max_seqlen, 0),
+                "prefill": None if d is None else (self.lens.shape[0], d.prefill_cu, d.prefill_lens, d.prefill_max,
+                                                   d.prefill_max, 0),
+                "decode": None if d is None else (d.decode_rows.shape[0], d.decode_cu, d.decode_used, 1,
+                                                  d.decode_max, d.num_splits),
+            }[part]
             self._schedules[key] = fa.get_scheduler_metadata(
-                batch_size=self.lens.shape[0], max_seqlen_q=self.max_seqlen, max_seqlen_k=self.max_seqlen,
-                num_heads_q=heads_q, num_heads_kv=heads_kv, headdim=head_dim, cache_seqlens=self.lens,
-                qkv_dtype=dtype, cu_seqlens_q=self.cu_seqlens, page_size=self.block_size, causal=True,
-                window_size=(-1, -1), num_splits=0)
+                batch_size=batch, max_seqlen_q=max_q, max_seqlen_k=max_k, num_heads_q=heads_q, num_heads_kv=heads_kv,
+                headdim=head_dim, cache_seqlens=used, qkv_dtype=dtype, cu_seqlens_q=cu_q, page_size=self.block_size,
+                causal=True, window_size=(-1, -1), num_splits=splits)
         return self._schedules[key]
+
+
+@dataclass
+class DecodeSplit:
+    """The tokens of a batch as vLLM computed them while sampling: each prompt in one prefill (its queries over the
+    prompt), every later token as the query of one decode step (over the sequence up to itself: ``seqused_k`` its
+    position + 1, the sequence's blocks, one query per "sequence" of the call, ``num_splits`` as the engine's decode
+    runs: 1 under CUDA graphs with ``attention_config.flash_attn_max_num_splits_for_cuda_graph: 1``).
+
+    Why: the first response token's logprob comes from the prefill's last position, every later one from a decode
+    step, and FA3's decode call need not give a query the bytes its prefill call gives (bench/decode_invariance.py
+    measures it)."""
+
+    prefill_rows: Tensor  # (Tp,) packed rows of prompt tokens, sequence by sequence
+    prefill_cu: Tensor  # (b + 1,) int32 offsets of the prompts among those rows
+    prefill_lens: Tensor  # (b,) int32
+    prefill_max: int
+    decode_rows: Tensor  # (Td,) packed rows of the decode-step queries
+    decode_cu: Tensor  # (Td + 1,) int32: one query per call "sequence"
+    decode_used: Tensor  # (Td,) int32 KV length each query reads (its position + 1)
+    decode_table: Tensor  # (Td, max blocks) int32: its sequence's block-table row
+    decode_max: int
+    num_splits: int
+
+    @classmethod
+    def build(cls, cu: Tensor, lens: Tensor, decode_from: Tensor, seq_of: Tensor, pos: Tensor, block_table: Tensor,
+              num_splits: int) -> DecodeSplit:
+        if decode_from.shape != lens.shape:
+            raise ValueError(f"decode_from has shape {tuple(decode_from.shape)}, expected ({lens.shape[0]},)")
+        if bool((decode_from < 1).any()):
+            raise ValueError(f"decode_from must be >= 1 (a prompt has a token), got {decode_from.tolist()}")
+        prefill_lens = torch.minimum(decode_from, lens).to(torch.int32)
+        is_decode = pos >= decode_from[seq_of]
+        prefill_rows = (~is_decode).nonzero().squeeze(1)
+        decode_rows = is_decode.nonzero().squeeze(1)
+        prefill_cu = torch.zeros_like(cu)
+        prefill_cu[1:] = torch.cumsum(prefill_lens, 0)
+        used = (pos[decode_rows] + 1).to(torch.int32)
+        n_dec = decode_rows.shape[0]
+        prefill_max, decode_max = (int(x) for x in torch.stack(
+            (prefill_lens.max(), used.max() if n_dec else prefill_lens.max())).tolist())
+        return cls(prefill_rows, prefill_cu, prefill_lens, prefill_max, decode_rows,
+                   torch.arange(n_dec + 1, dtype=torch.int32, device=cu.device), used,
+                   block_table[seq_of[decode_rows]].contiguous(), decode_max, int(num_splits))
 
 
 class PrefillAttention:
@@ -224,13 +287,35 @@ class PrefillAttention:
         v_cache[layout.slot] = v
         k_cache = k_cache.view(layout.total_blocks, bs, g, d)
         v_cache = v_cache.view(layout.total_blocks, bs, g, d)
-        meta = layout.schedule(self.fa, h, g, d, q.dtype) if self.fa_version == 3 else None
+        if layout.decode is None:
+            return self._call(q, k_cache, v_cache, layout, scale, "all", layout.cu_seqlens, layout.max_seqlen,
+                              layout.lens, layout.max_seqlen, layout.block_table, 0)
+        dec = layout.decode
+        out = torch.empty_like(q)
+        lse = torch.empty(h, t, dtype=torch.float32, device=q.device)
+        for part, rows, cu_q, max_q, used, max_k, table, splits in (
+                ("prefill", dec.prefill_rows, dec.prefill_cu, dec.prefill_max, dec.prefill_lens, dec.prefill_max,
+                 layout.block_table, 0),
+                ("decode", dec.decode_rows, dec.decode_cu, 1, dec.decode_used, dec.decode_max, dec.decode_table,
+                 dec.num_splits)):
+            if rows.shape[0] == 0:
+                continue
+            o, s = self._call(q.index_select(0, rows), k_cache, v_cache, layout, scale, part, cu_q, max_q, used,
+                              max_k, table, splits)
+            out.index_copy_(0, rows, o)
+            lse.index_copy_(1, rows, s)
+        return out, lse
+
+    def _call(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, layout: PagedLayout, scale: float, part: str,
+              cu_q: Tensor, max_q: int, used: Tensor, max_k: int, table: Tensor, splits: int) -> tuple[Tensor, Tensor]:
+        """One FA3 call as vLLM's attention backend makes it (varlen queries, paged causal KV, scheduler metadata)."""
+        h, d, g = q.shape[1], q.shape[2], k_cache.shape[2]
+        meta = layout.schedule(self.fa, h, g, d, q.dtype, part) if self.fa_version == 3 else None
         out = torch.empty_like(q)
         _, lse = self.fa.flash_attn_varlen_func(
-            q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=layout.cu_seqlens, max_seqlen_q=layout.max_seqlen,
-            seqused_k=layout.lens, max_seqlen_k=layout.max_seqlen, softmax_scale=scale, causal=True,
-            window_size=None, block_table=layout.block_table, softcap=0.0, scheduler_metadata=meta,
-            fa_version=self.fa_version, num_splits=0, return_softmax_lse=True)
+            q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_q, max_seqlen_q=max_q, seqused_k=used,
+            max_seqlen_k=max_k, softmax_scale=scale, causal=True, window_size=None, block_table=table, softcap=0.0,
+            scheduler_metadata=meta, fa_version=self.fa_version, num_splits=splits, return_softmax_lse=True)
         return out, lse
 
 
