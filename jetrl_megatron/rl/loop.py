@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.profiler import record_function
 
 from jetrl_megatron.megatron.grad_buffers import release_grad_buffers, restore_grad_buffers
@@ -186,12 +187,21 @@ def grpo_step(cfg: RunConfig, trainer: Trainer, ro: Rollout, step: int, logger: 
                 phase.wake_up()
             shards = ro.source.shards()
             report = ro.engine.refit_from_shards(shards, rank=ro.vllm_rank, exchange=ro.source.exchange)
+    release_cached_gpu_memory()
     served_equal = verify_served_fp8(cfg, trainer, ro.engine, shards.states)
     metrics.update(batch_metrics(batch, kept))
     metrics.update(step_telemetry(batch, meter, report, ro.source))
     if not math.isnan(served_equal):
         metrics["refit/served_fp8_equal"] = served_equal
     return {**metrics, **meter.memory.metrics()}
+
+
+def release_cached_gpu_memory() -> None:
+    """Return the trainer's cached, unused GPU blocks before the next rollout (as NeMo-RL does before generation):
+    the refit and update leave torch's caching allocator holding memory the awake engine could use, and that the
+    rollout phase's peak would otherwise count."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class StepMeter:
