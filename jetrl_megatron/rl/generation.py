@@ -37,8 +37,8 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
     v = cfg.policy.generation.vllm_cfg
     kwargs: dict[str, Any] = dict(cfg.policy.generation.vllm_kwargs)
     kwargs.pop("kv_cache_memory_bytes", None)  # RolloutConfig's (cfg.kv_cache_memory_bytes: the CPU default too)
-    # the hosted form of the jetrl switches: the arm and recipe were read from them (rl/config.py); the engine
-    # names its quantization method and writes its quantization_config itself
+    # the hosted form of the jetrl switches: the arm and recipe were read from them (rl/config/run_config.py); the
+    # engine names its quantization method and writes its quantization_config itself
     kwargs.pop("quantization", None)
     overrides = {k: v for k, v in (kwargs.pop("hf_overrides", None) or {}).items() if k != "quantization_config"}
     if overrides:

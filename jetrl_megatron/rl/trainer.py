@@ -29,7 +29,7 @@ from jetrl_megatron.rl.dist import (
     say,
     torch_dist,
 )
-from jetrl_megatron.rl.logging import RunLogger
+from jetrl_megatron.rl.outputs.metric_log import RunLogger
 from jetrl_megatron.sampling import LogitsSampling, mask_filtered_out
 
 
@@ -71,7 +71,7 @@ class Trainer:
 
 def build_trainer(cfg: RunConfig) -> Trainer:
     from jetrl_megatron.megatron.policy import build_policy
-    from jetrl_megatron.rl.plan import model_shape, trainer_settings
+    from jetrl_megatron.rl.tools.run_plan import model_shape, trainer_settings
 
     shape, recipe = model_shape(cfg), cfg.recipe
     mc = cfg.policy.megatron_cfg

@@ -294,7 +294,7 @@ def is_run_checkpoint(path: Path) -> bool:
 def rollout_state(model: dict[str, Any], shape, recipe, pp: int, pp_rank: int) -> dict[str, torch.Tensor]:
     """One rank's Megatron state dict as the resharder's input: the recipe's FP8 linears quantized 128x128 (the
     trainer's own weight quantizer, so the bytes equal its FP8 cache) with '<name>_scale_inv', the rest as saved."""
-    from jetrl_megatron.fp8 import ops
+    from jetrl_megatron.fp8 import quant_dispatch
     from jetrl_megatron.model.layout import pp_layer_range
 
     offset = pp_layer_range(shape.num_layers, pp, pp_rank).start
@@ -307,7 +307,7 @@ def rollout_state(model: dict[str, Any], shape, recipe, pp: int, pp_rank: int) -
             layer = offset + int(m.group(1))
             if recipe.module_is_fp8(f"decoder.layers.{layer}.{m.group(2)}.weight", layer, shape.num_layers):
                 with torch.no_grad():
-                    out[name], out[name + "_scale_inv"] = ops.quant_weight(t, recipe)
+                    out[name], out[name + "_scale_inv"] = quant_dispatch.quant_weight(t, recipe)
                 continue
         out[name] = t
     return out

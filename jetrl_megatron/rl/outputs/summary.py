@@ -22,10 +22,10 @@ from jetrl_megatron.rl.dist import (
 from jetrl_megatron.rl.generation import (
     VAL_KEYS,
 )
-from jetrl_megatron.rl.logging import RunLogger, plot_run, read_metrics
 from jetrl_megatron.rl.metrics import (
     MISMATCH_KEYS,
 )
+from jetrl_megatron.rl.outputs.metric_log import RunLogger, plot_run, read_metrics
 from jetrl_megatron.rl.trainer import (
     optimizer_updates_per_step,
 )
@@ -92,7 +92,8 @@ def run_arm_probe(cfg: RunConfig, model_dir: Path) -> dict[str, dict[str, float]
     out: dict[str, dict[str, float]] = {}
     for arm in ARM_BY_SWITCHES.values():
         res = model_dir.parent / f"probe_{arm}.json"
-        cmd = [sys.executable, "-m", "jetrl_megatron.rl.probe", "--recipe", str(model_dir.parent / "config.yaml"),
+        cmd = [sys.executable, "-m", "jetrl_megatron.rl.tools.mismatch_probe",
+               "--recipe", str(model_dir.parent / "config.yaml"),
                "--model-dir", str(model_dir),
                "--arm", arm, "--out", str(res)]
         env = dict(os.environ)

@@ -1,6 +1,8 @@
 """Measure one arm's rollout-vs-trainer mismatch on a given policy (a fresh process per arm).
 
-`python -m jetrl_megatron.rl.probe --recipe tiny_cpu --model-dir runs/tiny_cpu/final_model --arm jetrl --out m.json`
+    python -m jetrl_megatron.rl.tools.mismatch_probe --recipe tiny_cpu --model-dir runs/tiny_cpu/final_model \
+        --arm jetrl --out m.json
+
 builds the Megatron trainer of that arm from the model directory, starts that arm's vLLM engine with the trainer's
 weights (refit through the resharder), samples one rollout batch and writes the mismatch metrics as JSON.
 """
@@ -56,7 +58,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    from jetrl_megatron.rl.logging import quiet_libraries
+    from jetrl_megatron.rl.outputs.metric_log import quiet_libraries
 
     quiet_libraries()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))

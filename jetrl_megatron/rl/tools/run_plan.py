@@ -95,8 +95,8 @@ class TrainerSettings:
 
 def trainer_settings(cfg: RunConfig) -> TrainerSettings:
     """The trainer's DDP/optimizer settings: ``policy.megatron_cfg.optimizer`` as loaded, and the fixed choices."""
-    # use_precision_aware_optimizer is accepted without effect (rl/nemo_rl_keys.py): with NeMo-RL's FP32 master weights
-    # and moments it only moves where that state lives, and it needs TransformerEngine's FusedAdam.
+    # use_precision_aware_optimizer is accepted without effect (rl/config/nemo_rl_keys.py): with NeMo-RL's FP32 master
+    # weights and moments it only moves where that state lives, and it needs TransformerEngine's FusedAdam.
     # grad_reduce_in_fp32 off: BF16 grad buffers, NeMo-RL's default (distributed_data_parallel_config)
     return TrainerSettings(optimizer=cfg.policy.megatron_cfg.optimizer, grad_reduce_in_fp32=False,
                            use_precision_aware_optimizer=False)
@@ -311,7 +311,7 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
 
 def key_accounting(cfg: RunConfig) -> list[str]:
     """Which keys the recipe set (implemented / ignored), and which the schema filled in with its defaults."""
-    from jetrl_megatron.rl.nemo_rl_keys import IGNORED, IMPLEMENTED
+    from jetrl_megatron.rl.config.nemo_rl_keys import IGNORED, IMPLEMENTED
 
     set_keys = [v for v in cfg.key_report if v.status == IMPLEMENTED]
     ignored = [v for v in cfg.key_report if v.status == IGNORED]
@@ -353,7 +353,7 @@ def plan_report(cfg: RunConfig, gpu_mem_gib: float = 80.0, show_config: bool = T
         lines.append(f"  ok: whole heads on both sides (arm {cfg.arm}: BF16 rows move, no 128 blocks needed)")
     mem = memory_estimate(cfg, shape, layout, gpu_mem_gib)
     unit = "GPU" if cfg.is_gpu else "process (CPU RAM)"
-    lines.append(f"# memory estimate per {unit}, GiB (busiest pipeline stage; assumptions in rl/plan.py)")
+    lines.append(f"# memory estimate per {unit}, GiB (busiest pipeline stage; assumptions in rl/tools/run_plan.py)")
     settings = trainer_settings(cfg)
     lines.append(f"  optimizer: {settings.describe(layout.dp)}")
     lines.append(f"  grad buffers: {settings.describe_grad_buffers()}")
