@@ -12,6 +12,7 @@ Plain dicts in, :class:`~jetrl_megatron.recipe.Fp8Recipe` out; no NeMo-RL import
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -238,8 +239,6 @@ def hosted_form(policy: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     jetrl_fp8`` and the recipe built from NeMo-RL's keys (BF16 first/last layers, pow2 scales, DeepGEMM) unless it
     carries one already, which :func:`check_policy` then holds to those keys. Another arm is refused naming the
     keys: this worker runs jetrl only (NeMo-RL's own worker runs the others)."""
-    import copy
-
     fp8_train, precision, quantization = _switch_values(policy)
     arm, form = arm_of_switches(fp8_train, precision, quantization)
     if arm != "jetrl":

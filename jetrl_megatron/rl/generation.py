@@ -20,6 +20,7 @@ from jetrl_megatron.rl.dist import (
     torch_dist,
 )
 from jetrl_megatron.rl.tasks import build_task, heldout_split
+from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
 
 
 def engine_groups(cfg: RunConfig) -> tuple[int, int]:
@@ -32,8 +33,6 @@ def engine_groups(cfg: RunConfig) -> tuple[int, int]:
 
 
 def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
-    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
-
     v = cfg.policy.generation.vllm_cfg
     kwargs: dict[str, Any] = dict(cfg.policy.generation.vllm_kwargs)
     kwargs.pop("kv_cache_memory_bytes", None)  # RolloutConfig's (cfg.kv_cache_memory_bytes: the CPU default too)

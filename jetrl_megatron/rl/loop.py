@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from jetrl_megatron.megatron.grad_buffers import release_grad_buffers, restore_grad_buffers
+from jetrl_megatron.reshard.exchange import budget_bytes
 from jetrl_megatron.rl import health
 from jetrl_megatron.rl.batch import (
     RolloutBatch,
@@ -50,6 +51,7 @@ from jetrl_megatron.rl.outputs.summary import print_probe, run_arm_probe, summar
 from jetrl_megatron.rl.phase_memory import PhaseMemory
 from jetrl_megatron.rl.refit_source import RefitSource, verify_served_fp8
 from jetrl_megatron.rl.tasks import PromptStream, build_task
+from jetrl_megatron.rl.tools.run_plan import trainer_settings
 from jetrl_megatron.rl.trainer import (
     Trainer,
     build_trainer,
@@ -276,9 +278,6 @@ def start_rollout(cfg: RunConfig, trainer: Trainer, task, stream: PromptStream, 
     own ``model_dir``), then refit in place with the trainer's own bytes: this rank is vLLM rank (rank % rollout TP)
     of engine (rank // rollout TP). Colocated memory: the DDP grad buffers are held only during policy updates, not
     while the engine starts, nor during the logprob pass, refit or rollout; `jetrl plan` reads the same setting."""
-    from jetrl_megatron.reshard.exchange import budget_bytes
-    from jetrl_megatron.rl.tools.run_plan import trainer_settings
-
     release_grads = trainer_settings(cfg).release_grad_buffers
     if release_grads:
         release_grad_buffers(trainer.model)

@@ -41,6 +41,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from jetrl_megatron.config_key import Range, at_least, field_keys
 from jetrl_megatron.model.hub import HubCache
+from jetrl_megatron.model.shapes import get_model_shape
 from jetrl_megatron.recipe import (
     ATTN_IMPLS,
     ELEMENTWISE_IMPLS,
@@ -432,8 +433,6 @@ def derive_arm(cfg: RunConfig) -> str:
 def check_hosted_recipe(cfg: RunConfig) -> None:
     """The hosted form's recipe (``vllm_kwargs.hf_overrides.quantization_config.jet_rl``), when a config carries
     one, must be the recipe the NeMo-RL keys and ``policy.jet_rl`` build here: one YAML, one recipe, both drivers."""
-    from jetrl_megatron.recipe import RecipeError
-
     qc = (cfg.policy.generation.vllm_kwargs.get("hf_overrides") or {}).get("quantization_config")
     if qc is None:
         return
@@ -528,8 +527,6 @@ def check_top_k(cfg: RunConfig) -> None:
 def check_bf16_layers(cfg: RunConfig) -> None:
     """``vllm_cfg.num_first_layers_in_bf16`` / ``num_last_layers_in_bf16`` must fit the model's layer count (when
     it is known here: a preset or a local model directory; a hub id is checked when the trainer is built)."""
-    from jetrl_megatron.model.shapes import get_model_shape
-
     v = cfg.policy.generation.vllm_cfg
     first, last = v.num_first_layers_in_bf16, v.num_last_layers_in_bf16
     if first == 0 and last == 0:
@@ -594,7 +591,7 @@ def check_batches(cfg: RunConfig) -> None:
 
 # The datasets this project reads, and NeMo-RL v0.7.0's named datasets (its response-dataset registry): those load
 # and plan (a NeMo-RL YAML names them); its math datasets run (rl/tasks/named_datasets.py), the others stop the run with
-# the reason (rl/tasks.py).
+# the reason (rl/tasks/__init__.py: build_task).
 OWN_DATASETS = ("synthetic_addition", "synthetic_sort", "synthetic_count", "ResponseDataset")
 NEMO_RL_DATASETS = ("AIME2024", "AIME2025", "AIME2026", "DAPOMath17K", "DAPOMathAIME2024", "DeepScaler", "GSM8K",
                     "gsm8k", "OpenMathInstruct-2", "Nemotron-Cascade-2-SFT-Math", "NemoGymDataset", "openai_format",
@@ -656,6 +653,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
     """Derive the arm and the FP8 recipe, and check the rules that span keys."""
     _choice(cfg.policy.megatron_cfg.scheduler.lr_decay_style, ("constant", "linear", "cosine"),
             "policy.megatron_cfg.scheduler.lr_decay_style")
+    # local: the checkpoint module imports torch, which a config load does not otherwise need
     from jetrl_megatron.rl.outputs.checkpoint_format import NEMO_RL_CHECKPOINT_METRICS
 
     if cfg.checkpointing.metric_name is not None:

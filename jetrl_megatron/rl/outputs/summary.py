@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -87,8 +88,6 @@ def summarize(cfg: RunConfig, logger: RunLogger, sft_losses: list[float], wall: 
 
 def run_arm_probe(cfg: RunConfig, model_dir: Path) -> dict[str, dict[str, float]]:
     """Every arm's mismatch on the trained policy, each in a fresh process (vLLM and Megatron state are global)."""
-    import subprocess
-
     out: dict[str, dict[str, float]] = {}
     for arm in ARM_BY_SWITCHES.values():
         res = model_dir.parent / f"probe_{arm}.json"

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from jetrl_megatron.errors import UserError
+from jetrl_megatron.model.hub import TOKENIZER_FILES, is_hub_id, snapshot
 from jetrl_megatron.rl.tasks.base import CharTokenizer, Prompt
 from jetrl_megatron.rl.tasks.rewards import math_reward
 
@@ -107,8 +108,6 @@ def load_tokenizer(cfg):
     """The HF tokenizer of ``policy.tokenizer.name`` (or ``policy.model_name``): a local folder, or a hub id read from
     the Hugging Face cache (``cfg.hub``); the char tokenizer for presets. As NeMo-RL, a tokenizer without a pad token
     pads with its end-of-sequence token."""
-    from jetrl_megatron.model.hub import TOKENIZER_FILES, is_hub_id, snapshot
-
     key = "policy.tokenizer.name" if cfg.policy.tokenizer.name else "policy.model_name"
     name = cfg.policy.tokenizer.name or cfg.policy.model_name
     if name == cfg.model_preset and not Path(name).exists():

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from jetrl_megatron.recipe import ARM_BY_SWITCHES
 from jetrl_megatron.rl.config import arm_overrides as config_arm_overrides
@@ -65,8 +66,6 @@ def arm_overrides(out: Path, arm: str, seed: int, tokenizer: str | None = None) 
 
 def finished(log_dir: Path, expected_config: dict[str, Any]) -> bool:
     """A run `--reuse` may skip: it ended ok and was started with exactly the configuration it would get now."""
-    import yaml
-
     try:
         summary = json.loads((log_dir / "summary.json").read_text())
         config = yaml.safe_load((log_dir / "config.yaml").read_text())

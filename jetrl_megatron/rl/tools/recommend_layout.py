@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from jetrl_megatron.rl.config import ConfigError, RunConfig, load_config
+from jetrl_megatron.rl.tools.run_plan import memory_estimate, model_shape, parallel_layout, plan_report, refit_buffers
 
 TP_KEY = "policy.megatron_cfg.tensor_model_parallel_size"
 PP_KEY = "policy.megatron_cfg.pipeline_model_parallel_size"
@@ -88,14 +89,6 @@ class Candidate:
 def evaluate(recipe: str, overrides: list[str], tp: int, pp: int, rollout_tp: int, gpu_mem_gib: float,
              host_mem_gib: float | None) -> Candidate:
     """The plain plan of ``recipe`` + ``overrides`` at this layout, condensed to one :class:`Candidate`."""
-    from jetrl_megatron.rl.tools.run_plan import (
-        memory_estimate,
-        model_shape,
-        parallel_layout,
-        plan_report,
-        refit_buffers,
-    )
-
     layout_ov = [f"{TP_KEY}={tp}", f"{PP_KEY}={pp}", f"{ROLLOUT_TP_KEY}={rollout_tp}"]
     try:
         cfg = load_config(recipe, [*overrides, *layout_ov])
@@ -137,8 +130,6 @@ def evaluate(recipe: str, overrides: list[str], tp: int, pp: int, rollout_tp: in
 def recommend(recipe: str, overrides: list[str], gpu_mem_gib: float = 80.0,
               host_mem_gib: float | None = None) -> tuple[RunConfig, list[Candidate]]:
     """The base config (layout keys reset to 1, so any cluster size loads) and every candidate, best first."""
-    from jetrl_megatron.rl.tools.run_plan import model_shape
-
     if not gpu_mem_gib > 0:
         raise ConfigError(f"--gpu-mem-gib: must be > 0, got {gpu_mem_gib:g}")
     if host_mem_gib is not None and not host_mem_gib > 0:
@@ -178,8 +169,6 @@ def recommend_report(recipe: str, overrides: list[str], gpu_mem_gib: float = 80.
                      host_mem_gib: float | None = None) -> tuple[str, bool, Candidate | None]:
     """The text `jetrl plan --recommend` prints, whether any layout fits, and the recommended candidate."""
     base, cands = recommend(recipe, overrides, gpu_mem_gib, host_mem_gib)
-    from jetrl_megatron.rl.tools.run_plan import model_shape
-
     shape = model_shape(base)
     cl = base.cluster
     host = f"{host_mem_gib:g} GiB host per node" if host_mem_gib is not None else "host memory not checked"

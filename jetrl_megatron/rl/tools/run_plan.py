@@ -13,7 +13,10 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from jetrl_megatron.megatron.optimizer_settings import OptimizerSettings
+from jetrl_megatron.model.hub import is_hub_id, snapshot
+from jetrl_megatron.model.shapes import get_model_shape
 from jetrl_megatron.rl.config import ConfigError, RunConfig, to_yaml
+from jetrl_megatron.rl.config.nemo_rl_keys import IGNORED, IMPLEMENTED
 
 if TYPE_CHECKING:
     from jetrl_megatron.reshard.exchange import ExchangeBytes
@@ -25,9 +28,6 @@ def model_shape(cfg: RunConfig):
     """The model's shape from ``policy.jet_rl.model_preset``, else ``policy.model_name``: a preset, a local HF
     directory / config.json, or a hub id whose ``config.json`` is read from the Hugging Face cache (``cfg.hub``;
     downloaded only when online and not cached, as transformers would)."""
-    from jetrl_megatron.model.hub import is_hub_id, snapshot
-    from jetrl_megatron.model.shapes import get_model_shape
-
     name = cfg.model_preset or cfg.policy.model_name
     try:
         return get_model_shape(name)
@@ -311,8 +311,6 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
 
 def key_accounting(cfg: RunConfig) -> list[str]:
     """Which keys the recipe set (implemented / ignored), and which the schema filled in with its defaults."""
-    from jetrl_megatron.rl.config.nemo_rl_keys import IGNORED, IMPLEMENTED
-
     set_keys = [v for v in cfg.key_report if v.status == IMPLEMENTED]
     ignored = [v for v in cfg.key_report if v.status == IGNORED]
     lines = [f"# keys (docs/nemo_rl_keys.md): {len(set_keys)} set and implemented, {len(cfg.defaulted)} defaulted, "
