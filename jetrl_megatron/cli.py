@@ -26,7 +26,6 @@ from pathlib import Path
 from jetrl_megatron import slurm
 from jetrl_megatron.cli_args import parser
 from jetrl_megatron.errors import UserError, one_line
-from jetrl_megatron.rl.config import nemo_rl_upstream as up
 from jetrl_megatron.rl.config.run_config import (
     ARM_MODES,
     DEFAULT_RECIPE,
@@ -38,9 +37,6 @@ from jetrl_megatron.rl.config.run_config import (
 )
 from jetrl_megatron.rl.outputs.metric_log import quiet_libraries
 from jetrl_megatron.rl.tools.compare_runner import run_comparison
-from jetrl_megatron.rl.tools.recommend_layout import recommend_report
-from jetrl_megatron.rl.tools.run_plan import plan_report
-from jetrl_megatron.rl.tools.run_preflight import check_run
 
 
 def _normalize_recipe_args(args: argparse.Namespace) -> None:
@@ -71,6 +67,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                   f"(`make sbatch RECIPE={cfg.name}`), or validate it here with `make plan RECIPE={cfg.name}`.",
                   file=sys.stderr)
             return 2
+    from jetrl_megatron.rl.tools.run_preflight import check_run  # each command's module loads when it runs
+
     check_run(cfg, args.recipe, args.overrides)
     from jetrl_megatron.rl.loop import run
 
@@ -122,6 +120,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from jetrl_megatron.rl.tools.run_plan import plan_report
+
     if args.recommend:
         return cmd_recommend(args)
     cfg = load_config(args.recipe, args.overrides)
@@ -133,6 +133,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_recommend(args: argparse.Namespace) -> int:
     """`jetrl plan --recommend`: the ranked layouts, then the plain plan's command for the recommended one."""
+    from jetrl_megatron.rl.tools.recommend_layout import recommend_report
+
     text, ok, best = recommend_report(args.recipe, list(args.overrides), args.gpu_mem_gib, args.host_mem_gib)
     print(text)
     if best is not None:
@@ -147,6 +149,8 @@ def cmd_recommend(args: argparse.Namespace) -> int:
 
 def cmd_keys(args: argparse.Namespace) -> int:
     """Print docs/nemo_rl_keys.md: every key of NeMo-RL v0.7.0's Megatron GRPO YAMLs with its status here."""
+    from jetrl_megatron.rl.config import nemo_rl_upstream as up
+
     tarball = Path(args.tarball) if args.tarball else up.find_tarball(REPO_ROOT)
     if tarball is None or not tarball.is_file():
         raise UserError(f"no NeMo-RL v0.7.0 tarball: give --tarball or set JETRL_NEMO_RL_TARBALL ({up.TARBALL_NAME})")

@@ -41,7 +41,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from jetrl_megatron.config_key import Range, at_least, field_keys
 from jetrl_megatron.model.hub import HubCache
-from jetrl_megatron.model.shapes import get_model_shape
 from jetrl_megatron.recipe import (
     ATTN_IMPLS,
     ELEMENTWISE_IMPLS,
@@ -531,6 +530,10 @@ def check_bf16_layers(cfg: RunConfig) -> None:
     first, last = v.num_first_layers_in_bf16, v.num_last_layers_in_bf16
     if first == 0 and last == 0:
         return
+    from jetrl_megatron.model.shapes import (
+        get_model_shape,  # local: its preset table is not needed to load most configs
+    )
+
     try:
         shape = get_model_shape(cfg.model_preset or cfg.policy.model_name)
     except ValueError:
