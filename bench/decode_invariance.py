@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from jetrl_megatron.fp8 import ops as fp8_ops  # noqa: E402
+from jetrl_megatron.fp8 import quant_dispatch as fp8_ops  # noqa: E402
 from jetrl_megatron.fp8.gemm import load_backend, resolve_backend  # noqa: E402
 from jetrl_megatron.fp8.linear import fp8_linear_forward  # noqa: E402
 from jetrl_megatron.model.shapes import get_model_shape  # noqa: E402

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from jetrl_megatron.fp8 import ops  # noqa: E402
+from jetrl_megatron.fp8 import quant_dispatch as ops  # noqa: E402
 from jetrl_megatron.fp8.gemm import load_backend  # noqa: E402
 from jetrl_megatron.fp8.linear import fp8_linear_forward  # noqa: E402
 from jetrl_megatron.model.shapes import get_model_shape  # noqa: E402

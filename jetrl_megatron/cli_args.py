@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jetrl_megatron.rl.compare import COMPARE_ARMS
-from jetrl_megatron.rl.config import ARM_MODES, DEFAULT_RECIPE
+from jetrl_megatron.rl.config.run_config import ARM_MODES, DEFAULT_RECIPE
+from jetrl_megatron.rl.tools.compare import COMPARE_ARMS
 
 # the resharder commands' recipe flags (argparse dests), each an Fp8Recipe field
 FP8_RECIPE_FLAGS = ("mode", "bf16_first_layers", "bf16_last_layers", "scale_fmt")
@@ -74,7 +74,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-config", action="store_true", help="do not print the resolved config")
     p.add_argument("--recommend", action="store_true",
                    help="try every trainer TP x PP x DP and rollout TP layout of the cluster (cluster.num_nodes, "
-                        "cluster.gpus_per_node) through this plan and print them ranked (rule in rl/recommend.py)")
+                        "cluster.gpus_per_node) through this plan and print them ranked "
+                        "(rule in rl/tools/recommend_layout.py)")
 
 
 def _fp8_recipe_args(p: argparse.ArgumentParser) -> None:

@@ -1,8 +1,8 @@
 """A config key's facts besides its type and default, declared on the dataclass field that holds the key.
 
-Why on the field: a key is declared once, where its type and default are (``rl/config_schema.py``,
-``megatron/optimizer_settings.py``); the range check, the NeMo-RL key table (``rl/nemo_rl_keys.py``) and the errors
-about the FP8 recipe read its facts from there, so no second table can drift from the schema.
+Why on the field: a key is declared once, where its type and default are (``rl/config/schema.py``,
+``megatron/optimizer_settings.py``); the range check, the NeMo-RL key table (``rl/config/nemo_rl_keys.py``) and the
+errors about the FP8 recipe read its facts from there, so no second table can drift from the schema.
 
 A field's :class:`Key` holds: the range of its values (:class:`Range`), how this project reads NeMo-RL's key of that
 name (a note, and the values it accepts: any other value is refused with the note), the

@@ -21,7 +21,7 @@ from jetrl_megatron.reshard.export import write_hf_checkpoint
 from jetrl_megatron.reshard.mover import SCALE_SUFFIX, MegatronShards, iter_canonical
 from jetrl_megatron.reshard.plan import build_plan, format_plan
 from jetrl_megatron.reshard.preflight import ReshardError, check_reshard, format_violations
-from jetrl_megatron.rl.checkpoint import is_run_checkpoint, load_run_checkpoint
+from jetrl_megatron.rl.outputs.checkpoint_format import is_run_checkpoint, load_run_checkpoint
 
 _MEGATRON_FILE = re.compile(r"tp(\d+)_pp(\d+)(?:_vp(\d+))?\.pt$")
 

@@ -171,7 +171,7 @@ def model_params(ddp) -> dict[str, torch.Tensor]:
 
 def cache_matches_weights(ddp) -> bool:
     """The FP8 cache holds exactly quant(current BF16 weight) for every FP8 linear."""
-    from jetrl_megatron.fp8 import ops
+    from jetrl_megatron.fp8 import quant_dispatch as ops
     from jetrl_megatron.megatron.model import fp8_context, fp8_linears
 
     cache = fp8_context(ddp).cache

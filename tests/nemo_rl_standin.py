@@ -138,8 +138,8 @@ def install() -> None:
 
 def policy_config(recipe=None, num_layers: int = 4, model_name: str = "tiny") -> dict:
     """A NeMo-RL ``policy`` section (the keys the Jet-RL worker reads) that the worker accepts."""
+    from jetrl_megatron.nemo_rl.policy_cfg import jetrl_vllm_kwargs
     from jetrl_megatron.recipe import Fp8Recipe
-    from jetrl_megatron.rl.nemo_rl_policy_cfg import jetrl_vllm_kwargs
 
     recipe = recipe or Fp8Recipe()
     return {

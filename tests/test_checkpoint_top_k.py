@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from jetrl_megatron.rl.checkpoint import (
+from jetrl_megatron.rl.outputs.checkpoint_format import (
     NEMO_RL_CHECKPOINT_METRICS,
     checkpoints_to_remove,
     nemo_rl_metric_names,

@@ -5,7 +5,7 @@ import sys
 import time
 
 from jetrl_megatron.cli import main
-from jetrl_megatron.rl.compare import summary_table
+from jetrl_megatron.rl.tools.compare import summary_table
 
 
 def test_plan_ok(capsys):
@@ -30,7 +30,7 @@ def test_arm_flag_sets_nemo_rl_switches(capsys):
     assert main(["plan", "--recipe", "tiny_cpu", "jet_rl.mode=bf16"]) == 2
     err = capsys.readouterr().err
     assert "moved to policy.jet_rl" in err and "--arm" in err
-    from jetrl_megatron.rl.config import RECIPES_DIR
+    from jetrl_megatron.rl.config.run_config import RECIPES_DIR
 
     cfg = ("--config", str(RECIPES_DIR / "tiny_cpu.yaml"))
     assert main(["plan", *cfg, "--no-config", "--arm", "jetrl"]) == 0  # NeMo-RL's run_grpo.py form

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from small_run import small_run
 
-from jetrl_megatron.rl import compare
 from jetrl_megatron.rl.config import load_config
+from jetrl_megatron.rl.tools import compare
 
 ARMS = ("bf16", "bf16_train_fp8_rollout", "jetrl")
 SEEDS = (42, 43, 44)

@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from jetrl_megatron.rl.count_task import CountTask, count_reward
 from jetrl_megatron.rl.tasks import CharTokenizer
+from jetrl_megatron.rl.tasks.count_task import CountTask, count_reward
 
 PROMPT_RE = re.compile(r"count (\d+) by (\d) to (\d+):")
 

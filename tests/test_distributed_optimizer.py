@@ -321,7 +321,7 @@ def test_one_flag_sets_ddp_and_optimizer_and_bad_combinations_are_refused(mp):
 
 def test_trainer_and_plan_read_the_same_settings():
     from jetrl_megatron.rl.config import load_config
-    from jetrl_megatron.rl.plan import plan_report, trainer_settings
+    from jetrl_megatron.rl.tools.run_plan import plan_report, trainer_settings
 
     on = load_config("qwen3_8b_tp1")
     off = load_config("qwen3_8b_tp1", ["policy.megatron_cfg.optimizer.use_distributed_optimizer=false"])
@@ -333,7 +333,7 @@ def test_trainer_and_plan_read_the_same_settings():
     text_off, ok_off = plan_report(off, show_config=False)
     assert ok_on and "distributed optimizer" in text_on and "sharded over DP=8" in text_on
     assert not ok_off and "DOES NOT FIT" in text_off and "replicated on every DP rank" in text_off
-    # NeMo-RL's use_precision_aware_optimizer is accepted without effect (rl/nemo_rl_keys.py): with FP32 master
+    # NeMo-RL's use_precision_aware_optimizer is accepted without effect (rl/config/nemo_rl_keys.py): with FP32 master
     # weights and FP32 Adam moments it only moves where that state lives; the trainer runs this project's FP32 Adam
     # (not in the recipe nor the schema: added with Hydra's `+`)
     pa = load_config("qwen3_8b_tp1", ["+policy.megatron_cfg.optimizer.use_precision_aware_optimizer=true"])

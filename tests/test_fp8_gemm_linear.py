@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jetrl_megatron.fp8 import ops
+from jetrl_megatron.fp8 import quant_dispatch as ops
 from jetrl_megatron.fp8.gemm import fp8_gemm_dgrad, fp8_gemm_fprop, fp8_gemm_wgrad, resolve_backend
 from jetrl_megatron.fp8.linear import fake_quant_linear, fp8_linear, fp8_linear_forward
 from jetrl_megatron.fp8.quant import (

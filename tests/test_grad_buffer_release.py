@@ -202,8 +202,8 @@ def test_only_the_ddp_model_of_build_policy_is_accepted():
 def test_plan_counts_grad_buffers_in_the_train_phase_only(monkeypatch):
     import dataclasses
 
-    from jetrl_megatron.rl import plan
     from jetrl_megatron.rl.config import load_config
+    from jetrl_megatron.rl.tools import run_plan as plan
 
     cfg = load_config("qwen3_8b_tp1")
     shape, layout = plan.model_shape(cfg), plan.parallel_layout(cfg)

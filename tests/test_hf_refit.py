@@ -1,4 +1,4 @@
-"""The HF refit stream (``rl/hf_refit.py``) on a real CPU Megatron-Core model.
+"""The HF refit stream (``nemo_rl/hf_refit.py``) on a real CPU Megatron-Core model.
 
 At TP1 (in process), TP2 and PP2 (gloo, spawned), a Jet-RL model loaded with known HF weights yields full HF-named
 tensors that are, bit for bit and in order, what the resharder's HF export holds (``iter_canonical`` over the same
@@ -50,7 +50,7 @@ def _stream_case(shape, recipe, sd, tp: int, pp: int) -> dict:
     from megatron.core import parallel_state
 
     from jetrl_megatron.megatron.model import build_gpt, rollout_weights
-    from jetrl_megatron.rl.hf_refit import HfRefitStream
+    from jetrl_megatron.nemo_rl.hf_refit import HfRefitStream
 
     model = build_gpt(shape, recipe)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -116,7 +116,7 @@ def test_tp1_stream_is_the_resharders_export_and_the_reference(mp, family):
 
 def test_stream_refuses_a_stale_cache_instead_of_requantizing(mp):
     from jetrl_megatron.megatron.model import build_gpt, fp8_linears
-    from jetrl_megatron.rl.hf_refit import HfRefitStream
+    from jetrl_megatron.nemo_rl.hf_refit import HfRefitStream
 
     shape = tiny_shape("qwen3")
     model = build_gpt(shape, RECIPES["fp8_all"])
@@ -132,8 +132,8 @@ def test_stream_refuses_a_stale_cache_instead_of_requantizing(mp):
 
 def test_stream_refuses_changed_tensors(mp):
     from jetrl_megatron.megatron.model import build_gpt, refresh_fp8_cache
+    from jetrl_megatron.nemo_rl.hf_refit import HfRefitStream
     from jetrl_megatron.reshard import ReshardError
-    from jetrl_megatron.rl.hf_refit import HfRefitStream
 
     shape = tiny_shape("qwen3")
     model = build_gpt(shape, RECIPES["fp8_all"])

@@ -1,4 +1,4 @@
-"""The Jet-RL model inside a host trainer (``rl/hosted_policy.py``), on CPU with a real Megatron-Core model.
+"""The Jet-RL model inside a host trainer (``nemo_rl/hosted_policy.py``), on CPU with a real Megatron-Core model.
 
 * Checkpoint names: with the TE names applied, the chunk's distributed-checkpoint keys and global shapes are exactly
   those of Megatron-Core's local-spec GPT (whose mapping matches the TransformerEngine spec that Megatron-Bridge's HF
@@ -39,7 +39,7 @@ def test_checkpoint_keys_are_megatron_local_spec_keys(mp, family):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from jetrl_megatron.megatron.model import build_gpt
-    from jetrl_megatron.rl.hosted_policy import build_policy_chunk
+    from jetrl_megatron.nemo_rl.hosted_policy import build_policy_chunk
 
     shape = tiny_shape(family)
     ours = build_policy_chunk(shape, Fp8Recipe())
@@ -61,7 +61,7 @@ def test_float16_wrapper_keeps_the_forward_bit_identical(mp):
     (the rotary tables are FP32 buffers holding BF16-rounded values): the logits must not change."""
     from megatron.core.transformer.module import Float16Module
 
-    from jetrl_megatron.rl.hosted_policy import build_policy_chunk
+    from jetrl_megatron.nemo_rl.hosted_policy import build_policy_chunk
 
     model = build_policy_chunk(tiny_shape("qwen3"), Fp8Recipe())
     toks = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(3))
@@ -74,7 +74,7 @@ def test_float16_wrapper_keeps_the_forward_bit_identical(mp):
 
 
 def test_chunk_builder_refuses_other_arms_and_virtual_pipeline(mp):
-    from jetrl_megatron.rl.hosted_policy import ChunkBuilder
+    from jetrl_megatron.nemo_rl.hosted_policy import ChunkBuilder
 
     shape = tiny_shape("qwen3")
     for mode in ("bf16", "bf16_train_fp8_rollout", "fake_quant"):
@@ -112,7 +112,7 @@ def _train(rank: int, variant: str, sd) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from jetrl_megatron.megatron.model import fp8_linears, refresh_fp8_cache, rollout_weights, unwrap
-    from jetrl_megatron.rl.hosted_policy import build_policy_chunk, refresh_fp8_after_each_step, refresh_fp8_now
+    from jetrl_megatron.nemo_rl.hosted_policy import build_policy_chunk, refresh_fp8_after_each_step, refresh_fp8_now
 
     shape = tiny_shape("qwen3")
     gpt = build_policy_chunk(shape, Fp8Recipe())

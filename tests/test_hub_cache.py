@@ -36,7 +36,7 @@ def test_config_reads_the_cache_once_at_load(hub):
 
 @pytest.mark.parametrize("repo_id", ["meta-llama/Llama-3.2-1B-Instruct", "Qwen/Qwen2.5-1.5B"])
 def test_plan_reads_config_json_from_the_cache(hub, repo_id):
-    from jetrl_megatron.rl.plan import model_shape, plan_report
+    from jetrl_megatron.rl.tools.run_plan import model_shape, plan_report
 
     published = PUBLISHED[repo_id]
     write_config(hub, repo_id, published)
@@ -57,8 +57,8 @@ def test_plan_reads_config_json_from_the_cache(hub, repo_id):
 
 
 def test_an_id_not_in_the_cache_is_one_line_naming_the_id_and_the_cache(hub):
-    from jetrl_megatron.rl.plan import model_shape
     from jetrl_megatron.rl.tasks import load_tokenizer
+    from jetrl_megatron.rl.tools.run_plan import model_shape
     from jetrl_megatron.rl.trainer import resolve_model_weights
 
     cfg = load_config("tiny_cpu", ["policy.model_name=meta-llama/Llama-3.1-8B-Instruct",

@@ -11,7 +11,7 @@ import torch
 from megatron_helpers import hf_state, make_hf_model, reference_logprobs, tiny_shape
 from safetensors.torch import load_file
 
-from jetrl_megatron.fp8 import ops
+from jetrl_megatron.fp8 import quant_dispatch as ops
 from jetrl_megatron.fp8.weights import StaleFp8WeightError
 from jetrl_megatron.megatron import cpu
 from jetrl_megatron.model.shapes import get_model_shape

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jetrl_megatron.rl.config import (
+from jetrl_megatron.rl.config.nemo_rl_keys import IGNORED, IMPLEMENTED, REFUSED, RULES, classify, schema_status
+from jetrl_megatron.rl.config.run_config import (
     ConfigError,
     arm_overrides,
     load_config,
@@ -18,8 +19,7 @@ from jetrl_megatron.rl.config import (
     to_yaml,
     warn_ignored,
 )
-from jetrl_megatron.rl.config_schema import RunConfigFields
-from jetrl_megatron.rl.nemo_rl_keys import IGNORED, IMPLEMENTED, REFUSED, RULES, classify, schema_status
+from jetrl_megatron.rl.config.schema import RunConfigFields
 
 RECIPES = ["tiny_cpu", "count_150m_gpu", "grpo_math_base", "qwen3_8b_tp1", "qwen3_32b_tp2", "llama31_8b_tp1",
            "qwen25_7b_tp2"]

@@ -14,11 +14,11 @@ from collections import Counter
 import pytest
 
 from jetrl_megatron.errors import UserError
-from jetrl_megatron.rl import nemo_rl_upstream as up
-from jetrl_megatron.rl.config import REPO_ROOT, ConfigError, load_config_file
-from jetrl_megatron.rl.config_schema import RunConfigFields
-from jetrl_megatron.rl.config_yaml import leaf_paths
-from jetrl_megatron.rl.nemo_rl_keys import IGNORED, IMPLEMENTED, REFUSED, classify
+from jetrl_megatron.rl.config import nemo_rl_upstream as up
+from jetrl_megatron.rl.config.nemo_rl_keys import IGNORED, IMPLEMENTED, REFUSED, classify
+from jetrl_megatron.rl.config.run_config import REPO_ROOT, ConfigError, load_config_file
+from jetrl_megatron.rl.config.schema import RunConfigFields
+from jetrl_megatron.rl.config.yaml_tree import leaf_paths
 
 DOC = REPO_ROOT / "docs" / "nemo_rl_keys.md"
 _KEY_PATH = re.compile(r"^[a-z_][\w.]*\w: ")
@@ -48,7 +48,7 @@ def test_every_key_of_every_yaml_has_a_status(upstream):
 
 
 def test_each_yaml_loads_or_is_refused_naming_a_key_and_plans(upstream):
-    from jetrl_megatron.rl.plan import plan_report
+    from jetrl_megatron.rl.tools.run_plan import plan_report
 
     outcome = Counter()
     for y in upstream:
@@ -76,7 +76,7 @@ def test_each_yaml_loads_or_is_refused_naming_a_key_and_plans(upstream):
     ("grpo-qwen2.5-7b-instruct-4n8g-megatron.yaml", "qwen2.5-7b"),
 ])
 def test_upstream_fp8_recipes_select_the_arm_and_plan(upstream, name, preset):
-    from jetrl_megatron.rl.plan import plan_report
+    from jetrl_megatron.rl.tools.run_plan import plan_report
 
     (y,) = [y for y in upstream if y.path.name == name]
     cfg = load_config_file(y.path, [f"policy.jet_rl.model_preset={preset}"])
@@ -102,7 +102,7 @@ def test_every_loading_yaml_plans_unchanged_from_a_local_hub_cache(upstream, tmp
     from huggingface_hub import constants
     from published_configs import PUBLISHED
 
-    from jetrl_megatron.rl.plan import plan_report
+    from jetrl_megatron.rl.tools.run_plan import plan_report
 
     cache = tmp_path / "hub"
     for repo_id, config in PUBLISHED.items():
@@ -145,7 +145,7 @@ def test_llama32_1b_fp8_arm_is_refused_naming_the_projection(upstream, tmp_path,
     from huggingface_hub import constants
     from published_configs import PUBLISHED
 
-    from jetrl_megatron.rl.plan import plan_report
+    from jetrl_megatron.rl.tools.run_plan import plan_report
 
     write_config(tmp_path, "meta-llama/Llama-3.2-1B-Instruct", PUBLISHED["meta-llama/Llama-3.2-1B-Instruct"])
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
@@ -173,7 +173,7 @@ def test_docs_table_is_current(upstream):
 
 
 def test_docs_table_matches_the_code():
-    """Runs without the tarball: each row's status and note are what rl/nemo_rl_keys.py says today."""
+    """Runs without the tarball: each row's status and note are what rl/config/nemo_rl_keys.py says today."""
     rows = [ln for ln in DOC.read_text().splitlines() if ln.startswith("| `")]
     assert len(rows) > 500
     for row in rows:

@@ -35,11 +35,11 @@ from nemo_rl_standin import policy_config
 
 from jetrl_megatron.model.shapes import get_model_shape
 from jetrl_megatron.nemo_rl import contract
+from jetrl_megatron.nemo_rl.policy_cfg import PolicyConfigError, check_policy, jetrl_vllm_kwargs
 from jetrl_megatron.nemo_rl.registry import ACTOR_ENVIRONMENTS, MEGATRON_WORKER_FQN, WORKER_FQN
 from jetrl_megatron.recipe import Fp8Recipe
-from jetrl_megatron.rl import nemo_rl_upstream as up
 from jetrl_megatron.rl.config import REPO_ROOT
-from jetrl_megatron.rl.nemo_rl_policy_cfg import PolicyConfigError, check_policy, jetrl_vllm_kwargs
+from jetrl_megatron.rl.config import nemo_rl_upstream as up
 
 GLUE = REPO_ROOT / "jetrl_megatron" / "nemo_rl"
 PATCH = REPO_ROOT / "patches" / "nemo-rl-v0.7.0-jetrl-worker.patch"
@@ -168,7 +168,7 @@ def test_glue_touches_only_the_table(nemo_root):
 
 
 def _yaml_keys(nemo_root: Path, name: str) -> dict:
-    from jetrl_megatron.rl.config_yaml import load_tree, resolve_tree
+    from jetrl_megatron.rl.config.yaml_tree import load_tree, resolve_tree
 
     saved = os.environ.get("HF_HOME")
     os.environ["HF_HOME"] = "<HF_HOME>"
@@ -399,7 +399,7 @@ QC = "generation.vllm_kwargs.hf_overrides.quantization_config"
 def test_check_policy_accepts_and_returns_the_recipe():
     recipe = Fp8Recipe(bf16_last_layers=1, scale_fmt="pow2")
     assert check_policy(_policy(recipe), 4) == recipe
-    from jetrl_megatron.rl.nemo_rl_policy_cfg import policy_plan, uses_jetrl
+    from jetrl_megatron.nemo_rl.policy_cfg import policy_plan, uses_jetrl
 
     plan = policy_plan(_policy(recipe), get_model_shape("tiny"))
     assert plan.recipe == recipe and plan.shape.num_layers == 4 and plan.sequence_parallel is False
@@ -444,7 +444,7 @@ def test_a_recipe_with_bf16_layers_needs_their_ignored_layers():
 
 def test_reading_a_key_outside_the_contract_table_is_refused():
     """Every policy key the integration reads is in READS (so contract.CONFIG_KEYS, checked above, is complete)."""
-    from jetrl_megatron.rl import nemo_rl_policy_cfg
+    from jetrl_megatron.nemo_rl import policy_cfg as nemo_rl_policy_cfg
 
     with pytest.raises(KeyError, match="READS"):
         nemo_rl_policy_cfg._get(_policy(), "megatron_cfg.tensor_model_parallel_size", 1)

@@ -1,6 +1,6 @@
 """One YAML, both drivers: the jetrl switches in the standalone form (fp8_cfg.enabled: true + precision: fp8) and in
 the hosted form (fp8_cfg.enabled: false + precision: bfloat16 + vllm_kwargs.quantization: jetrl_fp8) select the same
-arm and the same recipe under `jetrl run` (rl/config.py) and under NeMo-RL's driver (rl/nemo_rl_policy_cfg.py,
+arm and the same recipe under `jetrl run` (rl/config/run_config.py) and under NeMo-RL's driver (nemo_rl/policy_cfg.py,
 which hands NeMo-RL the hosted form); every other combination is an error naming the keys. One test per cell of the
 switch table, per driver; expectations are written out here, not computed from the table in the code.
 """
@@ -13,9 +13,9 @@ import pytest
 from nemo_rl_standin import policy_config
 
 from jetrl_megatron.errors import UserError
+from jetrl_megatron.nemo_rl.policy_cfg import PolicyConfigError, check_policy, hosted_form, policy_plan
 from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.rl.config import ConfigError, load_config
-from jetrl_megatron.rl.nemo_rl_policy_cfg import PolicyConfigError, check_policy, hosted_form, policy_plan
 
 TRAIN, PREC, QUANT = ("policy.megatron_cfg.fp8_cfg.enabled", "policy.generation.vllm_cfg.precision",
                       "policy.generation.vllm_kwargs.quantization")

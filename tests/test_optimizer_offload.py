@@ -227,7 +227,7 @@ def test_offload_needs_the_distributed_optimizer_and_a_fraction(mp):
 # ---------------------------------------------------------------------------------------------- config -> trainer, plan
 def test_config_passes_the_offload_keys_and_refuses_bad_ones():
     from jetrl_megatron.rl.config import ConfigError, load_config
-    from jetrl_megatron.rl.plan import trainer_settings
+    from jetrl_megatron.rl.tools.run_plan import trainer_settings
 
     s = trainer_settings(load_config("qwen3_8b_1gpu"))
     opt = s.policy_kwargs()["optimizer"]
@@ -246,7 +246,7 @@ def test_plan_counts_gpu_and_host_memory_of_the_offload():
     """Offload moves f x (12 + 4) B/param from the GPU to the host, plus the hybrid optimizer's pinned BF16 staging
     (f x 2 B/param, kept by torch's pinned allocator); the host check fails and says by how much."""
     from jetrl_megatron.rl.config import load_config
-    from jetrl_megatron.rl.plan import memory_estimate, model_shape, parallel_layout, plan_report
+    from jetrl_megatron.rl.tools.run_plan import memory_estimate, model_shape, parallel_layout, plan_report
 
     off = load_config("qwen3_8b_1gpu")
     on_gpu = load_config("qwen3_8b_1gpu", ["policy.megatron_cfg.optimizer.optimizer_cpu_offload=false"])

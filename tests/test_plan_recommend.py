@@ -1,6 +1,7 @@
-"""`jetrl plan --recommend` (rl/recommend.py): the ranking on a small synthetic cluster against an enumeration and a
-ranking written here from the stated rule, every recommended layout passing the plain plan with the same numbers, and
-a bad cluster refused with one line naming the key. CPU, arithmetic only (no process groups, no engines)."""
+"""`jetrl plan --recommend` (rl/tools/recommend_layout.py): the ranking on a small synthetic cluster against an
+enumeration and a ranking written here from the stated rule, every recommended layout passing the plain plan with
+the same numbers, and a bad cluster refused with one line naming the key. CPU, arithmetic only (no process groups,
+no engines)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 
 from jetrl_megatron.cli import main
 from jetrl_megatron.rl.config import ConfigError, load_config
-from jetrl_megatron.rl.plan import memory_estimate, model_shape, parallel_layout, plan_report, refit_buffers
-from jetrl_megatron.rl.recommend import recommend
+from jetrl_megatron.rl.tools.recommend_layout import recommend
+from jetrl_megatron.rl.tools.run_plan import memory_estimate, model_shape, parallel_layout, plan_report, refit_buffers
 
 # tiny preset (4 layers, 4/2 heads, FFN 768 = 6 blocks) on 2 nodes x 4 GPUs of 1 GiB, 4K-token micro-batches: the
 # four verdicts all occur (fits, < 10% headroom, does not fit, refused by the batch split and by the resharder)

@@ -3,8 +3,8 @@
 import pytest
 
 from jetrl_megatron.recipe import Fp8Recipe
-from jetrl_megatron.rl.config import ARM_MODES, RECIPES_DIR, ConfigError, arm_overrides, load_config
-from jetrl_megatron.rl.plan import plan_report
+from jetrl_megatron.rl.config.run_config import ARM_MODES, RECIPES_DIR, ConfigError, arm_overrides, load_config
+from jetrl_megatron.rl.tools.run_plan import plan_report
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 REQUIRED = {"tiny_cpu", "qwen3_8b_tp1", "qwen3_32b_tp2", "llama31_8b_tp1", "qwen25_7b_tp2"}
@@ -81,7 +81,7 @@ GPU_RECIPES = [n for n in RECIPES if load_config(n).is_gpu]
 def test_gpu_recipe_fits_80gib_counting_refit_buffers(name):
     """Both colocated phases fit an 80 GiB GPU, with the refit exchange's persistent buffers counted in each
     (present exactly when the trainer is model-parallel)."""
-    from jetrl_megatron.rl.plan import memory_estimate, model_shape, parallel_layout
+    from jetrl_megatron.rl.tools.run_plan import memory_estimate, model_shape, parallel_layout
 
     cfg = load_config(name)
     layout = parallel_layout(cfg)
@@ -209,7 +209,7 @@ def test_model_weights_resolution(tmp_path, monkeypatch):
 def test_plan_counts_a_sized_kv_cache():
     """With vllm_kwargs.kv_cache_memory_bytes set, the engine sizes its KV cache from it (CUDA too), so the plan's KV
     budget is that size and the rollout phase is weights + that size, not gpu_memory_utilization of the GPU."""
-    from jetrl_megatron.rl.plan import memory_estimate, model_shape, parallel_layout
+    from jetrl_megatron.rl.tools.run_plan import memory_estimate, model_shape, parallel_layout
 
     base = load_config("count_150m_gpu", ["~policy.generation.vllm_kwargs.kv_cache_memory_bytes"])
     sized = load_config("count_150m_gpu", [f"policy.generation.vllm_kwargs.kv_cache_memory_bytes={3 << 30}"])

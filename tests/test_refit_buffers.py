@@ -89,7 +89,7 @@ def test_plan_counts_the_refit_buffers_refit_source_allocates(tmp_path, tp, pp):
     from jetrl_megatron.megatron.cpu import spawn
     from jetrl_megatron.reshard.exchange import budget_bytes, refit_buffer_bytes
     from jetrl_megatron.rl.config import arm_overrides, load_config
-    from jetrl_megatron.rl.plan import GiB, memory_estimate, model_shape, parallel_layout
+    from jetrl_megatron.rl.tools.run_plan import GiB, memory_estimate, model_shape, parallel_layout
 
     world = tp * pp
     with deadline(600, f"TP{tp} x PP{pp} exchange"):

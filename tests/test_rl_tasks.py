@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from jetrl_megatron.rl.rewards import addition_reward, math_reward, sort_reward
 from jetrl_megatron.rl.tasks import AdditionTask, CharTokenizer, MathTask, PromptStream, SortTask
+from jetrl_megatron.rl.tasks.rewards import addition_reward, math_reward, sort_reward
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "math_sample.jsonl"
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.profiler import record_function
 
-from jetrl_megatron.rl.step_profile import StepProfile
+from jetrl_megatron.rl.outputs.step_profile import StepProfile
 
 
 def _work(n: int) -> None:

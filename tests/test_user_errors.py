@@ -228,8 +228,8 @@ def _truncate(path: Path, keep: int) -> None:
 
 @pytest.mark.parametrize("record_sizes", [True, False])
 def test_truncated_newest_checkpoint_falls_back_with_a_warning(tmp_path, capsys, record_sizes):
-    from jetrl_megatron.rl.checkpoint_io import latest_checkpoint
     from jetrl_megatron.rl.config import load_config
+    from jetrl_megatron.rl.outputs.checkpoint_io import latest_checkpoint
 
     cfg = load_config("tiny_cpu", [f"checkpointing.checkpoint_dir={tmp_path}"])
     step1 = _fake_checkpoint(tmp_path, 1, record_sizes=record_sizes)
@@ -265,7 +265,7 @@ class _RunsCode:
 
 
 def test_resume_refuses_a_pickle_that_would_run_code(tmp_path):
-    from jetrl_megatron.rl.checkpoint_io import load_checkpoint
+    from jetrl_megatron.rl.outputs.checkpoint_io import load_checkpoint
 
     d = _fake_checkpoint(tmp_path, 1)
     marker = tmp_path / "ran"
@@ -283,7 +283,7 @@ def test_rng_state_round_trips_through_weights_only_load(tmp_path):
 
     import numpy as np
 
-    from jetrl_megatron.rl.checkpoint import rng_state, set_rng_state
+    from jetrl_megatron.rl.outputs.checkpoint_format import rng_state, set_rng_state
 
     random.seed(3)
     np.random.seed(4)
@@ -377,8 +377,8 @@ def _save_tp_pp_checkpoints(rank: int, world_size: int, root: str) -> None:
     """Each layout: build the tiny trainer, save a run checkpoint, and (rank 0) keep the canonical tensors the
     rollout engine would be served (the FP8 cache's bytes + scales, BF16 rest) as the export's reference."""
     from jetrl_megatron.megatron.cpu import init_parallel
-    from jetrl_megatron.rl.checkpoint_io import save_checkpoint
     from jetrl_megatron.rl.config import load_config
+    from jetrl_megatron.rl.outputs.checkpoint_io import save_checkpoint
     from jetrl_megatron.rl.tasks import PromptStream, build_task
     from jetrl_megatron.rl.trainer import build_trainer, canonical_weights
 

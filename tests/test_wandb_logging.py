@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from jetrl_megatron.errors import UserError
-from jetrl_megatron.rl.logging import RunLogger, read_metrics, wandb_init_kwargs
+from jetrl_megatron.rl.outputs.metric_log import RunLogger, read_metrics, wandb_init_kwargs
 
 pytest.importorskip("wandb")
 

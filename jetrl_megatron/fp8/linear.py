@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from jetrl_megatron.fp8 import ops
+from jetrl_megatron.fp8 import quant_dispatch
 from jetrl_megatron.fp8.gemm import fp8_gemm_dgrad, fp8_gemm_fprop, fp8_gemm_wgrad
 from jetrl_megatron.fp8.quant import BLOCK, dequantize_1x128, dequantize_128x128, quantize_1x128, quantize_128x128
 from jetrl_megatron.recipe import Fp8Recipe
@@ -38,7 +38,7 @@ def check_trainable_shape(weight: torch.Tensor, x: torch.Tensor, fn: str) -> Non
 def _fprop(x2d: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
            recipe: Fp8Recipe | None, out_dtype: torch.dtype, reference_quant: bool
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    xq, xs = ops.quant_act(x2d, recipe, reference_quant=reference_quant)
+    xq, xs = quant_dispatch.quant_act(x2d, recipe, reference_quant=reference_quant)
     y = fp8_gemm_fprop(xq, xs, wq, ws, bias=bias, out_dtype=out_dtype, recipe=recipe)
     return y, xq, xs
 
@@ -67,12 +67,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         xq, xs, wq, ws = ctx.saved_tensors
         recipe, reference = ctx.recipe, ctx.reference_quant
         dy2d = dy.reshape(-1, dy.shape[-1])
-        gq, gs, gtq, gts = ops.quant_dual(dy2d, recipe, reference_quant=reference)
+        gq, gs, gtq, gts = quant_dispatch.quant_dual(dy2d, recipe, reference_quant=reference)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = fp8_gemm_dgrad(gq, gs, wq, ws, out_dtype=ctx.x_dtype, recipe=recipe).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            xtq, xts = ops.regroup_for_wgrad(xq, xs, recipe, reference_quant=reference)
+            xtq, xts = quant_dispatch.regroup_for_wgrad(xq, xs, recipe, reference_quant=reference)
             dw = fp8_gemm_wgrad(gtq, gts, xtq, xts, out_dtype=ctx.weight_dtype, recipe=recipe)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(ctx.weight_dtype)
@@ -91,7 +91,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """
     check_trainable_shape(weight, x, "fp8_linear")
     if weight_fp8 is None:
-        weight_fp8 = ops.quant_weight(weight.detach(), recipe, reference_quant=reference_quant)
+        weight_fp8 = quant_dispatch.quant_weight(weight.detach(), recipe, reference_quant=reference_quant)
     wq, ws = weight_fp8
     if tuple(wq.shape) != tuple(weight.shape):
         raise ValueError(f"fp8_linear: FP8 weight shape {tuple(wq.shape)} != master weight shape {tuple(weight.shape)}")
@@ -106,7 +106,7 @@ def _fake_1x128(t: torch.Tensor, recipe: Fp8Recipe | None) -> torch.Tensor:
 
 def _fake_tokens(t2d: torch.Tensor, recipe: Fp8Recipe | None) -> torch.Tensor:
     """Quantize-dequantize with 128 groups along tokens (WGrad operands), returned as the (features, Mp) transpose."""
-    q, s = quantize_1x128(ops._pad_rows(t2d, ops.padded_tokens(t2d.shape[0])).t(), recipe)
+    q, s = quantize_1x128(quant_dispatch._pad_rows(t2d, quant_dispatch.padded_tokens(t2d.shape[0])).t(), recipe)
     return dequantize_1x128(q, s, t2d.dtype)
 
 

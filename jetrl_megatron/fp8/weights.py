@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from jetrl_megatron.fp8 import ops
+from jetrl_megatron.fp8 import quant_dispatch
 from jetrl_megatron.recipe import Fp8Recipe
 
 
@@ -71,7 +71,7 @@ class Fp8WeightCache:
         fresh = {}
         with torch.no_grad():
             for name, p in items:
-                q, s = ops.quant_weight(p.detach(), self.recipe, reference_quant=self.reference_quant)
+                q, s = quant_dispatch.quant_weight(p.detach(), self.recipe, reference_quant=self.reference_quant)
                 fresh[id(p)] = _Entry(name, weakref.ref(p), q, s, p._version, generation)
             for key, entry in fresh.items():
                 old = self._entries.get(key)

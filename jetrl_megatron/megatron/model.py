@@ -34,7 +34,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_para
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from jetrl_megatron.fp8 import ops
+from jetrl_megatron.fp8 import quant_dispatch
 from jetrl_megatron.megatron.context import Fp8ModelContext
 from jetrl_megatron.megatron.cpu import enable_cpu_mode
 from jetrl_megatron.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear
@@ -536,7 +536,7 @@ def rollout_weights(model, *, include_bf16: bool = True) -> dict[str, torch.Tens
             q, sc = ctx.cache.get(m.weight)
         else:
             with torch.no_grad():
-                q, sc = ops.quant_weight(m.weight.detach(), ctx.recipe, reference_quant=ctx.reference_quant)
+                q, sc = quant_dispatch.quant_weight(m.weight.detach(), ctx.recipe, reference_quant=ctx.reference_quant)
         out[f"{n}.weight"], out[f"{n}.weight_scale_inv"] = q, sc
         fp8_names.add(f"{n}.weight")
     if include_bf16:

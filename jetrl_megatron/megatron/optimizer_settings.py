@@ -1,6 +1,6 @@
 """The trainer's optimizer settings: NeMo-RL's ``policy.megatron_cfg.optimizer`` section, as one object.
 
-Why one object: the config loads this section into it (``rl/config_schema.py`` uses it as the section's type),
+Why one object: the config loads this section into it (``rl/config/schema.py`` uses it as the section's type),
 ``jetrl plan`` estimates memory from it and :func:`jetrl_megatron.megatron.policy.build_policy` builds Megatron's
 optimizer from it, so no layer can assume a setting, or a default, another does not use. The field names are
 Megatron's ``OptimizerConfig`` names, which NeMo-RL's section uses too. No torch import: the config reads it.

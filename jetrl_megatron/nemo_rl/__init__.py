@@ -3,6 +3,7 @@ the trainer's FP8 bytes, and a driver that runs NeMo-RL's own ``examples/run_grp
 
 ``worker.py`` and ``run_grpo.py`` import NeMo-RL and are used only inside a NeMo-RL installation; ``contract.py``
 (what the glue relies on in NeMo-RL, and its checker) and ``registry.py`` do not. Nothing else in
-``jetrl_megatron`` imports this package. The logic — model build, FP8 cache refresh, refit stream, config checks —
-lives in ``jetrl_megatron.rl.hosted_policy``, ``rl.hf_refit`` and ``rl.nemo_rl_policy_cfg``, tested without NeMo-RL.
+``jetrl_megatron`` imports this package: it imports ``jetrl_megatron.rl`` and the layers below, never the other way.
+The logic — model build, FP8 cache refresh, refit stream, config checks — lives in ``hosted_policy.py``,
+``hf_refit.py`` and ``policy_cfg.py``, which import nothing of NeMo-RL and are tested without it.
 """

@@ -5,7 +5,7 @@ Why a table: the glue (``worker.py``, ``registry.py``, ``run_grpo.py``) is thin,
 NeMo-RL's internals — which methods the refit calls, where the model is built, how the actor registry is read. The
 table says exactly which; the tests check that the glue touches nothing outside it and that every entry holds at
 v0.7.0 (``python -m jetrl_megatron.nemo_rl.contract <nemo-rl checkout>`` checks another version). The policy config
-keys come from :data:`jetrl_megatron.rl.nemo_rl_policy_cfg.READS`, the one list of keys that module reads.
+keys come from :data:`jetrl_megatron.nemo_rl.policy_cfg.READS`, the one list of keys that module reads.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from jetrl_megatron.nemo_rl.policy_cfg import READS
 from jetrl_megatron.nemo_rl.registry import MEGATRON_WORKER_FQN
-from jetrl_megatron.rl.nemo_rl_policy_cfg import READS
 
 __all__ = ["NEMO_RL_VERSION", "Touch", "TOUCHES", "CONFIG_KEYS", "check_source", "params_of", "main"]
 

@@ -23,8 +23,8 @@ from typing import Any
 
 from jetrl_megatron.errors import UserError
 from jetrl_megatron.nemo_rl.contract import NEMO_RL_VERSION, check_source
+from jetrl_megatron.nemo_rl.policy_cfg import PolicyPlan, hosted_form, policy_plan
 from jetrl_megatron.nemo_rl.registry import MEGATRON_WORKER_FQN, WORKER_FQN, register_actor_environments
-from jetrl_megatron.rl.nemo_rl_policy_cfg import PolicyPlan, hosted_form, policy_plan
 
 __all__ = ["main", "nemo_rl_root", "preflight", "select_jetrl_worker", "install"]
 

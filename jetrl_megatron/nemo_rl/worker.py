@@ -2,14 +2,14 @@
 overridden; every NeMo-RL name used here is listed in ``contract.py``).
 
 * the model: NeMo-RL builds its chunks through Megatron-Bridge's ``provider.provide``; while it does, ``provide``
-  is :class:`~jetrl_megatron.rl.hosted_policy.ChunkBuilder` (this project's spec: FP8 blockwise linears,
+  is :class:`~jetrl_megatron.nemo_rl.hosted_policy.ChunkBuilder` (this project's spec: FP8 blockwise linears,
   rollout-matched numerics, TE-compatible checkpoint names), set by wrapping ``setup_model_and_optimizer`` and
   ``setup_reference_model_state`` in NeMo-RL's worker module, the one point between NeMo-RL's config and its
   model build;
 * the FP8 weight cache: re-quantized once after each successful optimizer step (the deferred
   ``overlap_param_gather`` all-gather forced first), after the checkpoint load, and around the reference-policy
   weight swap;
-* the refit: ``_iter_params_with_optional_kv_scales`` yields :class:`~jetrl_megatron.rl.hf_refit.HfRefitStream`:
+* the refit: ``_iter_params_with_optional_kv_scales`` yields :class:`~jetrl_megatron.nemo_rl.hf_refit.HfRefitStream`:
   full HF-named tensors, FP8 linears as the trainer's E4M3 ``weight`` + FP32 ``weight_scale_inv`` (no
   re-quantization), BF16 tensors as BF16. vLLM loads them with the ``jetrl_fp8`` method named in
   ``policy.generation.vllm_kwargs``.
@@ -30,9 +30,9 @@ import ray
 import torch
 from nemo_rl.models.policy.utils import get_runtime_env_for_policy_worker
 
-from jetrl_megatron.rl.hf_refit import HfRefitStream
-from jetrl_megatron.rl.hosted_policy import ChunkBuilder, refresh_fp8_after_each_step, refresh_fp8_now
-from jetrl_megatron.rl.nemo_rl_policy_cfg import PolicyConfigError, PolicyPlan, policy_plan, uses_jetrl
+from jetrl_megatron.nemo_rl.hf_refit import HfRefitStream
+from jetrl_megatron.nemo_rl.hosted_policy import ChunkBuilder, refresh_fp8_after_each_step, refresh_fp8_now
+from jetrl_megatron.nemo_rl.policy_cfg import PolicyConfigError, PolicyPlan, policy_plan, uses_jetrl
 
 __all__ = ["JetRLMegatronPolicyWorkerImpl", "JetRLMegatronPolicyWorker", "install_model_build"]
 

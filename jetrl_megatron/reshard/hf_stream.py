@@ -7,7 +7,7 @@ conversion is the resharder's own (``canonical_layer_tensors`` for decoder layer
 vocabulary and norm tensors), so the stream carries exactly the bytes an HF FP8 export holds: the trainer's E4M3
 codes and FP32 128x128 ``weight_scale_inv`` unchanged, BF16 tensors unchanged, vocab padding trimmed.
 
-Pure functions of tensors: the collective gathering lives with the trainer (``jetrl_megatron.rl.hf_refit``, over
+Pure functions of tensors: the collective gathering lives with the trainer (``jetrl_megatron.nemo_rl.hf_refit``, over
 ``reshard.transport``).
 """
 

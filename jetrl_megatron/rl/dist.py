@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import torch
 
+from jetrl_megatron.megatron.cpu import init_parallel
 from jetrl_megatron.rl.config import RunConfig
 
 
@@ -75,8 +76,6 @@ def dp_gather(x: torch.Tensor) -> torch.Tensor:
 
 
 def init_distributed(cfg: RunConfig) -> None:
-    from jetrl_megatron.megatron.cpu import init_parallel
-
     mc = cfg.policy.megatron_cfg
     for k, v in (mc.env_vars or {}).items():
         os.environ.setdefault(k, str(v))

@@ -20,6 +20,7 @@ from jetrl_megatron.rl.dist import (
     torch_dist,
 )
 from jetrl_megatron.rl.tasks import build_task, heldout_split
+from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
 
 
 def engine_groups(cfg: RunConfig) -> tuple[int, int]:
@@ -32,13 +33,11 @@ def engine_groups(cfg: RunConfig) -> tuple[int, int]:
 
 
 def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
-    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
-
     v = cfg.policy.generation.vllm_cfg
     kwargs: dict[str, Any] = dict(cfg.policy.generation.vllm_kwargs)
     kwargs.pop("kv_cache_memory_bytes", None)  # RolloutConfig's (cfg.kv_cache_memory_bytes: the CPU default too)
-    # the hosted form of the jetrl switches: the arm and recipe were read from them (rl/config.py); the engine
-    # names its quantization method and writes its quantization_config itself
+    # the hosted form of the jetrl switches: the arm and recipe were read from them (rl/config/run_config.py); the
+    # engine names its quantization method and writes its quantization_config itself
     kwargs.pop("quantization", None)
     overrides = {k: v for k, v in (kwargs.pop("hf_overrides", None) or {}).items() if k != "quantization_config"}
     if overrides:

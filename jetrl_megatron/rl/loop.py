@@ -33,6 +33,7 @@ import torch
 from torch.profiler import record_function
 
 from jetrl_megatron.megatron.grad_buffers import release_grad_buffers, restore_grad_buffers
+from jetrl_megatron.reshard.exchange import budget_bytes
 from jetrl_megatron.rl import health
 from jetrl_megatron.rl.batch import (
     RolloutBatch,
@@ -43,17 +44,18 @@ from jetrl_megatron.rl.batch import (
     make_batch,
     mismatch,
 )
-from jetrl_megatron.rl.checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint
 from jetrl_megatron.rl.config import RunConfig, to_yaml
 from jetrl_megatron.rl.dist import dist_rank, dist_world, init_distributed, is_main, say, seed_everything, warn
 from jetrl_megatron.rl.generation import engine_groups, rollout, start_engine, validate, validation_split
-from jetrl_megatron.rl.logging import RunLogger
 from jetrl_megatron.rl.metrics import position_bins
+from jetrl_megatron.rl.outputs.checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint
+from jetrl_megatron.rl.outputs.metric_log import RunLogger
+from jetrl_megatron.rl.outputs.step_profile import StepProfile
+from jetrl_megatron.rl.outputs.summary import print_probe, run_arm_probe, summarize
 from jetrl_megatron.rl.phase_memory import PhaseMemory
 from jetrl_megatron.rl.refit_source import RefitSource, verify_served_fp8
-from jetrl_megatron.rl.step_profile import StepProfile
-from jetrl_megatron.rl.summary import print_probe, run_arm_probe, summarize
 from jetrl_megatron.rl.tasks import PromptStream, build_task
+from jetrl_megatron.rl.tools.run_plan import trainer_settings
 from jetrl_megatron.rl.trainer import (
     Trainer,
     build_trainer,
@@ -293,9 +295,6 @@ def start_rollout(cfg: RunConfig, trainer: Trainer, task, stream: PromptStream, 
     own ``model_dir``), then refit in place with the trainer's own bytes: this rank is vLLM rank (rank % rollout TP)
     of engine (rank // rollout TP). Colocated memory: the DDP grad buffers are held only during policy updates, not
     while the engine starts, nor during the logprob pass, refit or rollout; `jetrl plan` reads the same setting."""
-    from jetrl_megatron.reshard.exchange import budget_bytes
-    from jetrl_megatron.rl.plan import trainer_settings
-
     release_grads = trainer_settings(cfg).release_grad_buffers
     if release_grads:
         release_grad_buffers(trainer.model)

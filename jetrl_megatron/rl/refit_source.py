@@ -26,6 +26,7 @@ from jetrl_megatron.rl.config import RunConfig
 from jetrl_megatron.rl.dist import (
     dist_rank,
 )
+from jetrl_megatron.rl.tools.served_fp8_check import served_fp8_equal
 from jetrl_megatron.rl.trainer import (
     Trainer,
     local_rollout_tensors,
@@ -226,8 +227,6 @@ def verify_served_fp8(cfg: RunConfig, trainer: Trainer, engine, states: dict) ->
     Checked in the jetrl arm when rollout TP = 1 and PP = 1, on CPU or with ``policy.jet_rl.verify_served_fp8``
     (``JETRL_VERIFY_SERVED_FP8`` wins when set, resolved at config load into ``cfg.switches``; it reads every FP8
     weight back from the engine)."""
-    from jetrl_megatron.rl.verify import served_fp8_equal
-
     want = cfg.switches.verify_served_fp8
     want = not torch.cuda.is_available() if want is None else want
     one_shard = cfg.policy.generation.vllm_cfg.tensor_parallel_size == 1 and \

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from jetrl_megatron.errors import UserError
+from jetrl_megatron.model.hub import WEIGHT_FILES, is_hub_id, snapshot
+from jetrl_megatron.reshard.mover import MegatronShards, iter_canonical
 from jetrl_megatron.reshard.transport import Transport
 from jetrl_megatron.rl import grpo
 from jetrl_megatron.rl.batch import (
@@ -29,7 +31,10 @@ from jetrl_megatron.rl.dist import (
     say,
     torch_dist,
 )
-from jetrl_megatron.rl.logging import RunLogger
+from jetrl_megatron.rl.outputs.metric_log import RunLogger
+from jetrl_megatron.rl.tools.run_plan import model_shape, trainer_settings
+from jetrl_megatron.rollout.model_dir import hf_config_for
+from jetrl_megatron.rollout.model_dir import write_model_dir as write_hf_model_dir
 from jetrl_megatron.sampling import LogitsSampling, mask_filtered_out
 
 
@@ -71,7 +76,6 @@ class Trainer:
 
 def build_trainer(cfg: RunConfig) -> Trainer:
     from jetrl_megatron.megatron.policy import build_policy
-    from jetrl_megatron.rl.plan import model_shape, trainer_settings
 
     shape, recipe = model_shape(cfg), cfg.recipe
     mc = cfg.policy.megatron_cfg
@@ -105,8 +109,6 @@ def resolve_model_weights(cfg: RunConfig) -> str | None:
     """The HF checkpoint directory to start from, or None for a random init of a preset (``model_name`` equal to
     ``model_preset``, e.g. ``tiny``). A hub id is read from the Hugging Face cache (``cfg.hub``; downloaded when
     online and not cached); failing that the run stops instead of silently training a random model."""
-    from jetrl_megatron.model.hub import WEIGHT_FILES, is_hub_id, snapshot
-
     name = cfg.policy.model_name
     if Path(name).is_dir():
         return name
@@ -279,21 +281,16 @@ def per_token_loss(rank_loss: float) -> float:
 def write_model_dir(cfg: RunConfig, trainer: Trainer, path: Path, only_rank0: bool = False) -> str:
     """A BF16 HF model directory of the current policy (collective). Written by every engine's first rank (each
     passes its own path), or by global rank 0 only."""
-    from jetrl_megatron.rollout.model_dir import hf_config_for
-    from jetrl_megatron.rollout.model_dir import write_model_dir as _write
-
     sd = canonical_weights(bf16_view(trainer))
     writer = dist_rank() == 0 if only_rank0 else dist_rank() % cfg.policy.generation.vllm_cfg.tensor_parallel_size == 0
     if writer:
-        _write(path, hf_config_for(trainer.shape, None), sd)
+        write_hf_model_dir(path, hf_config_for(trainer.shape, None), sd)
     if dist_world() > 1:
         torch_dist().barrier()
     return str(path)
 
 
 def bf16_view(trainer: Trainer) -> Trainer:
-    from dataclasses import replace
-
     return replace(trainer, recipe=trainer.recipe.replace(mode="bf16"))
 
 
@@ -344,8 +341,6 @@ def local_rollout_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
 def canonical_weights(trainer: Trainer, states: dict | None = None) -> dict[str, torch.Tensor]:
     """The full HF-named state dict the rollout engine serves, made by the resharder (byte moves only)."""
     from megatron.core import parallel_state
-
-    from jetrl_megatron.reshard.mover import MegatronShards, iter_canonical
 
     states = megatron_states(trainer) if states is None else states
     tp = parallel_state.get_tensor_model_parallel_world_size()

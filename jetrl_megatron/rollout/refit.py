@@ -453,13 +453,13 @@ class InplaceRefit:
         """Copy every slab, quantize the self-quantizing arm's weights into the live FP8 tensors; returns the
         tensors (HF checkpoint names) that must go through vLLM's reload (packed modules), else {}. With an
         exchange, `record` keeps each streamed copy's comparison for :meth:`verify` (its staging rows are reused)."""
-        from jetrl_megatron.fp8 import ops
+        from jetrl_megatron.fp8 import quant_dispatch
 
         self.program.run(batched=self.batched, check=False)
         if self.exchange is not None:
             self.exchange.run(self.streamed, record)
         for name, scratch in self.quantize.items():
-            q, s = ops.quant_weight(scratch, self.recipe, reference_quant=self.reference_quant)
+            q, s = quant_dispatch.quant_weight(scratch, self.recipe, reference_quant=self.reference_quant)
             self.live[name].tensor.view(torch.uint8).copy_(q.view(torch.uint8))
             self.live[name + SCALE_SUFFIX].tensor.copy_(s)
         for full, dst_region, scratch, src_region in self.reload_regions:
@@ -469,7 +469,7 @@ class InplaceRefit:
     def verify(self) -> list[str]:
         """Compare on the live tensors, in place: every slab the program wrote equals its source slab, every
         quantized weight equals the quantizer's output for its slab. Returns the names that differ (one sync)."""
-        from jetrl_megatron.fp8 import ops
+        from jetrl_megatron.fp8 import quant_dispatch
 
         pairs = self.program.copy_pairs()
         checks = [(dst != src).any() for dst, src in pairs]
@@ -478,7 +478,7 @@ class InplaceRefit:
             checks += [c for _, c in self.streamed.checks]
         extra: list[str] = []
         for name, scratch in self.quantize.items():
-            q, s = ops.quant_weight(scratch, self.recipe, reference_quant=self.reference_quant)
+            q, s = quant_dispatch.quant_weight(scratch, self.recipe, reference_quant=self.reference_quant)
             checks.append((self.live[name].tensor.view(torch.uint8) != q.view(torch.uint8)).any())
             checks.append((self.live[name + SCALE_SUFFIX].tensor.view(torch.int32) != s.view(torch.int32)).any())
             extra += [name, name + SCALE_SUFFIX]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 
-from jetrl_megatron.rl.tasks import CharTokenizer, Prompt, SyntheticTask
+from jetrl_megatron.rl.tasks.base import CharTokenizer, Prompt, SyntheticTask
 
 
 def count_reward(response: str, answer: str) -> tuple[float, bool]:

@@ -1,6 +1,8 @@
 """Measure one arm's rollout-vs-trainer mismatch on a given policy (a fresh process per arm).
 
-`python -m jetrl_megatron.rl.probe --recipe tiny_cpu --model-dir runs/tiny_cpu/final_model --arm jetrl --out m.json`
+    python -m jetrl_megatron.rl.tools.mismatch_probe --recipe tiny_cpu --model-dir runs/tiny_cpu/final_model \
+        --arm jetrl --out m.json
+
 builds the Megatron trainer of that arm from the model directory, starts that arm's vLLM engine with the trainer's
 weights (refit through the resharder), samples one rollout batch and writes the mismatch metrics as JSON.
 """
@@ -14,15 +16,16 @@ from pathlib import Path
 
 import torch
 
+from jetrl_megatron.rl import batch as batching
+from jetrl_megatron.rl import dist, generation
+from jetrl_megatron.rl import trainer as trainers
+from jetrl_megatron.rl.config import arm_overrides, load_config
+from jetrl_megatron.rl.metrics import mismatch_metrics, position_bins
+from jetrl_megatron.rl.outputs.metric_log import quiet_libraries
+from jetrl_megatron.rl.tasks import PromptStream, build_task
+
 
 def probe(recipe: str, model_dir: str, arm: str, overrides: list[str] | None = None, step: int = 10_000) -> dict:
-    from jetrl_megatron.rl import batch as batching
-    from jetrl_megatron.rl import dist, generation
-    from jetrl_megatron.rl import trainer as trainers
-    from jetrl_megatron.rl.config import arm_overrides, load_config
-    from jetrl_megatron.rl.metrics import mismatch_metrics, position_bins
-    from jetrl_megatron.rl.tasks import PromptStream, build_task
-
     cfg = load_config(recipe, [*(overrides or []), *arm_overrides(arm), f"policy.model_name={model_dir}",
                                "policy.megatron_cfg.tensor_model_parallel_size=1",
                                "policy.megatron_cfg.pipeline_model_parallel_size=1",
@@ -56,8 +59,6 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    from jetrl_megatron.rl.logging import quiet_libraries
-
     quiet_libraries()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     res = probe(a.recipe, a.model_dir, a.arm, a.overrides)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,10 @@ from jetrl_megatron.rl.dist import (
 from jetrl_megatron.rl.generation import (
     VAL_KEYS,
 )
-from jetrl_megatron.rl.logging import RunLogger, plot_run, read_metrics
 from jetrl_megatron.rl.metrics import (
     MISMATCH_KEYS,
 )
+from jetrl_megatron.rl.outputs.metric_log import RunLogger, plot_run, read_metrics
 from jetrl_megatron.rl.trainer import (
     optimizer_updates_per_step,
 )
@@ -87,12 +88,11 @@ def summarize(cfg: RunConfig, logger: RunLogger, sft_losses: list[float], wall: 
 
 def run_arm_probe(cfg: RunConfig, model_dir: Path) -> dict[str, dict[str, float]]:
     """Every arm's mismatch on the trained policy, each in a fresh process (vLLM and Megatron state are global)."""
-    import subprocess
-
     out: dict[str, dict[str, float]] = {}
     for arm in ARM_BY_SWITCHES.values():
         res = model_dir.parent / f"probe_{arm}.json"
-        cmd = [sys.executable, "-m", "jetrl_megatron.rl.probe", "--recipe", str(model_dir.parent / "config.yaml"),
+        cmd = [sys.executable, "-m", "jetrl_megatron.rl.tools.mismatch_probe",
+               "--recipe", str(model_dir.parent / "config.yaml"),
                "--model-dir", str(model_dir),
                "--arm", arm, "--out", str(res)]
         env = dict(os.environ)

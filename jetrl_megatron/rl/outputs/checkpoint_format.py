@@ -30,6 +30,11 @@ import numpy as np
 import torch
 
 from jetrl_megatron.errors import UserError, one_line
+from jetrl_megatron.fp8 import quant_dispatch
+from jetrl_megatron.model.layout import pp_layer_range
+from jetrl_megatron.model.shapes import ModelShape
+from jetrl_megatron.recipe import Fp8Recipe
+from jetrl_megatron.reshard.mover import MegatronShards
 
 FORMAT = 2
 _FP8_LINEAR = re.compile(
@@ -294,9 +299,6 @@ def is_run_checkpoint(path: Path) -> bool:
 def rollout_state(model: dict[str, Any], shape, recipe, pp: int, pp_rank: int) -> dict[str, torch.Tensor]:
     """One rank's Megatron state dict as the resharder's input: the recipe's FP8 linears quantized 128x128 (the
     trainer's own weight quantizer, so the bytes equal its FP8 cache) with '<name>_scale_inv', the rest as saved."""
-    from jetrl_megatron.fp8 import ops
-    from jetrl_megatron.model.layout import pp_layer_range
-
     offset = pp_layer_range(shape.num_layers, pp, pp_rank).start
     out: dict[str, torch.Tensor] = {}
     for name, t in model.items():
@@ -307,7 +309,7 @@ def rollout_state(model: dict[str, Any], shape, recipe, pp: int, pp_rank: int) -
             layer = offset + int(m.group(1))
             if recipe.module_is_fp8(f"decoder.layers.{layer}.{m.group(2)}.weight", layer, shape.num_layers):
                 with torch.no_grad():
-                    out[name], out[name + "_scale_inv"] = ops.quant_weight(t, recipe)
+                    out[name], out[name + "_scale_inv"] = quant_dispatch.quant_weight(t, recipe)
                 continue
         out[name] = t
     return out
@@ -317,10 +319,6 @@ def load_run_checkpoint(path: Path, recipe_changes: dict[str, Any] | None = None
     """(MegatronShards, ModelShape, Fp8Recipe) of a run checkpoint at any TP x PP (DP replica 0's rank files).
 
     The recipe is the run's ``jet_rl`` section with ``recipe_changes`` applied (e.g. another mode)."""
-    from jetrl_megatron.model.shapes import ModelShape
-    from jetrl_megatron.recipe import Fp8Recipe
-    from jetrl_megatron.reshard.mover import MegatronShards
-
     meta = read_meta(path)
     if meta.get("format") != FORMAT or "ranks" not in meta or "model" not in meta:
         raise UserError(f"{path}: meta.json has no parallel layout / model config (format {meta.get('format', 1)}; "

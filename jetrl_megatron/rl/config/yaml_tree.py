@@ -4,7 +4,7 @@ Why OmegaConf and Hydra's override grammar: NeMo-RL users bring YAMLs that inher
 list, later parents win, a section marked ``_override_: true`` replaces instead of merging), interpolate across
 sections (``${policy.max_total_sequence_length}``, ``${mul:a,b}``), and override on the command line with Hydra's
 syntax (``a.b=1``, ``+a.new=1``, ``++a.b=1``, ``~a.b``). Reading them with the same libraries is what makes a
-NeMo-RL YAML mean the same thing here. Typing and key accounting happen afterwards (``rl/config.py``).
+NeMo-RL YAML mean the same thing here. Typing and key accounting happen afterwards (``rl/config/run_config.py``).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ range of its values, how NeMo-RL's key is read and which of its values are accep
 ``jetrl_megatron/config_key.py``), so a recipe is checked once, the key table cannot drift from the schema and the code
 reads attributes, not strings. The optimizer section is the trainer's settings object
 (``megatron/optimizer_settings.py``). Keys NeMo-RL has that are accepted without effect, or refused, are not here: they
-are listed with their reason in ``rl/nemo_rl_keys.py``. Everything this project adds lives under ``policy.jet_rl``
-(it survives NeMo-RL's own config validation and reaches its Megatron worker), except the synthetic datasets' own
-options in ``data.train`` (dataset options, like NeMo-RL's per-dataset keys).
+are listed with their reason in ``rl/config/nemo_rl_keys.py``. Everything this project adds lives under
+``policy.jet_rl`` (it survives NeMo-RL's own config validation and reaches its Megatron worker), except the synthetic
+datasets' own options in ``data.train`` (dataset options, like NeMo-RL's per-dataset keys).
 
 Defaults are the tiny CPU values; recipes set the rest.
 """

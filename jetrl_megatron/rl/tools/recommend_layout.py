@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from jetrl_megatron.rl.config import ConfigError, RunConfig, load_config
+from jetrl_megatron.rl.tools.run_plan import memory_estimate, model_shape, parallel_layout, plan_report, refit_buffers
 
 TP_KEY = "policy.megatron_cfg.tensor_model_parallel_size"
 PP_KEY = "policy.megatron_cfg.pipeline_model_parallel_size"
@@ -88,8 +89,6 @@ class Candidate:
 def evaluate(recipe: str, overrides: list[str], tp: int, pp: int, rollout_tp: int, gpu_mem_gib: float,
              host_mem_gib: float | None) -> Candidate:
     """The plain plan of ``recipe`` + ``overrides`` at this layout, condensed to one :class:`Candidate`."""
-    from jetrl_megatron.rl.plan import memory_estimate, model_shape, parallel_layout, plan_report, refit_buffers
-
     layout_ov = [f"{TP_KEY}={tp}", f"{PP_KEY}={pp}", f"{ROLLOUT_TP_KEY}={rollout_tp}"]
     try:
         cfg = load_config(recipe, [*overrides, *layout_ov])
@@ -131,8 +130,6 @@ def evaluate(recipe: str, overrides: list[str], tp: int, pp: int, rollout_tp: in
 def recommend(recipe: str, overrides: list[str], gpu_mem_gib: float = 80.0,
               host_mem_gib: float | None = None) -> tuple[RunConfig, list[Candidate]]:
     """The base config (layout keys reset to 1, so any cluster size loads) and every candidate, best first."""
-    from jetrl_megatron.rl.plan import model_shape
-
     if not gpu_mem_gib > 0:
         raise ConfigError(f"--gpu-mem-gib: must be > 0, got {gpu_mem_gib:g}")
     if host_mem_gib is not None and not host_mem_gib > 0:
@@ -172,8 +169,6 @@ def recommend_report(recipe: str, overrides: list[str], gpu_mem_gib: float = 80.
                      host_mem_gib: float | None = None) -> tuple[str, bool, Candidate | None]:
     """The text `jetrl plan --recommend` prints, whether any layout fits, and the recommended candidate."""
     base, cands = recommend(recipe, overrides, gpu_mem_gib, host_mem_gib)
-    from jetrl_megatron.rl.plan import model_shape
-
     shape = model_shape(base)
     cl = base.cluster
     host = f"{host_mem_gib:g} GiB host per node" if host_mem_gib is not None else "host memory not checked"
@@ -184,8 +179,8 @@ def recommend_report(recipe: str, overrides: list[str], gpu_mem_gib: float = 80.
         f"node(s) x {cl.gpus_per_node} GPU(s) = {base.world_size} GPUs of {gpu_mem_gib:g} GiB; {host}",
         f"# {len(cands)} candidates: trainer TP | {cl.gpus_per_node} (within a node) x PP | {shape.num_layers} "
         f"layers x DP = {base.world_size}, rollout TP | {cl.gpus_per_node}; each one the plain `jetrl plan` with "
-        f"{TP_KEY}, {PP_KEY} and {ROLLOUT_TP_KEY} set (resharder preflight + rl/plan.py memory_estimate; vLLM's "
-        "budget is the recipe's, not tuned here)",
+        f"{TP_KEY}, {PP_KEY} and {ROLLOUT_TP_KEY} set (resharder preflight + rl/tools/run_plan.py memory_estimate; "
+        "vLLM's budget is the recipe's, not tuned here)",
         f"# {RULE}",
         "# columns: peak = max(train, rollout phase) GiB per GPU, busiest pipeline stage; host = GiB per node; waves "
         "= rollout KV waves; refit = GiB per GPU per step received from model-parallel peers + copied in place "

@@ -1,5 +1,5 @@
 """Runs a `jetrl compare`: the shared BF16 warm start, then every arm x seed, each a fresh `jetrl run` process
-(vLLM and Megatron state are process-wide), then the aggregate of `rl/compare.py`.
+(vLLM and Megatron state are process-wide), then the aggregate of `rl/tools/compare.py`.
 
 The warm start runs first and alone, its output on this terminal; the arm runs follow one at a time the same way,
 or ``parallel`` at a time, each writing to ``<run dir>.log`` (interleaved output of several runs would be
@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from jetrl_megatron.rl import compare
 from jetrl_megatron.rl.config import REPO_ROOT, load_config, to_yaml
+from jetrl_megatron.rl.tools import compare
 
 Run = tuple[str, Path, list[str]]  # (label, log dir, overrides)
 

@@ -12,23 +12,32 @@ Plain dicts in, :class:`~jetrl_megatron.recipe.Fp8Recipe` out; no NeMo-RL import
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jetrl_megatron.errors import UserError
 from jetrl_megatron.fp8.format import BLOCK, QUANT_METHOD
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe, RecipeError
-from jetrl_megatron.rl.config_schema import JetRlCfg
-from jetrl_megatron.rl.switches import RunSwitches, resolve_switches
+from jetrl_megatron.rl.config.arm_switches import (
+    FP8_TRAIN_KEY,
+    HOSTED,
+    PRECISION_KEY,
+    QUANT_CONFIG_KEY,
+    QUANT_KEY,
+    STANDALONE,
+    PolicyConfigError,
+    arm_of_switches,
+)
+from jetrl_megatron.rl.config.schema import JetRlCfg
+from jetrl_megatron.rl.config.switches import RunSwitches, resolve_switches
 
 __all__ = ["PolicyConfigError", "QUANT_CONFIG_KEY", "RULES", "READS", "jetrl_vllm_kwargs", "recipe_from_policy",
            "check_policy", "model_shape", "PolicyPlan", "policy_plan", "uses_jetrl", "arm_of_switches",
            "hosted_form", "FP8_TRAIN_KEY", "PRECISION_KEY", "QUANT_KEY"]
 
-QUANT_CONFIG_KEY = "policy.generation.vllm_kwargs.hf_overrides.quantization_config"
 _MISSING = object()
 
 # Where a key lives: in NeMo-RL v0.7.0's base GRPO YAMLs ("yaml"), only read by NeMo-RL's code with a default
@@ -90,58 +99,6 @@ READS: dict[str, str] = {
 }
 
 
-class PolicyConfigError(UserError):
-    """A NeMo-RL policy key is missing or has a value the Jet-RL worker cannot run with; the message names it."""
-
-
-# ---------------------------------------------------------------------------------------------- the switch table
-# Both drivers read the arm from the same three keys, in either of two forms (docs/config.md, "One YAML, both
-# drivers"): the standalone form (fp8_cfg.enabled: true + precision: fp8, NeMo-RL's blockwise FP8 recipe) and the
-# hosted form (fp8_cfg.enabled: false + precision: bfloat16 + vllm_kwargs.quantization: jetrl_fp8, which keeps
-# NeMo-RL's own TransformerEngine FP8 and vLLM re-quantization off under its driver).
-FP8_TRAIN_KEY = "policy.megatron_cfg.fp8_cfg.enabled"
-PRECISION_KEY = "policy.generation.vllm_cfg.precision"
-QUANT_KEY = "policy.generation.vllm_kwargs.quantization"
-STANDALONE, HOSTED, BOTH = "standalone", "hosted", "both"
-
-
-def arm_of_switches(fp8_train: bool, precision: str, quantization: Any = None) -> tuple[str, str]:
-    """(arm, form) selected by NeMo-RL's switches; a combination that is no arm raises `PolicyConfigError` naming
-    the keys (callers re-raise it as their own error type).
-
-    | fp8_cfg.enabled | precision | quantization | arm |
-    | false | bfloat16 | - | bf16 |
-    | false | fp8 | - | bf16_train_fp8_rollout |
-    | true | fp8 | - | jetrl (standalone form) |
-    | false | bfloat16 | jetrl_fp8 | jetrl (hosted form) |
-    | true | fp8 | jetrl_fp8 | jetrl (both forms at once) |
-    anything else is an error.
-    """
-    from jetrl_megatron.recipe import ARM_BY_SWITCHES
-
-    on = str(bool(fp8_train)).lower()
-    if precision not in ("bfloat16", "fp8"):
-        raise PolicyConfigError(f"{PRECISION_KEY}: {precision!r}; 'bfloat16' or 'fp8'")
-    if quantization is None:
-        if fp8_train and precision != "fp8":
-            raise PolicyConfigError(
-                f"{FP8_TRAIN_KEY}: true with {PRECISION_KEY}: {precision!r}: an FP8 trainer with a BF16 rollout is "
-                f"not an arm here; set precision: fp8 (jetrl, standalone form), or fp8_cfg.enabled: false with "
-                f"{QUANT_KEY}: {QUANT_METHOD} (jetrl, hosted form) or without it (bf16)")
-        return ARM_BY_SWITCHES[(bool(fp8_train), precision == "fp8")], STANDALONE
-    if quantization != QUANT_METHOD:
-        raise PolicyConfigError(f"{QUANT_KEY}: {quantization!r}; only {QUANT_METHOD!r} (the hosted form of jetrl) may "
-                                f"be set: vLLM's own FP8 comes with {PRECISION_KEY}: fp8 and {FP8_TRAIN_KEY}: false")
-    if (bool(fp8_train), precision) == (False, "bfloat16"):
-        return "jetrl", HOSTED
-    if (bool(fp8_train), precision) == (True, "fp8"):
-        return "jetrl", BOTH
-    raise PolicyConfigError(
-        f"{PRECISION_KEY}: {precision!r} with {FP8_TRAIN_KEY}: {on} and {QUANT_KEY}: {QUANT_METHOD!r} contradict: "
-        f"{QUANT_METHOD!r} selects jetrl, in the hosted form with fp8_cfg.enabled: false + precision: bfloat16 or "
-        "in the standalone form with fp8_cfg.enabled: true + precision: fp8")
-
-
 def _get(policy: Mapping[str, Any], path: str, default: Any = _MISSING) -> Any:
     """``policy`` value at ``path`` (relative to ``policy.``); a missing key raises unless a default is given."""
     if path not in READS:
@@ -168,7 +125,7 @@ def recipe_from_policy(policy: Mapping[str, Any]) -> Fp8Recipe:
     qc = _get(policy, "generation.vllm_kwargs.hf_overrides.quantization_config")
     if not isinstance(qc, Mapping) or not isinstance(qc.get("jet_rl"), Mapping):
         raise PolicyConfigError(f"{QUANT_CONFIG_KEY}.jet_rl: missing; it holds the FP8 recipe both the trainer and "
-                                "vLLM read (jetrl_megatron.rl.nemo_rl_policy_cfg.jetrl_vllm_kwargs writes it)")
+                                "vLLM read (jetrl_megatron.nemo_rl.policy_cfg.jetrl_vllm_kwargs writes it)")
     try:
         recipe = Fp8Recipe.from_dict(dict(qc["jet_rl"]))
     except RecipeError as e:
@@ -212,7 +169,7 @@ def check_policy(policy: Mapping[str, Any], num_layers: int) -> Fp8Recipe:
             f"{QUANT_CONFIG_KEY}.ignored_layers: vLLM would keep other modules BF16 than the trainer "
             f"(bf16_first_layers={recipe.bf16_first_layers}, bf16_last_layers={recipe.bf16_last_layers}): only in "
             f"the config {sorted(have - want)[:4]}, missing {sorted(want - have)[:4]}; write the dict with "
-            "jetrl_megatron.rl.nemo_rl_policy_cfg.jetrl_vllm_kwargs")
+            "jetrl_megatron.nemo_rl.policy_cfg.jetrl_vllm_kwargs")
     # NeMo-RL's own names for the same knobs: when set they must agree with the recipe, never silently differ.
     for key, value in (("generation.vllm_cfg.num_first_layers_in_bf16", recipe.bf16_first_layers),
                        ("generation.vllm_cfg.num_last_layers_in_bf16", recipe.bf16_last_layers)):
@@ -254,7 +211,7 @@ class PolicyPlan:
     recipe: Fp8Recipe
     sequence_parallel: bool
     # the model's numerics switches: the policy.jet_rl defaults with the JETRL_* environment overrides, read once
-    # here (rl/switches.py; the hosted policy config carries no policy.jet_rl block)
+    # here (rl/config/switches.py; the hosted policy config carries no policy.jet_rl block)
     switches: RunSwitches = field(default_factory=RunSwitches)
 
 
@@ -282,8 +239,6 @@ def hosted_form(policy: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     jetrl_fp8`` and the recipe built from NeMo-RL's keys (BF16 first/last layers, pow2 scales, DeepGEMM) unless it
     carries one already, which :func:`check_policy` then holds to those keys. Another arm is refused naming the
     keys: this worker runs jetrl only (NeMo-RL's own worker runs the others)."""
-    import copy
-
     fp8_train, precision, quantization = _switch_values(policy)
     arm, form = arm_of_switches(fp8_train, precision, quantization)
     if arm != "jetrl":

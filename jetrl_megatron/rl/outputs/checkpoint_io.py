@@ -1,5 +1,5 @@
 """Saving and resuming a run: atomic per-rank checkpoints, the best-k rule, and finding the newest usable one.
-The file format and its pure helpers are in ``rl/checkpoint.py``."""
+The file format and its pure helpers are in ``rl/outputs/checkpoint_format.py``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,15 @@ from typing import Any
 import torch
 
 from jetrl_megatron.errors import UserError
-from jetrl_megatron.rl.checkpoint import (
+from jetrl_megatron.rl.config import RunConfig
+from jetrl_megatron.rl.dist import (
+    dist_rank,
+    dist_world,
+    is_main,
+    torch_dist,
+    warn,
+)
+from jetrl_megatron.rl.outputs.checkpoint_format import (
     checkpoints_to_remove,
     gather_coords,
     latest_usable,
@@ -23,14 +31,6 @@ from jetrl_megatron.rl.checkpoint import (
     rng_state,
     set_rng_state,
     write_checkpoint_metrics,
-)
-from jetrl_megatron.rl.config import RunConfig
-from jetrl_megatron.rl.dist import (
-    dist_rank,
-    dist_world,
-    is_main,
-    torch_dist,
-    warn,
 )
 from jetrl_megatron.rl.tasks import PromptStream
 from jetrl_megatron.rl.trainer import (

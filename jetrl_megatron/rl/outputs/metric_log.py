@@ -13,6 +13,7 @@ import inspect
 import json
 import math
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -185,8 +186,6 @@ def save_step_figure(fig, axes, out_png: str | Path, title: str = "") -> Path:
 def quiet_libraries() -> None:
     """Keep the run's own progress readable: vLLM logs errors only, known import-time warnings are muted
     (set VLLM_LOGGING_LEVEL=INFO to see vLLM's log again)."""
-    import warnings
-
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     for mod in ("megatron", "vllm", "torch.distributed"):
         warnings.filterwarnings("ignore", category=UserWarning, module=mod)

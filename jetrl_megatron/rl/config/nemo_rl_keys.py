@@ -4,7 +4,7 @@ Why a table and not silence: a NeMo-RL user's YAML carries hundreds of keys; a k
 or dropped without a word, changes an experiment behind the user's back. Each key of a loaded config therefore lands
 in exactly one status:
 
-- ``implemented``: a field of ``rl/config_schema.py``, read with NeMo-RL's meaning (a note or the accepted values,
+- ``implemented``: a field of ``rl/config/schema.py``, read with NeMo-RL's meaning (a note or the accepted values,
   when there are any, are declared on the field itself: ``jetrl_megatron/config_key.py``);
 - ``ignored``: accepted with no effect, for the reason given (a Ray or DTensor knob that this runtime makes moot);
   one warning at start lists them;
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jetrl_megatron.config_key import IGNORED, IMPLEMENTED, REFUSED, KeyRule, field_keys, section_of
-from jetrl_megatron.rl.config_schema import MOE_NOTE as _MOE
-from jetrl_megatron.rl.config_schema import RunConfigFields
+from jetrl_megatron.rl.config.schema import MOE_NOTE as _MOE
+from jetrl_megatron.rl.config.schema import RunConfigFields
 
 __all__ = ["IGNORED", "IMPLEMENTED", "OFF_SCHEMA_RULES", "REFUSED", "RULES", "KeyRule", "KeyVerdict", "classify",
            "rule_for", "schema_rules", "schema_status"]

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jetrl_megatron.rl.config_schema import RunConfigFields, schema_defaults
-from jetrl_megatron.rl.config_yaml import leaf_paths, load_tree, resolve_tree
-from jetrl_megatron.rl.nemo_rl_keys import IGNORED, IMPLEMENTED, REFUSED, rule_for, schema_status
+from jetrl_megatron.rl.config.nemo_rl_keys import IGNORED, IMPLEMENTED, REFUSED, rule_for, schema_status
+from jetrl_megatron.rl.config.schema import RunConfigFields, schema_defaults
+from jetrl_megatron.rl.config.yaml_tree import leaf_paths, load_tree, resolve_tree
 
 TARBALL_NAME = "nemo-rl-v0.7.0.tar.gz"
 CONFIG_DIRS = ("examples/configs", "examples/configs/recipes/llm")

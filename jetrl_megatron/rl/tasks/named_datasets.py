@@ -3,7 +3,7 @@
 Why a table: each of NeMo-RL's dataset classes (``nemo_rl/data/datasets/response_datasets/*.py``) names a hub dataset,
 a split, and which columns become the user's problem and the reference answer; its ``math_hf_data_processor`` then
 formats the problem with ``data.default.prompt_file`` and the chat template and keeps the answer as the ground truth
-(``rl/tasks.py``, :class:`MathTask`). :data:`NAMED_MATH_DATASETS` states those choices, so a NeMo-RL recipe's
+(``rl/tasks/math_task.py``, :class:`MathTask`). :data:`NAMED_MATH_DATASETS` states those choices, so a NeMo-RL recipe's
 ``dataset_name`` means the same prompts and answers here.
 
 Where the rows come from, first found wins: ``data_path`` (a local copy: a ``save_to_disk`` folder, a
@@ -20,12 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jetrl_megatron.errors import UserError, one_line
+from jetrl_megatron.model.hub import HubCache, cached_snapshot
 
 if TYPE_CHECKING:
     import datasets
-
-    from jetrl_megatron.model.hub import HubCache
-
 
 @dataclass(frozen=True)
 class NamedMathDataset:
@@ -104,9 +102,6 @@ def load_named_rows(name: str, hub: HubCache, *, data_path: str | None, split: s
     """(problem, reference answer) of every row of NeMo-RL's dataset ``name``, in the dataset's order (repeated as
     NeMo-RL repeats it). ``key`` is the config section (``data.train``) the error messages name."""
     import datasets
-
-    from jetrl_megatron.model.hub import cached_snapshot
-
     spec = NAMED_MATH_DATASETS[name]
     split = split or spec.split
     if split not in (spec.splits or (spec.split,)):

@@ -1,9 +1,9 @@
 """Run configuration: NeMo-RL v0.7.0 recipe YAMLs, read with NeMo-RL's meaning, validated into typed dataclasses once.
 
-Loading (``load_config``): the YAML and its ``defaults:`` chain (``rl/config_yaml.py``, OmegaConf) -> merged
+Loading (``load_config``): the YAML and its ``defaults:`` chain (``rl/config/yaml_tree.py``, OmegaConf) -> merged
 over the schema's defaults -> Hydra-style overrides -> ``${...}`` resolved -> every key accounted for
-(``rl/nemo_rl_keys.py``: implemented, ignored with one warning, or refused) -> typed dataclasses
-(``rl/config_schema.py``) -> the arm and the FP8 recipe derived from NeMo-RL's own switches -> cross-field checks.
+(``rl/config/nemo_rl_keys.py``: implemented, ignored with one warning, or refused) -> typed dataclasses
+(``rl/config/schema.py``) -> the arm and the FP8 recipe derived from NeMo-RL's own switches -> cross-field checks.
 
 The arm follows NeMo-RL's switches as a NeMo-RL user sets them:
 
@@ -49,14 +49,15 @@ from jetrl_megatron.recipe import (
     Fp8Recipe,
     RecipeError,
 )
-from jetrl_megatron.rl.config_schema import RunConfigFields, schema_defaults
-from jetrl_megatron.rl.config_yaml import ConfigError, apply_overrides, leaf_paths, load_tree, resolve_tree
-from jetrl_megatron.rl.nemo_rl_keys import IGNORED, IMPLEMENTED, REFUSED, KeyVerdict, classify
-from jetrl_megatron.rl.switches import RunSwitches, resolve_switches
+from jetrl_megatron.rl.config.arm_switches import QUANT_CONFIG_KEY, QUANT_KEY, PolicyConfigError, arm_of_switches
+from jetrl_megatron.rl.config.nemo_rl_keys import IGNORED, IMPLEMENTED, REFUSED, KeyVerdict, classify
+from jetrl_megatron.rl.config.schema import RunConfigFields, schema_defaults
+from jetrl_megatron.rl.config.switches import RunSwitches, resolve_switches
+from jetrl_megatron.rl.config.yaml_tree import ConfigError, apply_overrides, leaf_paths, load_tree, resolve_tree
 
 __all__ = ["ARM_MODES", "ConfigError", "RunConfig", "arm_overrides", "load_config", "load_config_file", "to_yaml"]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 RECIPES_DIR = REPO_ROOT / "recipes"
 DEFAULT_RECIPE = "tiny_cpu"
 ARM_MODES = FP8_MODES  # the one list of arms (recipe.py)
@@ -76,7 +77,7 @@ class RunConfig(RunConfigFields):
     # when the config is built (model/hub.py).
     hub: HubCache = field(default_factory=HubCache.from_env, compare=False, repr=False)
     # policy.jet_rl's numerics and checking switches with their JETRL_* environment overrides, resolved once by
-    # resolve() (rl/switches.py); nothing reads those variables later.
+    # resolve() (rl/config/switches.py); nothing reads those variables later.
     switches: RunSwitches = field(default_factory=RunSwitches, compare=False, repr=False)
 
     @property
@@ -402,11 +403,9 @@ def _choice(value: Any, allowed: tuple, path: str) -> None:
 
 
 def derive_arm(cfg: RunConfig) -> str:
-    """The arm from NeMo-RL's switches in either form (`rl.nemo_rl_policy_cfg.arm_of_switches`: the standalone
+    """The arm from NeMo-RL's switches in either form (`arm_switches.arm_of_switches`: the standalone
     fp8_cfg.enabled + precision, or the hosted form with ``vllm_kwargs.quantization: jetrl_fp8``), checked against
     ``policy.jet_rl.arm`` when that is set."""
-    from jetrl_megatron.rl.nemo_rl_policy_cfg import QUANT_KEY, PolicyConfigError, arm_of_switches
-
     fp8_train = cfg.policy.megatron_cfg.fp8_cfg.enabled
     precision = cfg.policy.generation.vllm_cfg.precision
     quantization = cfg.policy.generation.vllm_kwargs.get("quantization")
@@ -433,9 +432,6 @@ def derive_arm(cfg: RunConfig) -> str:
 def check_hosted_recipe(cfg: RunConfig) -> None:
     """The hosted form's recipe (``vllm_kwargs.hf_overrides.quantization_config.jet_rl``), when a config carries
     one, must be the recipe the NeMo-RL keys and ``policy.jet_rl`` build here: one YAML, one recipe, both drivers."""
-    from jetrl_megatron.recipe import RecipeError
-    from jetrl_megatron.rl.nemo_rl_policy_cfg import QUANT_CONFIG_KEY
-
     qc = (cfg.policy.generation.vllm_kwargs.get("hf_overrides") or {}).get("quantization_config")
     if qc is None:
         return
@@ -530,12 +526,14 @@ def check_top_k(cfg: RunConfig) -> None:
 def check_bf16_layers(cfg: RunConfig) -> None:
     """``vllm_cfg.num_first_layers_in_bf16`` / ``num_last_layers_in_bf16`` must fit the model's layer count (when
     it is known here: a preset or a local model directory; a hub id is checked when the trainer is built)."""
-    from jetrl_megatron.model.shapes import get_model_shape
-
     v = cfg.policy.generation.vllm_cfg
     first, last = v.num_first_layers_in_bf16, v.num_last_layers_in_bf16
     if first == 0 and last == 0:
         return
+    from jetrl_megatron.model.shapes import (
+        get_model_shape,  # local: its preset table is not needed to load most configs
+    )
+
     try:
         shape = get_model_shape(cfg.model_preset or cfg.policy.model_name)
     except ValueError:
@@ -595,8 +593,8 @@ def check_batches(cfg: RunConfig) -> None:
 
 
 # The datasets this project reads, and NeMo-RL v0.7.0's named datasets (its response-dataset registry): those load
-# and plan (a NeMo-RL YAML names them); its math datasets run (rl/named_datasets.py), the others stop the run with
-# the reason (rl/tasks.py).
+# and plan (a NeMo-RL YAML names them); its math datasets run (rl/tasks/named_datasets.py), the others stop the run with
+# the reason (rl/tasks/__init__.py: build_task).
 OWN_DATASETS = ("synthetic_addition", "synthetic_sort", "synthetic_count", "ResponseDataset")
 NEMO_RL_DATASETS = ("AIME2024", "AIME2025", "AIME2026", "DAPOMath17K", "DAPOMathAIME2024", "DeepScaler", "GSM8K",
                     "gsm8k", "OpenMathInstruct-2", "Nemotron-Cascade-2-SFT-Math", "NemoGymDataset", "openai_format",
@@ -658,7 +656,8 @@ def resolve(cfg: RunConfig) -> RunConfig:
     """Derive the arm and the FP8 recipe, and check the rules that span keys."""
     _choice(cfg.policy.megatron_cfg.scheduler.lr_decay_style, ("constant", "linear", "cosine"),
             "policy.megatron_cfg.scheduler.lr_decay_style")
-    from jetrl_megatron.rl.checkpoint import NEMO_RL_CHECKPOINT_METRICS
+    # local: the checkpoint module imports torch, which a config load does not otherwise need
+    from jetrl_megatron.rl.outputs.checkpoint_format import NEMO_RL_CHECKPOINT_METRICS
 
     if cfg.checkpointing.metric_name is not None:
         _choice(cfg.checkpointing.metric_name, NEMO_RL_CHECKPOINT_METRICS, "checkpointing.metric_name")

@@ -13,7 +13,10 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from jetrl_megatron.megatron.optimizer_settings import OptimizerSettings
+from jetrl_megatron.model.hub import is_hub_id, snapshot
+from jetrl_megatron.model.shapes import get_model_shape
 from jetrl_megatron.rl.config import ConfigError, RunConfig, to_yaml
+from jetrl_megatron.rl.config.nemo_rl_keys import IGNORED, IMPLEMENTED
 
 if TYPE_CHECKING:
     from jetrl_megatron.reshard.exchange import ExchangeBytes
@@ -25,9 +28,6 @@ def model_shape(cfg: RunConfig):
     """The model's shape from ``policy.jet_rl.model_preset``, else ``policy.model_name``: a preset, a local HF
     directory / config.json, or a hub id whose ``config.json`` is read from the Hugging Face cache (``cfg.hub``;
     downloaded only when online and not cached, as transformers would)."""
-    from jetrl_megatron.model.hub import is_hub_id, snapshot
-    from jetrl_megatron.model.shapes import get_model_shape
-
     name = cfg.model_preset or cfg.policy.model_name
     try:
         return get_model_shape(name)
@@ -95,8 +95,8 @@ class TrainerSettings:
 
 def trainer_settings(cfg: RunConfig) -> TrainerSettings:
     """The trainer's DDP/optimizer settings: ``policy.megatron_cfg.optimizer`` as loaded, and the fixed choices."""
-    # use_precision_aware_optimizer is accepted without effect (rl/nemo_rl_keys.py): with NeMo-RL's FP32 master weights
-    # and moments it only moves where that state lives, and it needs TransformerEngine's FusedAdam.
+    # use_precision_aware_optimizer is accepted without effect (rl/config/nemo_rl_keys.py): with NeMo-RL's FP32 master
+    # weights and moments it only moves where that state lives, and it needs TransformerEngine's FusedAdam.
     # grad_reduce_in_fp32 off: BF16 grad buffers, NeMo-RL's default (distributed_data_parallel_config)
     return TrainerSettings(optimizer=cfg.policy.megatron_cfg.optimizer, grad_reduce_in_fp32=False,
                            use_precision_aware_optimizer=False)
@@ -311,8 +311,6 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
 
 def key_accounting(cfg: RunConfig) -> list[str]:
     """Which keys the recipe set (implemented / ignored), and which the schema filled in with its defaults."""
-    from jetrl_megatron.rl.nemo_rl_keys import IGNORED, IMPLEMENTED
-
     set_keys = [v for v in cfg.key_report if v.status == IMPLEMENTED]
     ignored = [v for v in cfg.key_report if v.status == IGNORED]
     lines = [f"# keys (docs/nemo_rl_keys.md): {len(set_keys)} set and implemented, {len(cfg.defaulted)} defaulted, "
@@ -353,7 +351,7 @@ def plan_report(cfg: RunConfig, gpu_mem_gib: float = 80.0, show_config: bool = T
         lines.append(f"  ok: whole heads on both sides (arm {cfg.arm}: BF16 rows move, no 128 blocks needed)")
     mem = memory_estimate(cfg, shape, layout, gpu_mem_gib)
     unit = "GPU" if cfg.is_gpu else "process (CPU RAM)"
-    lines.append(f"# memory estimate per {unit}, GiB (busiest pipeline stage; assumptions in rl/plan.py)")
+    lines.append(f"# memory estimate per {unit}, GiB (busiest pipeline stage; assumptions in rl/tools/run_plan.py)")
     settings = trainer_settings(cfg)
     lines.append(f"  optimizer: {settings.describe(layout.dp)}")
     lines.append(f"  grad buffers: {settings.describe_grad_buffers()}")

@@ -6,7 +6,7 @@ from ``data.train.seed``, one set for every run), and
 several seeds per arm, reported as mean with spread, so a difference between arms can be told from seed noise.
 
 Everything here is pure (files in, numbers / text / a PNG out): no Megatron or vLLM import. Running the runs, one
-subprocess each, is ``rl/compare_runner.py`` (behind ``jetrl compare``).
+subprocess each, is ``rl/tools/compare_runner.py`` (behind ``jetrl compare``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from jetrl_megatron.recipe import ARM_BY_SWITCHES
 from jetrl_megatron.rl.config import arm_overrides as config_arm_overrides
-from jetrl_megatron.rl.logging import read_metrics, save_step_figure
+from jetrl_megatron.rl.outputs.metric_log import read_metrics, save_step_figure
 
 COMPARE_ARMS = tuple(ARM_BY_SWITCHES.values())  # the arms NeMo-RL's switches select (fake_quant: --arms)
 # per-step curves, averaged over seeds; the *_sampled keys exist only in runs that log sampled validation
@@ -65,8 +66,6 @@ def arm_overrides(out: Path, arm: str, seed: int, tokenizer: str | None = None) 
 
 def finished(log_dir: Path, expected_config: dict[str, Any]) -> bool:
     """A run `--reuse` may skip: it ended ok and was started with exactly the configuration it would get now."""
-    import yaml
-
     try:
         summary = json.loads((log_dir / "summary.json").read_text())
         config = yaml.safe_load((log_dir / "config.yaml").read_text())

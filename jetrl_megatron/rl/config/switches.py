@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from jetrl_megatron.recipe import ELEMENTWISE_IMPLS
-from jetrl_megatron.rl.config_schema import JetRlCfg
-from jetrl_megatron.rl.config_yaml import ConfigError
+from jetrl_megatron.rl.config.schema import JetRlCfg
+from jetrl_megatron.rl.config.yaml_tree import ConfigError
 
 __all__ = ["RunSwitches", "SWITCH_ENV", "resolve_switches"]
 
