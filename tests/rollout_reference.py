@@ -82,13 +82,12 @@ def vllm_cpu_attention(isa: str, block_size: int = 128):
     from vllm import _custom_ops as ops
     from vllm.platforms import current_platform
 
-    from jetrl_megatron.rollout.plugin import request_cpu_amx
-    from jetrl_megatron.vllm_cpu.build import apply_forced_build
+    from jetrl_megatron.vllm_cpu.build import apply_forced_build, request_amx_tiles
 
     apply_forced_build()  # a forced build of this process, before vLLM's kernels load
     current_platform.import_kernels()
     if isa == "amx":
-        request_cpu_amx()
+        request_amx_tiles()
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         t, h, d = q.shape

