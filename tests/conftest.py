@@ -65,6 +65,9 @@ SLOW_FIRST = ("test_rl_loop.py", "test_cpu_builds.py", "test_user_errors.py", "t
 
 
 def pytest_configure(config):
+    from jetrl_megatron.megatron import cpu
+
+    cpu.SPAWN_START_METHOD = "forkserver"  # spawned worlds' ranks skip re-importing torch / Megatron (cpu.py)
     config.addinivalue_line(
         "markers", "own_process: run this test in a fresh Python process (vLLM engines that cannot share one: "
         "the CuMem allocator of sleep-mode engines is one per process)")
