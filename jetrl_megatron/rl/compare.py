@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from jetrl_megatron.recipe import ARM_BY_SWITCHES
-from jetrl_megatron.rl.config import arm_overrides as config_arm_overrides
 from jetrl_megatron.rl.logging import read_metrics, save_step_figure
+from jetrl_megatron.rl.stress_arms import compare_arm_overrides as config_arm_overrides
 
 COMPARE_ARMS = tuple(ARM_BY_SWITCHES.values())  # the arms NeMo-RL's switches select (fake_quant: --arms)
 # per-step curves, averaged over seeds; the *_sampled keys exist only in runs that log sampled validation

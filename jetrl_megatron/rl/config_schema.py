@@ -241,6 +241,17 @@ class SftWarmstartCfg:
 
 
 @dataclass
+class StressCfg:
+    """Experiment only (the mismatch dose-response, CPU recipes; docs/rl.md): the rollout's linears in a format
+    coarser than the FP8 contract (fp8/stress.py), on top of the bf16 arm. Checked in rl/stress_arms.py."""
+
+    format: str | None = None  # e4m3_tensor | e5m2_block | mxfp4 | nvfp4 | int4_g128 | int4_tensor; None: off
+    # true: the unified arm (the trainer's forward in the same format, straight-through gradients to the BF16
+    # master); false: the off-policy arm (BF16 trainer, stressed rollout)
+    trainer: bool = False
+
+
+@dataclass
 class JetRlCfg:
     """Everything this project adds to a NeMo-RL config (one block, so NeMo-RL's own validation keeps it)."""
 
@@ -269,6 +280,7 @@ class JetRlCfg:
     fp8_gemm_warmup: bool = False  # compile DeepGEMM's FP8 GEMMs at engine start (see rollout/engine.py)
     plot_enabled: bool = True  # PNG of reward and mismatch vs step at the end
     progress_bars: bool = True  # tqdm on rollout and training
+    stress: StressCfg = field(default_factory=StressCfg)  # experiment only: see StressCfg
 
 
 @dataclass

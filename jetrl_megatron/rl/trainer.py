@@ -30,6 +30,7 @@ from jetrl_megatron.rl.dist import (
     torch_dist,
 )
 from jetrl_megatron.rl.logging import RunLogger
+from jetrl_megatron.rl.stress_arms import trainer_stress
 from jetrl_megatron.sampling import LogitsSampling, mask_filtered_out
 
 
@@ -94,7 +95,7 @@ def model_numerics(cfg: RunConfig) -> dict[str, Any]:
     ``Fp8ModelContext``): attention kernels, element-wise kernels, reference quantizer (environment overrides
     applied at config load, ``cfg.switches``)."""
     return {"attn_impl": trainer_attn_impl(cfg), "elementwise": cfg.switches.elementwise,
-            "reference_quant": cfg.switches.reference_quant}
+            "reference_quant": cfg.switches.reference_quant, "stress": trainer_stress(cfg)}
 
 
 class ModelSourceError(UserError, FileNotFoundError):
