@@ -70,10 +70,11 @@ def test_e2m1_matches_brute_force_with_ties_to_even():
     assert got.tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -4.0]
 
 
-def test_int4_matches_brute_force():
-    grid = torch.arange(0, 8, dtype=torch.float32)
+@pytest.mark.parametrize("element,top", [("int4", 7), ("int3", 3)])
+def test_int_elements_match_brute_force(element, top):
+    grid = torch.arange(0, top + 1, dtype=torch.float32)
     y = _ties_and_random(grid, 4000, seed=3)
-    assert torch.equal(round_element(y, "int4"), _nearest(y, grid, torch.arange(8)))
+    assert torch.equal(round_element(y, element), _nearest(y, grid, torch.arange(top + 1)))
 
 
 def test_mxfp4_hand_worked_group():
@@ -105,7 +106,7 @@ def _ref_scales(x: torch.Tensor, name: str, rows: int | None, act: bool) -> torc
     r, k = x.shape
     g = k if fmt.k_group is None else fmt.k_group
     rb = r if rows is None else rows
-    emax = {"e4m3": 448.0, "e5m2": 57344.0, "e2m1": 6.0, "int4": 7.0}[fmt.element]
+    emax = {"e4m3": 448.0, "e5m2": 57344.0, "e2m1": 6.0, "int4": 7.0, "int3": 3.0}[fmt.element]
     out = torch.zeros(r, k // g, dtype=torch.float64)
     outer_tensor = float(x.abs().max())
     for i0 in range(0, r, rb):
@@ -139,7 +140,7 @@ def test_weight_and_activation_scales_match_a_block_loop(name):
     assert torch.allclose(xs, _ref_scales(x, name, 1, act=True), rtol=1e-6, atol=0)
 
 
-_HALF_GAP = {"e4m3": 16.0, "e5m2": 4096.0, "e2m1": 1.0, "int4": 0.5}  # half the widest gap of each grid
+_HALF_GAP = {"e4m3": 16.0, "e5m2": 4096.0, "e2m1": 1.0, "int4": 0.5, "int3": 0.5}  # half the widest gap of each grid
 
 
 @pytest.mark.parametrize("name", sorted(STRESS_FORMATS))
@@ -154,7 +155,7 @@ def test_round_trip_error_bounds(name):
     assert ((x - dequantize(q, s)).abs() <= bound).all()
     assert torch.equal(round_element(q, fmt.element), q)  # every code is a grid value
     rel = ((x - dequantize(q, s)).norm() / x.norm()).item()
-    assert rel < {"e4m3": 0.04, "e5m2": 0.08, "e2m1": 0.16, "int4": 0.4}[fmt.element], rel
+    assert rel < {"e4m3": 0.04, "e5m2": 0.08, "e2m1": 0.16, "int4": 0.4, "int3": 0.8}[fmt.element], rel
 
 
 @pytest.mark.parametrize("name,k", [("mxfp4", 100), ("nvfp4", 24), ("e5m2_block", 192), ("int4_g128", 64)])

@@ -16,16 +16,17 @@ K group, so a GEMM group's products are code x code with one scale pair. Formats
     nvfp4        E2M1 codes in 1x16 groups with E4M3 scales times a second FP32 scale (weights: per tensor,
                  activations: per token row)
     int4_g128    symmetric INT4 codes [-7, 7] in 1x128 groups, FP32 scales, weights and activations
-    int4_tensor  symmetric INT4 codes; weights one scale per tensor, activations one per token row (the harshest)
+    int4_tensor  symmetric INT4 codes; weights one scale per tensor, activations one per token row
+    int3_tensor  symmetric INT3 codes [-3, 3], scaled as int4_tensor (the harshest)
 
 Activation scales never span tokens (no per-batch scale): a token's rollout logits must not depend on the other
 sequences in its decode batch, which the trainer could not reproduce.
 
-The GEMM accumulates code products exactly in FP64 within a K group (E4M3, E2M1 and INT4 code products are small
-dyadic numbers; see ``stress_gemm``), scales each group's partial sum and adds the groups in a fixed order, so a
-row's result does not depend on how many rows are in the batch: decode and the trainer's full-batch forward agree
-bit for bit when they see the same inputs (E5M2's code range is wide enough that a group mixing values 2**-20 below
-its largest on both operands could round; none was seen on the task).
+The GEMM accumulates code products exactly in FP64 within a K group (E4M3 and E2M1 code products are small dyadic
+numbers, INT code products integers; see ``stress_gemm``), scales each group's partial sum and adds the groups in a
+fixed order, so a row's result does not depend on how many rows are in the batch: decode and the trainer's
+full-batch forward agree bit for bit when they see the same inputs (E5M2's code range is wide enough that a group
+mixing values 2**-20 below its largest on both operands could round; none was seen in the tests).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 FP8_E4M3_MAX = 448.0
-ELEMENT_MAX = {"e4m3": FP8_E4M3_MAX, "e5m2": 57344.0, "e2m1": 6.0, "int4": 7.0}
+ELEMENT_MAX = {"e4m3": FP8_E4M3_MAX, "e5m2": 57344.0, "e2m1": 6.0, "int4": 7.0, "int3": 3.0}
 SCALE_KINDS = ("fp32", "e8m0", "nvfp4")
 AMAX_EPS = 1e-10
 
@@ -77,6 +78,7 @@ STRESS_FORMATS: dict[str, StressFormat] = {f.name: f for f in (
     StressFormat("nvfp4", "e2m1", 16, 1, "nvfp4"),
     StressFormat("int4_g128", "int4", 128, 1, "fp32"),
     StressFormat("int4_tensor", "int4", None, None, "fp32"),
+    StressFormat("int3_tensor", "int3", None, None, "fp32"),
 )}
 
 
@@ -110,8 +112,8 @@ def round_element(y: torch.Tensor, element: str) -> torch.Tensor:
         return torch.clamp(y, -57344.0, 57344.0).to(torch.float8_e5m2).float()
     if element == "e2m1":
         return round_e2m1(y)
-    if element == "int4":
-        return torch.clamp(torch.round(y), -7.0, 7.0)
+    if element in ("int4", "int3"):
+        return torch.clamp(torch.round(y), -ELEMENT_MAX[element], ELEMENT_MAX[element])
     raise ValueError(f"unknown element format {element!r}")
 
 

@@ -5,8 +5,12 @@ arm, from a `jetrl compare` over bf16 and the stressed arms (rl/stress_arms.py).
 (the table and the verdict) and ``dose_response.png`` (accuracy against k3, one point per arm with its seed spread,
 BF16's spread as a band). Pure: files in, text and a PNG out.
 
-The verdict's rule, stated once: an arm is *below BF16 beyond the seed spread* when its best seed ends below BF16's
-worst seed on held-out greedy accuracy (the min..max ranges do not overlap); otherwise it is *with BF16*.
+The outcome measured is held-out accuracy of the policy each arm's trainer optimizes: BF16 weights served in BF16
+for bf16 and the off-policy arms (rl/stress_eval.py), so that a format's own inference error does not pass for a
+learning difference; the unified arm's own stressed forward (its rollout). Off-policy arms are compared with BF16 on
+the accuracy at the end (both are BF16 policies from one warm start), unified arms on the gain over their own start
+(their policy is the warm start quantized). Rule, stated once: an arm is *below BF16 beyond the seed spread* when its
+best seed is below BF16's worst seed (the min..max ranges do not overlap; undefined with fewer than two seeds).
 """
 
 from __future__ import annotations
@@ -17,91 +21,133 @@ import math
 from pathlib import Path
 from typing import Any
 
-from jetrl_megatron.rl.compare import atomic_write, fmt_stats
+from jetrl_megatron.rl.compare import atomic_write, endpoint, fmt_stats, load_run, spread
 from jetrl_megatron.rl.stress_arms import parse_arm
 
 BASELINE = "bf16"
-ACC_KEYS = (("val/accuracy@last", "greedy"), ("val/accuracy_sampled@last", "sampled"))
 Stats = dict[str, Any]
+ACC_KEYS = (("greedy", "val/accuracy", "val_bf16/accuracy"),
+            ("sampled", "val/accuracy_sampled", "val_bf16/accuracy_sampled"))
 
 
-def arm_point(name: str, arm: Stats) -> dict[str, Any]:
-    """One arm's row: its format and kind, mismatch means and end-of-run held-out accuracy (stats across seeds)."""
-    parsed = parse_arm(name)
-    fmt, unified = parsed if parsed else (None, None)
-    kind = "baseline" if parsed is None else ("unified" if unified else "off-policy")
-    mm = arm.get("mismatch", {})
-    return {"arm": name, "format": fmt or name, "kind": kind, "seeds": arm.get("seeds", []),
-            "k3": mm.get("mismatch/k3_kl"), "tmpe": mm.get("mismatch/token_mult_prob_error"),
-            **{label: arm.get("val", {}).get(key) for key, label in ACC_KEYS},
-            "start": arm.get("val", {}).get("val/accuracy@first")}
+def _last(rows: list[dict[str, Any]], key: str, last: bool = True) -> float | None:
+    p = endpoint(rows, key, last)
+    return p[1] if p else None
+
+
+def seed_values(log_dir: Path, kind: str, bf16_start: dict[str, float | None]) -> dict[str, float | None]:
+    """One run's held-out accuracies. ``policy_*``: the policy its trainer optimizes (bf16 and off-policy: BF16
+    weights served in BF16, the start being the warm start's BF16 validation, i.e. the bf16 arm's step 0; unified:
+    its own stressed forward, served by its rollout). ``served_*``: the arm's own validation. ``bf16_end``: the final
+    weights served in BF16 (rl/stress_eval.py)."""
+    rows, summary = load_run(log_dir)
+    out: dict[str, float | None] = {}
+    for label, val_key, bf16_key in ACC_KEYS:
+        served_start, served_end = _last(rows, val_key, last=False), _last(rows, val_key)
+        bf16_end = served_end if kind == "baseline" else summary.get(bf16_key)
+        if kind == "unified":
+            start, end = served_start, served_end
+        else:
+            start, end = (served_start if kind == "baseline" else bf16_start.get(label)), bf16_end
+        out.update({f"{label}_start": start, f"{label}_end": end,
+                    f"{label}_gain": end - start if start is not None and end is not None else None,
+                    f"{label}_served_start": served_start, f"{label}_served_end": served_end,
+                    f"{label}_bf16_end": bf16_end})
+    return out
+
+
+def points_of(arms: dict[str, Stats]) -> list[dict[str, Any]]:
+    """One row per arm: format, kind, mismatch means (compare.json) and every accuracy across seeds."""
+    base_dirs = arms.get(BASELINE, {}).get("log_dirs", {})
+    bf16_start = {seed: seed_values(Path(d), "baseline", {}) for seed, d in base_dirs.items()}
+    points = []
+    for name, arm in arms.items():
+        parsed = parse_arm(name)
+        kind = "baseline" if parsed is None else ("unified" if parsed[1] else "off-policy")
+        per_seed = [seed_values(Path(d), kind, {lbl: bf16_start.get(seed, {}).get(f"{lbl}_start")
+                                               for lbl, _, _ in ACC_KEYS})
+                    for seed, d in arm.get("log_dirs", {}).items()]
+        keys = sorted({k for v in per_seed for k in v})
+        mm = arm.get("mismatch", {})
+        points.append({"arm": name, "format": parsed[0] if parsed else name, "kind": kind,
+                       "seeds": arm.get("seeds", []), "k3": mm.get("mismatch/k3_kl"),
+                       "tmpe": mm.get("mismatch/token_mult_prob_error"),
+                       **{k: spread([v[k] for v in per_seed]) for k in keys}})
+    return points
 
 
 def below(a: Stats | None, b: Stats | None) -> bool | None:
-    """Whether ``a`` ends below ``b`` beyond the seed spread (a's max < b's min); None without both."""
-    if not a or not b:
+    """Whether ``a`` is below ``b`` beyond the seed spread (a's max < b's min); None without two seeds in both."""
+    if not a or not b or a["n"] < 2 or b["n"] < 2:
         return None
     return a["max"] < b["min"]
 
 
-def verdict_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each stressed arm compared with BF16 on greedy accuracy; sorted by mean k3 (lowest first)."""
-    base = next((p for p in points if p["arm"] == BASELINE), None)
-    rows = []
-    for p in points:
-        if p["kind"] == "baseline":
-            continue
-        diff = (p["greedy"]["mean"] - base["greedy"]["mean"]) if base and p["greedy"] and base["greedy"] else None
-        rows.append({**p, "below_bf16": below(p["greedy"], base["greedy"] if base else None), "diff": diff})
-    return sorted(rows, key=lambda r: (r["k3"] or {}).get("mean", 0.0))
+def compared(p: dict[str, Any], base: dict[str, Any] | None) -> tuple[str, float | None, bool | None]:
+    """(what is compared, difference of means, below beyond the spread) of one arm against BF16: the end accuracy
+    of the trainer's policy for off-policy arms (both are BF16 policies from one start), the gain over its own start
+    for unified arms (their policy starts from the warm start quantized in their format)."""
+    what = "greedy_gain" if p["kind"] == "unified" else "greedy_end"
+    a, b = p.get(what), (base or {}).get(what)
+    return what, (a["mean"] - b["mean"]) if a and b else None, below(a, b)
 
 
-def threshold(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The lowest-k3 off-policy arm below BF16 beyond the seed spread, or None (a null result)."""
-    hits = [r for r in rows if r["kind"] == "off-policy" and r["below_bf16"]]
-    return hits[0] if hits else None
+def _range(s: Stats | None, fmt: str = "{:.3f}") -> str:
+    return "n/a" if not s else f"{fmt_stats(s, fmt)} ({fmt.format(s['min'])}..{fmt.format(s['max'])})"
 
 
-def _range(s: Stats | None) -> str:
-    return "n/a" if not s else f"{fmt_stats(s)} ({s['min']:.3f}..{s['max']:.3f})"
+def _by_k3(p: dict[str, Any]) -> tuple[bool, float]:
+    return p["kind"] != "baseline", (p["k3"] or {}).get("mean", 0.0)
 
 
 def table(points: list[dict[str, Any]]) -> str:
-    head = ["arm", "format", "kind", "seeds", "k3 KL", "token_mult_prob_error", "held-out greedy @ start",
-            "held-out greedy @ end (min..max)", "held-out sampled @ end (min..max)", "greedy vs bf16"]
-    rows = {r["arm"]: r for r in verdict_rows(points)}
+    base = next((p for p in points if p["kind"] == "baseline"), None)
+    head = ["arm", "kind", "seeds", "k3 KL", "token_mult_prob_error", "trainer's policy: greedy start",
+            "greedy end (min..max)", "gain (min..max)", "sampled end", "vs bf16",
+            "served in its format: greedy start -> end", "final weights in BF16: greedy"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for p in sorted(points, key=lambda p: (p["kind"] != "baseline", (p["k3"] or {}).get("mean", 0.0))):
-        r = rows.get(p["arm"])
-        vs = "baseline" if r is None else (
-            f"{r['diff']:+.3f}, " + ("below beyond spread" if r["below_bf16"] else "within spread")
-            if r["diff"] is not None else "n/a")
-        lines.append("| " + " | ".join([p["arm"], p["format"], p["kind"], str(len(p["seeds"])),
-                                        fmt_stats(p["k3"], "{:.2e}"), fmt_stats(p["tmpe"], "{:.5f}"),
-                                        fmt_stats(p["start"]), _range(p["greedy"]), _range(p["sampled"]), vs]) + " |")
+    for p in sorted(points, key=_by_k3):
+        if p["kind"] == "baseline":
+            vs = "baseline"
+        else:
+            what, diff, low = compared(p, base)
+            vs = "n/a" if diff is None else (f"{what.split('_')[1]} {diff:+.3f}, "
+                                            + {True: "below beyond spread", False: "within spread",
+                                               None: "spread undefined"}[low])
+        lines.append("| " + " | ".join([
+            p["arm"], p["kind"], str(len(p["seeds"])), fmt_stats(p["k3"], "{:.2e}"), fmt_stats(p["tmpe"], "{:.5f}"),
+            fmt_stats(p.get("greedy_start")), _range(p.get("greedy_end")), _range(p.get("greedy_gain"), "{:+.3f}"),
+            fmt_stats(p.get("sampled_end")), vs,
+            f"{fmt_stats(p.get('greedy_served_start'))} -> {fmt_stats(p.get('greedy_served_end'))}",
+            fmt_stats(p.get("greedy_bf16_end")),
+        ]) + " |")
     return "\n".join(lines)
 
 
 def verdict(points: list[dict[str, Any]]) -> str:
-    """One paragraph: the mismatch level at which off-policy falls below BF16, and where the unified arm of that
-    format stands; or that no arm did (with the largest mismatch tried)."""
-    rows = verdict_rows(points)
-    hit = threshold(rows)
-    off = [r for r in rows if r["kind"] == "off-policy" and r["k3"]]
+    """The mismatch level at which an off-policy arm first falls below BF16 beyond the seed spread and where the
+    unified arm of that format stands; or that none did, with the largest mismatch tried."""
+    base = next((p for p in points if p["kind"] == "baseline"), None)
+    off = sorted((p for p in points if p["kind"] == "off-policy" and p["k3"]), key=_by_k3)
+    hit = next((p for p in off if compared(p, base)[2]), None)
     if hit is None:
-        top = max(off, key=lambda r: r["k3"]["mean"]) if off else None
+        top = off[-1] if off else None
         reach = (f" up to k3 {top['k3']['mean']:.2e} / token_mult_prob_error {top['tmpe']['mean']:.4f} "
                  f"({top['arm']})") if top else ""
         return (f"No off-policy arm ended below BF16 beyond the seed spread{reach}: a null result at this task "
                 "length and step count.")
-    uni = next((r for r in rows if r["kind"] == "unified" and r["format"] == hit["format"]), None)
-    uni_text = "no unified arm of that format was run" if uni is None else (
-        f"the unified arm in the same format ({uni['arm']}, k3 {fmt_stats(uni['k3'], '{:.2e}')}) "
-        + ("is below BF16 beyond the spread too" if uni["below_bf16"] else "stays with BF16")
-        + f" (greedy {fmt_stats(uni['greedy'])})")
+    uni = next((p for p in points if p["kind"] == "unified" and p["format"] == hit["format"]), None)
+    if uni is None:
+        uni_text = "no unified arm of that format was run"
+    else:
+        _, diff, low = compared(uni, base)
+        uni_text = (f"the unified arm in the same format ({uni['arm']}, k3 {fmt_stats(uni['k3'], '{:.2e}')}) "
+                    + ("gains less than BF16 beyond the spread too" if low else "gains as BF16 does, within the "
+                       "spread") + f" (gain {_range(uni.get('greedy_gain'), '{:+.3f}')} vs BF16's "
+                    f"{_range((base or {}).get('greedy_gain'), '{:+.3f}')})")
     return (f"The off-policy arm first falls below BF16 beyond the seed spread at k3 {hit['k3']['mean']:.2e} / "
-            f"token_mult_prob_error {hit['tmpe']['mean']:.4f} ({hit['arm']}: greedy {fmt_stats(hit['greedy'])} vs "
-            f"BF16's min); {uni_text}.")
+            f"token_mult_prob_error {hit['tmpe']['mean']:.4f} ({hit['arm']}: greedy at the end "
+            f"{_range(hit.get('greedy_end'))} vs BF16's {_range((base or {}).get('greedy_end'))}); {uni_text}.")
 
 
 def plot(points: list[dict[str, Any]], out_png: Path, title: str) -> Path:
@@ -117,14 +163,15 @@ def plot(points: list[dict[str, Any]], out_png: Path, title: str) -> Path:
     colors = {f: plt.cm.tab10(i % 10) for i, f in enumerate(formats)}
     k3s = [p["k3"]["mean"] for p in points if p["k3"] and p["k3"]["mean"] > 0]
     linthresh = 10 ** math.floor(math.log10(min(k3s))) if k3s else 1e-6
-    for ax, (_, label) in zip(axes, ACC_KEYS, strict=True):
-        base = next((p for p in points if p["kind"] == "baseline" and p[label]), None)
+    for ax, (label, _, _) in zip(axes, ACC_KEYS, strict=True):
+        key = f"{label}_end"
+        base = next((p for p in points if p["kind"] == "baseline" and p.get(key)), None)
         if base:
-            s = base[label]
+            s = base[key]
             ax.axhspan(s["min"], s["max"], color="0.85", label=f"bf16 min..max (n={s['n']})")
             ax.axhline(s["mean"], color="0.4", lw=1)
         for p in points:
-            s, k3 = p[label], p["k3"]
+            s, k3 = p.get(key), p["k3"]
             if p["kind"] == "baseline" or not s or not k3:
                 continue
             x = k3["mean"]
@@ -134,7 +181,7 @@ def plot(points: list[dict[str, Any]], out_png: Path, title: str) -> Path:
             ax.plot([x], [s["mean"]], "o" if p["kind"] == "off-policy" else "s", ms=7, mfc=face,
                     mec=colors[p["format"]], label=f"{p['arm']} (n={s['n']})")
         ax.set_xscale("symlog", linthresh=linthresh)
-        ax.set_ylabel(f"held-out accuracy ({label}) at the end", fontsize=8)
+        ax.set_ylabel(f"held-out {label} at the end\n(the trainer's policy)", fontsize=8)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=6, ncol=2)
     axes[1].set_xlabel("k3 KL (rollout || trainer), mean over GRPO steps (symlog; unified arms at 0)")
@@ -149,13 +196,15 @@ def report(compare_dir: Path) -> dict[str, Path]:
     """dose_response.md and .png next to ``compare.json``."""
     data = json.loads((compare_dir / "compare.json").read_text())
     meta, arms = data["meta"], data["arms"]
-    points = [arm_point(name, a) for name, a in arms.items()]
+    points = points_of(arms)
     md = compare_dir / "dose_response.md"
     note = (f"recipe `{meta['recipe']}`, overrides `{' '.join(meta.get('overrides', []))}`, {meta['steps']} GRPO "
             f"steps, seeds {meta['seeds']}, one shared BF16 warm start (`{meta['warmstart']}`). k3 and "
             "token_mult_prob_error: mean over GRPO steps of the trainer-vs-rollout mismatch on response tokens, then "
-            "mean ± std across seeds. Accuracy: held-out (200 prompts) at the last validation. Rule: below BF16 "
-            "beyond the seed spread = the arm's best seed ends below BF16's worst seed.")
+            "mean ± std across seeds. Accuracy on the held-out prompts; 'trainer's policy': BF16 weights served in "
+            "BF16 for bf16 and off-policy arms (their start: the warm start's BF16 validation), the stressed forward "
+            "for unified arms (their own validation); off-policy arms are compared with BF16 on the end, unified "
+            "arms on the gain. Rule: below BF16 beyond the seed spread = the arm's best seed is below BF16's worst.")
     atomic_write(md, f"{table(points)}\n\n{verdict(points)}\n\n{note}\n")
     png = plot(points, compare_dir / "dose_response.png",
                f"{meta['recipe']}: held-out accuracy vs mismatch, {len(meta['seeds'])} seeds per arm")
