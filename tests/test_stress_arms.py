@@ -32,8 +32,8 @@ def test_arm_names_parse():
     assert stressed_arm_names(["mxfp4"]) == ["offpolicy_mxfp4", "unified_mxfp4"]
 
 
-@pytest.mark.parametrize("arm,fmt,trains", [("offpolicy_mxfp4", "mxfp4", False), ("unified_int4_g128", "int4_g128", True),
-                                            ("bf16", None, False)])
+@pytest.mark.parametrize("arm,fmt,trains", [("offpolicy_mxfp4", "mxfp4", False),
+                                            ("unified_int4_g128", "int4_g128", True), ("bf16", None, False)])
 def test_arm_overrides_select_the_stress_keys_on_the_bf16_arm(arm, fmt, trains):
     cfg = load_config("tiny_cpu", [*compare_arm_overrides(arm), *NO_PROBE])
     assert cfg.arm == "bf16"
@@ -122,7 +122,10 @@ def test_report_names_the_level_where_off_policy_falls_below(tmp_path):
 
 def test_report_says_null_when_ranges_overlap(tmp_path):
     d = _compare_dir(tmp_path, off_bf16_end=[0.79, 0.81, 0.83], uni_end=[0.60, 0.62, 0.63])
-    points = dose_response.points_of(json.loads((d / "compare.json").read_text())["arms"])
+    arms = json.loads((d / "compare.json").read_text())["arms"]
+    for a in arms.values():  # committed copies: the recorded log dirs are gone, <arm>/seed<N> under the root remain
+        a["log_dirs"] = {s: f"/nonexistent/{s}" for s in a["log_dirs"]}
+    points = dose_response.points_of(arms, d)
     text = dose_response.verdict(points)
     assert text.startswith("No off-policy arm ended below BF16 beyond the seed spread up to k3 1.00e-02")
     uni = next(p for p in points if p["arm"] == "unified_int4_tensor")

@@ -21,6 +21,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from jetrl_megatron.rl import compare
 from jetrl_megatron.rl.compare import atomic_write, endpoint, fmt_stats, load_run, spread
 from jetrl_megatron.rl.stress_arms import parse_arm
 
@@ -56,15 +57,22 @@ def seed_values(log_dir: Path, kind: str, bf16_start: dict[str, float | None]) -
     return out
 
 
-def points_of(arms: dict[str, Stats]) -> list[dict[str, Any]]:
+def _log_dir(d: str, root: Path | None, arm: str, seed: str) -> Path:
+    """A run's log dir as compare.json names it, else its copy under ``root`` (``<arm>/seed<N>``: committed runs)."""
+    p = Path(d)
+    return p if p.exists() or root is None else compare.run_dir(root, arm, int(seed))
+
+
+def points_of(arms: dict[str, Stats], root: Path | None = None) -> list[dict[str, Any]]:
     """One row per arm: format, kind, mismatch means (compare.json) and every accuracy across seeds."""
     base_dirs = arms.get(BASELINE, {}).get("log_dirs", {})
-    bf16_start = {seed: seed_values(Path(d), "baseline", {}) for seed, d in base_dirs.items()}
+    bf16_start = {seed: seed_values(_log_dir(d, root, BASELINE, seed), "baseline", {})
+                  for seed, d in base_dirs.items()}
     points = []
     for name, arm in arms.items():
         parsed = parse_arm(name)
         kind = "baseline" if parsed is None else ("unified" if parsed[1] else "off-policy")
-        per_seed = [seed_values(Path(d), kind, {lbl: bf16_start.get(seed, {}).get(f"{lbl}_start")
+        per_seed = [seed_values(_log_dir(d, root, name, seed), kind, {lbl: bf16_start.get(seed, {}).get(f"{lbl}_start")
                                                for lbl, _, _ in ACC_KEYS})
                     for seed, d in arm.get("log_dirs", {}).items()]
         keys = sorted({k for v in per_seed for k in v})
@@ -196,7 +204,7 @@ def report(compare_dir: Path) -> dict[str, Path]:
     """dose_response.md and .png next to ``compare.json``."""
     data = json.loads((compare_dir / "compare.json").read_text())
     meta, arms = data["meta"], data["arms"]
-    points = points_of(arms)
+    points = points_of(arms, compare_dir)
     md = compare_dir / "dose_response.md"
     note = (f"recipe `{meta['recipe']}`, overrides `{' '.join(meta.get('overrides', []))}`, {meta['steps']} GRPO "
             f"steps, seeds {meta['seeds']}, one shared BF16 warm start (`{meta['warmstart']}`). k3 and "
