@@ -23,7 +23,7 @@ NO_COMPILE = $(if $(filter cpu,$(DEVICE)),--no-compile)
 RECIPE_DEVICE = $(if $(shell grep -sE '^[[:space:]]*gpus_per_node:[[:space:]]*0([^0-9]|$$)' \
                   recipes/$(RECIPE).yaml $(RECIPE)),cpu,gpu)
 
-.PHONY: setup test test-gpu lint run compare plan sbatch clean
+.PHONY: setup test test-gpu lint run compare dose-response plan sbatch clean
 
 # pyproject.toml has the ranges; constraints/$(DEVICE).txt the exact versions of this app (docs/install.md)
 $(STAMP): pyproject.toml constraints/$(DEVICE).txt
@@ -59,6 +59,20 @@ run: setup
 
 compare: setup
 	$(VENV)/bin/jetrl compare --recipe $(RECIPE) --seeds $(SEEDS) $(OVERRIDES)
+
+# The mismatch dose-response (docs/rl.md; experiment only, CPU): bf16 and, per stress format of fp8/stress.py, the
+# off-policy arm (BF16 trainer, stressed rollout) and the unified arm (trainer forward stressed the same way), every
+# arm x SEEDS from one BF16 warm start; then dose_response.md / .png (rl/tools/dose_response.py) beside compare.*.
+DOSE_FORMATS ?= e4m3_tensor int4_tensor int3_tensor
+DOSE_STEPS   ?= 20
+DOSE_OUT     ?= runs/dose_response
+comma := ,
+space := $(subst ,, )
+DOSE_ARMS = $(subst $(space),$(comma),bf16 $(foreach f,$(DOSE_FORMATS),offpolicy_$(f) unified_$(f)))
+dose-response: setup
+	$(VENV)/bin/jetrl compare --recipe tiny_cpu --seeds $(SEEDS) --arms $(DOSE_ARMS) --out $(DOSE_OUT) \
+	  grpo.max_num_steps=$(DOSE_STEPS) grpo.val_period=10 policy.jet_rl.progress_bars=false $(OVERRIDES)
+	$(VPY) -m jetrl_megatron.rl.tools.dose_response $(DOSE_OUT)
 
 plan: setup
 	$(VENV)/bin/jetrl plan --recipe $(RECIPE) $(if $(ARM),--arm $(ARM)) $(OVERRIDES)

@@ -104,10 +104,13 @@ def _remove_unused_log_dir(log_dir: Path) -> None:
 def cmd_compare(args: argparse.Namespace) -> int:
     """Every arm x seed from one shared BF16 warm start, then the aggregate (rl/tools/compare_runner.py)."""
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    bad = [a for a in arms if a not in ARM_MODES]
+    from jetrl_megatron.rl.stress_arms import is_compare_arm
+
+    bad = [a for a in arms if not is_compare_arm(a)]
     if bad or not arms:
         print(f"jetrl compare: unknown arm(s) {', '.join(map(repr, bad)) or '(none given)'}; choose from "
-              f"{', '.join(ARM_MODES)}", file=sys.stderr)
+              f"{', '.join(ARM_MODES)}, or the experiment-only offpolicy_<format> / unified_<format> "
+              "(rl/stress_arms.py)", file=sys.stderr)
         return 2
     if args.parallel < 1:
         print(f"jetrl compare: --parallel must be >= 1, got {args.parallel}", file=sys.stderr)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from jetrl_megatron.fp8.stress import StressFormat
 from jetrl_megatron.fp8.weights import Fp8WeightCache
 from jetrl_megatron.megatron.numerics import ATTN_MATCHES, ElementwiseKernels, PackedRowsCache, default_attn_impl
 from jetrl_megatron.model.shapes import ModelShape
@@ -39,17 +40,20 @@ class Fp8ModelContext:
     attn_match: str = "prefill"
     # the micro-batch's packed-token layout for GPU vLLM's attention, built by the first layer, read by the others
     packed_rows: PackedRowsCache = field(default_factory=PackedRowsCache, repr=False)
+    # Experiment only (the mismatch dose-response's unified arms, CPU): the FP8-eligible linears run this stress
+    # format (fp8/stress_linear.py) instead of the recipe's GEMM. None: off.
+    stress: StressFormat | None = None
 
     @classmethod
     def create(cls, shape: ModelShape, recipe: Fp8Recipe, layers: range, attn_impl: str | None = None, *,
-               elementwise: str = "auto", reference_quant: bool = False, attn_match: str = "prefill"
-               ) -> Fp8ModelContext:
+               elementwise: str = "auto", reference_quant: bool = False, attn_match: str = "prefill",
+               stress: StressFormat | None = None) -> Fp8ModelContext:
         """A context with an empty cache; ``attn_impl`` None = the default for this device."""
         if attn_match not in ATTN_MATCHES:
             raise ValueError(f"attn_match must be one of {ATTN_MATCHES}, got {attn_match!r}")
         return cls(shape, recipe, layers, attn_impl or default_attn_impl(),
                    Fp8WeightCache(recipe, reference_quant=reference_quant), ElementwiseKernels(elementwise),
-                   bool(reference_quant), attn_match)
+                   bool(reference_quant), attn_match, stress=stress)
 
     @property
     def vllm_cpu_kernels(self) -> bool:

@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from jetrl_megatron.fp8.format import BLOCK as _BLOCK
 from jetrl_megatron.fp8.linear import fake_quant_linear, fp8_linear
+from jetrl_megatron.fp8.stress_linear import stress_linear
 from jetrl_megatron.megatron.context import Fp8ModelContext
 from jetrl_megatron.recipe import Fp8Recipe
 
@@ -66,15 +67,19 @@ class _Fp8Gemm:
     fp8_context: Fp8ModelContext
 
     def _init_fp8(self, name: str, mode: str, ctx: Fp8ModelContext, tp: int, vllm_cpu_gemm: bool = False) -> None:
-        if mode not in ("bf16", *FP8_GEMM_MODES):
+        if mode not in ("bf16", "stress", *FP8_GEMM_MODES):
             raise ValueError(f"{name}: unknown GEMM mode {mode!r}")
         self.weight_name, self.gemm_mode, self.fp8_context = name, mode, ctx
         self._vllm_gemm = None
-        if mode == "bf16":
-            if vllm_cpu_gemm:
-                from jetrl_megatron.vllm_cpu.ops import UnquantizedGemm
+        if mode == "stress":  # experiment only (fp8/stress.py): K must hold whole K groups
+            if ctx.stress is None:
+                raise ValueError(f"{name}: GEMM mode 'stress' without a stress format in the model context")
+            ctx.stress.group_of(self.weight.shape[1], f"{name} (per-rank weight {tuple(self.weight.shape)})")
+        if mode == "bf16" and vllm_cpu_gemm:
+            from jetrl_megatron.vllm_cpu.ops import UnquantizedGemm
 
-                self._vllm_gemm = UnquantizedGemm()
+            self._vllm_gemm = UnquantizedGemm()
+        if mode in ("bf16", "stress"):
             return
         if getattr(self.config, "gradient_accumulation_fusion", False):
             raise ValueError(f"{name}: gradient_accumulation_fusion is not supported with FP8 GEMMs")
@@ -99,6 +104,8 @@ class _Fp8Gemm:
             return _bf16_linear(x, weight, bias, self._vllm_gemm)
         if self.gemm_mode == "fake_quant":
             return fake_quant_linear(x, weight, bias, recipe)
+        if self.gemm_mode == "stress":
+            return stress_linear(x, weight, bias, self.fp8_context.stress)
         return fp8_linear(x, weight, bias, recipe, weight_fp8=self.fp8_context.cache.get(weight),
                           reference_quant=self.fp8_context.reference_quant)
 

@@ -35,6 +35,7 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from jetrl_megatron.fp8 import quant_dispatch
+from jetrl_megatron.fp8.stress import StressFormat
 from jetrl_megatron.megatron.context import Fp8ModelContext
 from jetrl_megatron.megatron.cpu import enable_cpu_mode
 from jetrl_megatron.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear
@@ -111,8 +112,8 @@ def megatron_config(shape: ModelShape, recipe: Fp8Recipe, *, sequence_parallel: 
 def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None = None,
               post_process: bool | None = None, sequence_parallel: bool = False, attn_impl: str | None = None,
               elementwise: str = "auto", reference_quant: bool = False, attn_match: str = "prefill",
-              lean_swiglu: bool | None = None,
-              seed: int = 1234, init_std: float = 0.02, **config_overrides: Any) -> GPTModel:
+              lean_swiglu: bool | None = None, seed: int = 1234, init_std: float = 0.02,
+              stress: StressFormat | None = None, **config_overrides: Any) -> GPTModel:
     """This rank's model (its TP shard of its PP stage) with Jet-RL linears, numerics and a filled FP8 cache.
 
     pre_process / post_process default to whether this rank is the first / last pipeline stage. The model is
@@ -143,8 +144,11 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
         post_process = parallel_state.is_pipeline_last_stage()
     layers = pp_layer_range(shape.num_layers, pp, pp_rank)
     check_fp8_gemm_shapes(shape, recipe, tp, layers)
+    if stress is not None and (recipe.trainer_gemm != "bf16" or torch.cuda.is_available()):
+        raise ValueError(f"build_gpt: stress format {stress.name} is a CPU experiment on the bf16 arm's trainer "
+                         f"(got trainer GEMM {recipe.trainer_gemm!r}, CUDA {torch.cuda.is_available()})")
     context = Fp8ModelContext.create(shape, recipe, layers, attn_impl, elementwise=elementwise,
-                                     reference_quant=reference_quant, attn_match=attn_match)
+                                     reference_quant=reference_quant, attn_match=attn_match, stress=stress)
     if context.vllm_cuda_kernels and not lean_swiglu:
         raise ValueError("attn_impl='vllm_cuda' needs lean_swiglu (the SwiGLU module runs vLLM's silu_and_mul)")
     if lean_swiglu:

@@ -45,13 +45,16 @@ __all__ = ["gpt_model_spec", "gpt_layer_spec", "gpt_block_spec", "norm_spec", "l
            "per_rank_gemm_shapes", "check_fp8_gemm_shapes"]
 
 
-def layer_gemm_modes(shape: ModelShape, recipe: Fp8Recipe, global_layer: int) -> dict[str, str]:
-    """GEMM mode of each linear of one global layer: {'linear_qkv': 'jetrl', ...} (Megatron names)."""
+def layer_gemm_modes(shape: ModelShape, recipe: Fp8Recipe, global_layer: int,
+                     stress: bool = False) -> dict[str, str]:
+    """GEMM mode of each linear of one global layer: {'linear_qkv': 'fp8', ...} (Megatron names). ``stress``: the
+    FP8-eligible linears run the model context's stress format (experiment only) instead."""
     prefix = f"decoder.layers.{global_layer}."
     names = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_attention.linear_proj",
              "linear_fc1": "mlp.linear_fc1", "linear_fc2": "mlp.linear_fc2"}
-    return {k: gemm_mode_of(recipe, recipe.module_is_fp8(prefix + v + ".weight", global_layer, shape.num_layers))
-            for k, v in names.items()}
+    eligible = {k: recipe.module_is_fp8(prefix + v + ".weight", global_layer, shape.num_layers)
+                for k, v in names.items()}
+    return {k: "stress" if stress and fp8 else gemm_mode_of(recipe, fp8) for k, fp8 in eligible.items()}
 
 
 def gpt_layer_spec(ctx: Fp8ModelContext, global_layer: int, *, lean_swiglu: bool = False) -> ModuleSpec:
@@ -62,7 +65,7 @@ def gpt_layer_spec(ctx: Fp8ModelContext, global_layer: int, *, lean_swiglu: bool
     accordingly).
     """
     shape = ctx.shape
-    modes = layer_gemm_modes(shape, ctx.recipe, global_layer)
+    modes = layer_gemm_modes(shape, ctx.recipe, global_layer, stress=ctx.stress is not None)
     prefix = f"decoder.layers.{global_layer}."
 
     def linear(cls, key: str, sub: str) -> ModuleSpec:

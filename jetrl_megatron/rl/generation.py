@@ -19,6 +19,7 @@ from jetrl_megatron.rl.dist import (
     say,
     torch_dist,
 )
+from jetrl_megatron.rl.stress_arms import rollout_stress
 from jetrl_megatron.rl.tasks import build_task, heldout_split
 from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
 
@@ -52,7 +53,7 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
     return RolloutEngine(RolloutConfig(
         model_dir=model_dir, recipe=recipe or cfg.recipe, tensor_parallel_size=v.tensor_parallel_size,
         verify_refit=sw.verify_refit, refit_cuda_graph=sw.refit_cuda_graph, fp8_gemm_warmup=sw.fp8_gemm_warmup,
-        reference_quant=sw.reference_quant,
+        reference_quant=sw.reference_quant, stress_format=None if recipe else rollout_stress(cfg),
         max_model_len=v.max_model_len,
         kv_cache_memory_bytes=cfg.kv_cache_memory_bytes(),
         gpu_memory_utilization=v.gpu_memory_utilization, max_num_seqs=max(1, seqs), seed=cfg.grpo.seed,

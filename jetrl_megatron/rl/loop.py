@@ -54,6 +54,7 @@ from jetrl_megatron.rl.outputs.step_profile import StepProfile
 from jetrl_megatron.rl.outputs.summary import print_probe, run_arm_probe, summarize
 from jetrl_megatron.rl.phase_memory import PhaseMemory
 from jetrl_megatron.rl.refit_source import RefitSource, verify_served_fp8
+from jetrl_megatron.rl.stress_arms import rollout_stress
 from jetrl_megatron.rl.tasks import PromptStream, build_task
 from jetrl_megatron.rl.tools.run_plan import trainer_settings
 from jetrl_megatron.rl.trainer import (
@@ -153,6 +154,13 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     summary = summarize(cfg, logger, sft_losses, time.perf_counter() - t_start, vocab_size=trainer.shape.vocab_size)
     logger.close()
+    if rollout_stress(cfg) and val_prompts:  # experiment only: the stressed arm's final policy served in BF16
+        from jetrl_megatron.rl.stress_eval import bf16_validation
+
+        summary.update(bf16_validation(cfg, trainer, ro.engine, val_task, val_prompts))
+        say(f"final policy served in BF16: accuracy {summary['val_bf16/accuracy']:.3f} greedy")
+        if is_main():
+            (log_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if cfg.policy.jet_rl.final_arm_probe:
         final_dir = log_dir / "final_model"
         write_model_dir(cfg, trainer, final_dir, only_rank0=True)

@@ -32,6 +32,7 @@ from jetrl_megatron.rl.dist import (
     torch_dist,
 )
 from jetrl_megatron.rl.outputs.metric_log import RunLogger
+from jetrl_megatron.rl.stress_arms import trainer_stress
 from jetrl_megatron.rl.tools.run_plan import model_shape, trainer_settings
 from jetrl_megatron.rollout.model_dir import hf_config_for
 from jetrl_megatron.rollout.model_dir import write_model_dir as write_hf_model_dir
@@ -98,7 +99,8 @@ def model_numerics(cfg: RunConfig) -> dict[str, Any]:
     ``Fp8ModelContext``): attention kernels, element-wise kernels, reference quantizer (environment overrides
     applied at config load, ``cfg.switches``)."""
     return {"attn_impl": trainer_attn_impl(cfg), "elementwise": cfg.switches.elementwise,
-            "reference_quant": cfg.switches.reference_quant, "attn_match": cfg.policy.jet_rl.attn_match}
+            "reference_quant": cfg.switches.reference_quant, "attn_match": cfg.policy.jet_rl.attn_match,
+            "stress": trainer_stress(cfg)}
 
 
 class ModelSourceError(UserError, FileNotFoundError):

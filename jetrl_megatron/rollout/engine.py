@@ -74,6 +74,9 @@ class RolloutConfig:
     # instead of the Triton kernels (bit-identical; for checking). Reaches vLLM's processes in the plugin's
     # quantization_config, not through a process switch.
     reference_quant: bool = False
+    # Experiment only (the mismatch dose-response, CPU): serve the BF16 weights through the `jetrl_stress` method,
+    # every linear's weight and input quantized in this format of fp8/stress.py. None: off. Needs the bf16 mode.
+    stress_format: str | None = None
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -119,7 +122,9 @@ class RolloutEngine:
         self.shape = ModelShape.from_hf_config(hf_cfg)
         quant_cfg = hf_cfg.get("quantization_config")
         hf_overrides: dict[str, Any] = {}
-        if self.recipe.rollout_fp8:
+        if config.stress_format is not None:
+            hf_overrides["quantization_config"] = self._stress_quant_config(quant_cfg)
+        elif self.recipe.rollout_fp8:
             if not quant_cfg:
                 # A BF16 directory: quantize it once with the trainer's quantizer (same bytes the trainer would send).
                 self._tmp = tempfile.TemporaryDirectory(prefix="jetrl_rollout_")
@@ -150,6 +155,22 @@ class RolloutEngine:
                      self.warmup_report["calls"], self.warmup_report["seconds"])
 
     # ------------------------------------------------------------------------------------------ start / stop
+    def _stress_quant_config(self, quant_cfg: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The experiment-only `jetrl_stress` config (CPU, bf16 mode, BF16 checkpoint); registers the method."""
+        fmt = self.config.stress_format
+        if self.on_cuda:
+            raise UserError(f"rollout stress format {fmt!r}: experiment-only, CPU engines only (emulated GEMMs); "
+                            "unset policy.jet_rl.stress.format on GPU")
+        if self.mode != "bf16" or quant_cfg:
+            raise ValueError(f"rollout stress format {fmt!r} serves BF16 weights: it needs recipe mode 'bf16' and a "
+                             f"BF16 checkpoint (got mode {self.mode!r}, quantization_config "
+                             f"{(quant_cfg or {}).get('quant_method')!r})")
+        from jetrl_megatron.rollout import stress_method
+
+        stress_method.register()
+        ignored = self.recipe.hf_quantization_config(self.shape.num_layers)["ignored_layers"]
+        return stress_method.stress_quant_config(fmt, ignored)
+
     def _plugin_quant_config(self, quant_cfg: Mapping[str, Any]) -> dict[str, Any]:
         """The checkpoint's block-FP8 config pointed at `jetrl_fp8`, after checking it agrees with the recipe."""
         method = quant_cfg.get("quant_method")

@@ -672,4 +672,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
     check_data(cfg)
     check_optimizer_offload(cfg)
     check_cluster(cfg)
+    from jetrl_megatron.rl.stress_arms import check_stress
+
+    check_stress(cfg)  # experiment-only keys (policy.jet_rl.stress)
     return cfg

@@ -241,6 +241,17 @@ class SftWarmstartCfg:
 
 
 @dataclass
+class StressCfg:
+    """Experiment only (the mismatch dose-response, CPU recipes; docs/rl.md): the rollout's linears in a format
+    coarser than the FP8 contract (fp8/stress.py), on top of the bf16 arm. Checked in rl/stress_arms.py."""
+
+    format: str | None = None  # e4m3_tensor | e5m2_block | mxfp4 | nvfp4 | int4_g128 | int4_tensor; None: off
+    # true: the unified arm (the trainer's forward in the same format, straight-through gradients to the BF16
+    # master); false: the off-policy arm (BF16 trainer, stressed rollout)
+    trainer: bool = False
+
+
+@dataclass
 class JetRlCfg:
     """Everything this project adds to a NeMo-RL config (one block, so NeMo-RL's own validation keeps it)."""
 
@@ -276,6 +287,7 @@ class JetRlCfg:
     # profile this GRPO step (1-based; 0: none) with torch.profiler: <log_dir>/profile_step<N>.md and .json (the
     # step's phases and its top operators / kernels by device time)
     profile_step: int = key(0, bounds=at_least(0))
+    stress: StressCfg = field(default_factory=StressCfg)  # experiment only: see StressCfg
 
 
 @dataclass

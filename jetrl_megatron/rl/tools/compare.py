@@ -22,8 +22,8 @@ import numpy as np
 import yaml
 
 from jetrl_megatron.recipe import ARM_BY_SWITCHES
-from jetrl_megatron.rl.config import arm_overrides as config_arm_overrides
 from jetrl_megatron.rl.outputs.metric_log import read_metrics, save_step_figure
+from jetrl_megatron.rl.stress_arms import compare_arm_overrides
 
 COMPARE_ARMS = tuple(ARM_BY_SWITCHES.values())  # the arms NeMo-RL's switches select (fake_quant: --arms)
 # per-step curves, averaged over seeds; the *_sampled keys exist only in runs that log sampled validation
@@ -44,7 +44,7 @@ def warmstart_model(out: Path) -> Path:
 
 def warmstart_overrides(out: Path) -> list[str]:
     """The one BF16 warm start every arm starts from: SFT only (no GRPO step), written as an HF model dir."""
-    return [*config_arm_overrides("bf16"), "grpo.max_num_steps=0",
+    return [*compare_arm_overrides("bf16"), "grpo.max_num_steps=0",
             f"policy.jet_rl.sft_warmstart.save_model_dir={warmstart_model(out)}", f"logger.log_dir={out / 'warmstart'}",
             "policy.jet_rl.final_arm_probe=false", "checkpointing.enabled=false"]
 
@@ -57,7 +57,7 @@ def arm_overrides(out: Path, arm: str, seed: int, tokenizer: str | None = None) 
     """One arm x seed run from the shared warm start. ``tokenizer``: the original model's tokenizer, for recipes that
     load it from ``policy.model_name`` (the warm-start dir holds weights and config only)."""
     d = run_dir(out, arm, seed)
-    ov = [*config_arm_overrides(arm), f"policy.model_name={warmstart_model(out)}",
+    ov = [*compare_arm_overrides(arm), f"policy.model_name={warmstart_model(out)}",
           "policy.jet_rl.sft_warmstart.steps=0", f"grpo.seed={seed}", f"logger.log_dir={d}",
           f"checkpointing.checkpoint_dir={d / 'checkpoints'}", "policy.jet_rl.final_arm_probe=false",
           "policy.jet_rl.plot_enabled=false"]

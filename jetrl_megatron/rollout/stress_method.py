@@ -1,0 +1,113 @@
+"""The `jetrl_stress` vLLM quantization method: experiment-only rollout linears in a stress format (fp8/stress.py).
+
+The engine keeps BF16 weights (refit is the BF16 arm's byte copy) and every linear quantizes its weight and its
+input in the format at each call, through ``stress_linear_forward``, the very function the unified arm's trainer
+runs. Registered by the engine only when a run asks for a stress format (CPU, in-process engines); the vLLM plugin
+entry point (plugin.py) never registers it, so no production engine can select it.
+
+This module imports vLLM at the top; only the engine imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+from vllm.model_executor.parameter import ModelWeightParameter
+
+from jetrl_megatron.fp8.stress import StressFormat, stress_format
+from jetrl_megatron.fp8.stress_linear import stress_linear_forward
+
+STRESS_METHOD = "jetrl_stress"
+_registered = False
+
+
+def register() -> None:
+    """Register `JetRLStressConfig` under `jetrl_stress` (once per process)."""
+    global _registered
+    if _registered:
+        return
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    register_quantization_config(STRESS_METHOD)(JetRLStressConfig)
+    _registered = True
+
+
+def stress_quant_config(fmt: str, ignored_layers: list[str]) -> dict[str, Any]:
+    """The hf_overrides `quantization_config` that makes a BF16 checkpoint's linears run ``fmt``."""
+    stress_format(fmt)  # unknown names fail here, before vLLM starts
+    return {"quant_method": STRESS_METHOD, "format": fmt, "ignored_layers": list(ignored_layers)}
+
+
+class JetRLStressConfig(QuantizationConfig):
+    """Keys: `format` (a name of fp8.stress.STRESS_FORMATS) and `ignored_layers` (HF prefixes that stay BF16)."""
+
+    def __init__(self, fmt: StressFormat, ignored_layers: list[str]):
+        super().__init__()
+        self.fmt = fmt
+        self.ignored_layers = list(ignored_layers)
+
+    def __repr__(self) -> str:
+        return f"JetRLStressConfig(format={self.fmt.name}, ignored_layers={len(self.ignored_layers)} modules)"
+
+    @classmethod
+    def get_name(cls) -> str:
+        return STRESS_METHOD
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> JetRLStressConfig:
+        if "format" not in config:
+            raise ValueError(f"{STRESS_METHOD}: quantization_config needs a 'format' key, got {sorted(config)}")
+        return cls(stress_format(config["format"]), list(config.get("ignored_layers") or []))
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        self.ignored_layers = hf_to_vllm_mapper.apply_list(self.ignored_layers)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, LinearBase):
+            if is_layer_skipped(prefix, self.ignored_layers, self.packed_modules_mapping):
+                return UnquantizedLinearMethod()
+            return JetRLStressLinearMethod(self.fmt)
+        return None  # embeddings, lm_head, attention and norms stay BF16
+
+
+class JetRLStressLinearMethod(LinearMethodBase):
+    """BF16 weight as loaded; weight and input quantized in the stress format at every call."""
+
+    def __init__(self, fmt: StressFormat):
+        self.fmt = fmt
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        prefix = getattr(layer, "prefix", type(layer).__name__)
+        self.fmt.group_of(input_size_per_partition, f"{STRESS_METHOD} {prefix} input (per partition)")
+        rows = sum(output_partition_sizes)
+        layer.logical_widths = list(output_partition_sizes)
+        layer.input_size_per_partition = input_size_per_partition
+        layer.output_size_per_partition = rows
+        weight = ModelWeightParameter(data=torch.empty(rows, input_size_per_partition, dtype=params_dtype),
+                                      input_dim=1, output_dim=0, weight_loader=extra_weight_attrs["weight_loader"])
+        layer.register_parameter("weight", weight)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Nothing: the BF16 bytes stay the runtime weight, so a refit is a byte copy and reads back."""
+        return None
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return stress_linear_forward(x, layer.weight.data, bias, self.fmt)
