@@ -53,8 +53,8 @@ case $mode in
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; free -g; df -h /tmp "$PWD";
       python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } | tee "$out/machine.txt"
     [ "${TESTS:-1}" = 0 ] && exit 0
-    timeout "${RUN_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_kernels_gpu.py \
-      tests/test_backends_gpu.py tests/test_triton_numerics.py tests/test_phase_memory.py > "$out/tests_novllm.log" 2>&1
+    timeout "${RUN_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_fp8_kernels_gpu.py \
+      tests/test_fp8_backends_gpu.py tests/test_megatron_triton_numerics.py tests/test_rl_phase_memory.py > "$out/tests_novllm.log" 2>&1
     echo "tests rc $?"; grep -E "passed|failed|FAILED|SKIPPED|Error" "$out/tests_novllm.log" | tail -15 ;;
   stage1) cp .vc/p1/* /tmp/vc/ && ls -l /tmp/vc ;;
   suite)
@@ -68,7 +68,7 @@ case $mode in
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     timeout 200 python3 bench/gemm_m_invariance.py --presets qwen3-8b --backends deep_gemm cublas \
       --out "$out/gemm_m_invariance.json" > "$out/gemm_m.log" 2>&1; echo "m-invariance rc $?"; tail -4 "$out/gemm_m.log"
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_backends_gpu.py > "$out/backends.log" 2>&1
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_fp8_backends_gpu.py > "$out/backends.log" 2>&1
     echo "backends rc $?"; grep -E "passed|failed|FAILED|SKIPPED|Error" "$out/backends.log" | tail -8
     layer_cost ;;
   grpo)

@@ -55,13 +55,14 @@ TP_SHM_LOCK = Path(tempfile.gettempdir()) / "jetrl-tests-vllm-tp-shm.lock"
 # start first, so that no worker begins one of them when the others are nearly done (longest first: the per-file sums
 # of `make test`'s 60 slowest durations, 2026-12-03; test_megatron_model and test_rollout_engine, many tests under
 # that list's 14 s each, where their sums could place them).
-SLOW_FIRST = ("test_rl_loop.py", "test_cpu_builds.py", "test_user_errors.py", "test_compare.py",
-              "test_distributed_optimizer.py", "test_slurm.py", "test_grad_buffer_release.py",
-              "test_megatron_parallel.py", "test_refit_buffers.py", "test_megatron_model.py",
-              "test_nemo_rl_conformance.py", "test_rollout_engine.py", "test_optimizer_offload.py", "test_hub_cache.py",
-              "test_hosted_policy.py", "test_hf_refit.py", "test_refit_inplace.py", "test_numerics_per_model.py",
-              "test_nemo_rl_worker.py", "test_plugin.py", "test_refit_chunked.py", "test_megatron_vllm_parity.py",
-              "test_reshard_packing.py", "test_rollout_arms.py", "test_recipes.py", "test_triton_numerics.py")
+SLOW_FIRST = ("test_rl_loop.py", "test_vllm_cpu_builds.py", "test_cli_user_errors.py", "test_rl_compare.py",
+              "test_megatron_distributed_optimizer.py", "test_cli_slurm.py", "test_megatron_grad_buffer_release.py",
+              "test_megatron_parallel.py", "test_rl_refit_buffers.py", "test_megatron_model.py",
+              "test_nemo_rl_conformance.py", "test_rollout_engine.py", "test_megatron_optimizer_offload.py",
+              "test_model_hub_cache.py", "test_nemo_rl_hosted_policy.py", "test_nemo_rl_hf_refit.py",
+              "test_rollout_refit_inplace.py", "test_megatron_numerics_per_model.py", "test_nemo_rl_worker.py",
+              "test_rollout_plugin.py", "test_reshard_refit_chunked.py", "test_megatron_vllm_parity.py",
+              "test_reshard_packing.py", "test_rollout_arms.py", "test_recipes.py", "test_megatron_triton_numerics.py")
 
 
 def pytest_configure(config):

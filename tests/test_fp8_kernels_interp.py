@@ -2,7 +2,7 @@
 
 The interpreter's own FP32->E4M3 and FP32->BF16 conversions are not round-to-nearest-even (it rounds half-up without
 mantissa carry, and truncates to BF16), so under it the quant kernels store clamped FP32 and torch casts (see
-kernels.py), and the GEMM is checked with FP32 output. The hardware casts are covered by tests/test_kernels_gpu.py.
+kernels.py), and the GEMM is checked with FP32 output. The hardware casts are covered by tests/test_fp8_kernels_gpu.py.
 Runs in a subprocess because TRITON_INTERPRET must be set before the kernels are defined.
 """
 
