@@ -14,11 +14,11 @@ from jetrl_megatron.rl.config import ConfigError, load_config
 from jetrl_megatron.rl.tools.recommend_layout import recommend
 from jetrl_megatron.rl.tools.run_plan import memory_estimate, model_shape, parallel_layout, plan_report, refit_buffers
 
-# tiny preset (4 layers, 4/2 heads, FFN 768 = 6 blocks) on 2 nodes x 4 GPUs of 1 GiB, 4K-token micro-batches: the
+# tiny preset (4 layers, 4/2 heads, FFN 768 = 6 blocks) on 2 nodes x 4 GPUs of 1.25 GiB, 4K-token micro-batches: the
 # four verdicts all occur (fits, < 10% headroom, does not fit, refused by the batch split and by the resharder)
 OVERRIDES = ["cluster.gpus_per_node=4", "cluster.num_nodes=2", "policy.max_total_sequence_length=4096",
              "policy.generation.vllm_cfg.max_model_len=4096"]
-GPU_GIB = 1.0
+GPU_GIB = 1.25
 LAYOUT = ("policy.megatron_cfg.tensor_model_parallel_size", "policy.megatron_cfg.pipeline_model_parallel_size",
           "policy.generation.vllm_cfg.tensor_parallel_size")
 
@@ -49,7 +49,8 @@ def _independent_ranking() -> list[tuple[int, int, int]]:
                     rows.append(((3, (tp, pp, rtp)), (tp, pp, rtp)))
                     continue
                 m = memory_estimate(cfg, shape, layout, GPU_GIB)
-                peak = max(m["train_phase_total"], m["rollout_phase_total"])
+                peak = max(m[k] for k in ("logprob_phase_total", "train_phase_total", "refit_phase_total",
+                                          "rollout_phase_total"))
                 waves = math.ceil(m["kv_cache_full_batch"] / m["kv_cache_budget"])
                 if not ok:
                     key = (2, peak, (tp, pp, rtp))
@@ -90,11 +91,11 @@ def test_every_fitting_layout_passes_the_plain_plan_with_the_same_numbers(ranked
 
 
 def test_cli_prints_the_table_and_the_check_command(capsys):
-    assert main(["plan", "--recommend", "--recipe", "tiny_cpu", "--gpu-mem-gib", "1", *OVERRIDES]) == 0
+    assert main(["plan", "--recommend", "--recipe", "tiny_cpu", "--gpu-mem-gib", f"{GPU_GIB:g}", *OVERRIDES]) == 0
     out = capsys.readouterr().out
     assert "# ranking: 1) fits with >= 10% GPU headroom" in out and "smallest model-parallel size TP x PP" in out
-    assert "# recommended: trainer TP2 x PP2 x DP2, rollout TP1" in out
-    assert "check it: jetrl plan --recipe tiny_cpu --no-config --gpu-mem-gib 1" in out
+    assert "# recommended: trainer TP1 x PP4 x DP2, rollout TP1" in out
+    assert f"check it: jetrl plan --recipe tiny_cpu --no-config --gpu-mem-gib {GPU_GIB:g}" in out
     assert "plan --recommend: OK" in out
 
 

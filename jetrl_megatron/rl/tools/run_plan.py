@@ -2,12 +2,14 @@
 
 Prints the resolved config, the parallel layout (trainer TP x PP x DP and the colocated vLLM engines, one per rollout-TP
 group of GPUs), the resharder preflight (every projection whose shard boundary would cut a 128 block or a head), and a
-per-GPU memory estimate for the two colocated phases. The estimate is arithmetic from the model shape, not a
-measurement; its formulas are in :func:`memory_estimate` so a reader can check them.
+per-GPU memory estimate for each phase of a GRPO step (logprob, update, refit, rollout). The estimate is arithmetic
+from the model shape and the code paths a step runs, not a measurement; its formulas are in :func:`memory_estimate`
+and :mod:`jetrl_megatron.rl.tools.plan_terms` so a reader can check them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -209,39 +211,52 @@ def describe_refit_buffers(cfg: RunConfig, shape, layout: Layout) -> str:
 
 
 def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 80.0) -> dict[str, float]:
-    """Per-GPU GiB for the busiest pipeline stage. Assumptions (stated so they can be argued with):
+    """Per-GPU GiB for the busiest pipeline stage in a steady GRPO step (the second on: every buffer the first update
+    creates exists), per phase: ``logprob_phase_total``, ``train_phase_total`` (the update), ``refit_phase_total``
+    and ``rollout_phase_total``. Assumptions (stated so they can be argued with); the terms that follow from a
+    particular code path are derived in :mod:`jetrl_megatron.rl.tools.plan_terms`.
 
     The optimizer and DDP settings are :func:`trainer_settings` of ``cfg`` — the object ``build_trainer`` builds
     the trainer from.
 
     - BF16 model weights (2 B/param); the jetrl arm adds its per-step FP8 copy of every FP8 linear (1 B/param +
-      FP32 scale per 128x128 block); gradients in the DDP grad buffers (2 B/param in BF16, 4 with
-      grad_reduce_in_fp32; the buffers are full-size under the distributed optimizer too), held in the train phase
-      only when ``release_grad_buffers`` (the loop frees them after each update: megatron/grad_buffers.py);
+      FP32 scale per 128x128 block) and DGrad's cached K-major copies of them (``dgrad_weight_transposes``, the same
+      size, kept from the first backward on); gradients in the DDP grad buffers (2 B/param in BF16, 4 with
+      grad_reduce_in_fp32; full-size under the distributed optimizer too), held in the train phase only when
+      ``release_grad_buffers`` (the loop frees them after each update: megatron/grad_buffers.py);
     - Adam: FP32 master + 2 moments = 12 B/param, divided by DP under the distributed optimizer;
-    - during the optimizer step: FP32 copies of the gradients (4 B/param, /DP distributed), released right after
-      the step by the optimizer wrapper; they coexist with the weights/grads/Adam state but not with the
-      activations, so the train phase counts max(activations, main_grads_fp32);
+    - FP32 copies of the gradients (4 B/param, /DP distributed): Megatron's distributed optimizer makes them in the
+      step and the optimizer wrapper frees them after it (train phase only, max(activations, main_grads_fp32)). Under
+      CPU offload Megatron's HybridDeviceOptimizer sets them on the FP32 masters of its GPU part, which no
+      ``zero_grad`` reaches, so that (1 - f) share stays in every phase from the first step on;
     - CPU offload (``optimizer_cpu_offload``, share f = ``optimizer_offload_fraction``): the GPU keeps (1 - f) of the
       Adam state and of the FP32 gradient copies; the host holds f x 12 B/param (/DP) of FP32 masters + moments and
       f x 4 B/param (/DP) of pinned FP32 gradient copies, allocated at the first step and kept (Megatron's
       HybridDeviceOptimizer). Host memory per node also counts each colocated vLLM engine's weights, which its
       level-1 sleep copies to the host while the trainer runs, times the GPUs of the node (not counted: the
       processes' own memory, CUDA contexts and libraries; leave headroom for them);
-    - activations of one micro-batch (S = max_total_sequence_length tokens x micro-batch): without recompute
-      34 x S x h bytes per layer / TP (flash attention, no S^2 term; Korthikanti et al.), the jetrl arm saving its
-      linear inputs in FP8 instead of BF16 (-(2h + q + f) bytes per token per layer / TP); with full activation
-      checkpointing 2 x S x h per layer plus one layer's full set; plus FP32 logits S x vocab / TP x 4 bytes;
+    - the update's micro-batch (S = max_total_sequence_length tokens x train_micro_batch_size): with full activation
+      checkpointing each layer's input in the residual stream's dtype (``checkpointed_inputs``) plus the larger of one
+      recomputed layer's full set (34 x S x h bytes / TP, flash attention, Korthikanti et al.; the jetrl arm saving its
+      linear inputs in FP8: -(2h + q + f) B per token / TP) and the logits' backward peak (``update_logits``: 16 B
+      per token and vocab entry with GPU vLLM's logprob kernels); without checkpointing every layer's full set plus
+      the logits' peak; the optimizer step adds one parameter's FP32 copy at a time (``optimizer_step_scratch``);
+    - the logprob pass (forward only, no autograd graph): one logprob_batch_size micro-batch's logits
+      (``logprob_logits``), the largest transient next to the resident state;
     - refit exchange buffers (trainer TP x PP > 1): the busiest rank's send + receive staging buffers, exactly as
       `RefitExchange` allocates them (:func:`refit_buffers`; at most ``policy.refit_buffer_size_gb``, 2 GiB unset);
-      allocated at the first refit, before the first step, and held in both phases;
+      allocated at the first refit, before the first step, and held in every phase; the self-quantizing arms' BF16
+      scratch of the engine's FP8 weights (``refit_quantize_scratch``) likewise;
     - KV cache: vLLM may use gpu_memory_utilization of the GPU for its weights + KV (colocated; freed while training),
       or exactly vllm_kwargs.kv_cache_memory_bytes of KV plus its weights when that key is set;
       the batch needs 2 x layers x kv_heads/rollout_TP x head_dim x 2 B per token for all sequences of one engine;
-    - rollout phase: the trainer's weights, FP8 copies, Adam state and refit buffers stay resident next to vLLM's
-      budget; the activations and FP32 gradient copies are gone, the grad buffers too when released. The logprob
-      pass (engine asleep, forward only) needs less than the train phase and is not listed.
+    - refit and rollout phases: the engine awake (its weights + KV budget) next to the trainer's resident state; the
+      loop returns torch's cached blocks after the refit (``release_cached_gpu_memory``), so none are counted.
+    Not counted (measure them: the run's ``memory/gpu_outside_torch_gib_<phase>``): the CUDA context, vLLM's buffers
+    outside its sleep pool (CUDA-graph pool, persistent inputs) and the engine's own activations and sampler.
     """
+    from jetrl_megatron.rl.tools import plan_terms
+
     pc = _param_counts(shape)
     tp, pp = layout.tp, layout.pp
     layers_per_stage = shape.num_layers // pp
@@ -252,32 +267,50 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     fp8_train = cfg.recipe.trains_fp8
     mbs, seq = cfg.policy.train_micro_batch_size, cfg.policy.max_total_sequence_length
     tokens = mbs * seq
-    h, f = shape.hidden_size, shape.ffn_hidden_size
+    h, f, vocab = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size
     q = shape.num_attention_heads * shape.head_dim
+    last_stage = True  # the busiest stage: the last one holds the output layer and its logits
     full_layer = 34 * tokens * h / tp - (tokens * (2 * h + q + f) / tp if fp8_train else 0)
+    update_logits = plan_terms.update_logits_bytes(cfg, mbs, seq, vocab, tp) if last_stage else 0
     if cfg.policy.megatron_cfg.activation_checkpointing:
-        acts = layers_per_stage * 2 * tokens * h + full_layer
+        ckpt = plan_terms.checkpointed_inputs_bytes(cfg, tokens, h, layers_per_stage, tp)
+        acts = ckpt + max(full_layer, update_logits)
     else:
-        acts = layers_per_stage * full_layer
-    acts += tokens * shape.vocab_size / tp * 4
+        ckpt, acts = 0, layers_per_stage * full_layer + update_logits
+    rows_per_rank = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // layout.dp
+    lp_rows = math.gcd(cfg.policy.logprob_batch_size, max(1, rows_per_rank))  # rl/trainer.py trainer_logprobs
     settings = trainer_settings(cfg)
     shard = layout.dp if settings.use_distributed_optimizer else 1
+    offload = settings.optimizer.optimizer_cpu_offload
+    rtp = layout.rollout_tp
+    fp8_lin_engine = pc["linear_per_layer"] * shape.num_layers / rtp if cfg.recipe.rollout_fp8 else 0.0
     out = {
         "weights_bf16": 2 * params,
         "fp8_weight_copies": (lin * (1 + 4 / (128 * 128))) if fp8_train else 0.0,
+        "dgrad_weight_transposes": plan_terms.dgrad_weight_transposes_bytes(lin) if fp8_train else 0.0,
         "grad_buffers": (4 if settings.grad_reduce_in_fp32 else 2) * params,
         "optimizer_adam": 12 * params / shard * (1 - settings.host_fraction),
         "main_grads_fp32": 4 * params / shard * (1 - settings.host_fraction),
+        "optimizer_step_scratch": plan_terms.optimizer_step_scratch_bytes(max(pc["embed"], pc["head"]) / tp, shard),
+        "checkpointed_inputs": ckpt,
+        "update_logits": update_logits,
         "activations": acts,
+        "logprob_logits": plan_terms.logprob_logits_bytes(cfg, lp_rows, seq, vocab, tp) if last_stage else 0,
         "refit_buffers": busiest[1].buffers if (busiest := refit_buffers(cfg, shape, layout)) else 0,
+        "refit_quantize_scratch": plan_terms.refit_quantize_scratch_bytes(cfg, fp8_lin_engine),
     }
     out = {k: v / GiB for k, v in out.items()}
-    out["train_phase_total"] = (out["weights_bf16"] + out["fp8_weight_copies"] + out["grad_buffers"]
-                                + out["optimizer_adam"] + max(out["activations"], out["main_grads_fp32"])
-                                + out["refit_buffers"])
-    # Rollout phase: the trainer's weights, FP8 copies, optimizer and refit buffers stay resident; activations and
-    # FP32 gradient copies are freed, and the grad buffers unless the loop keeps them.
-    rtp = layout.rollout_tp
+    # held in every phase of a steady step (the grad buffers too when the loop keeps them)
+    resident = (out["weights_bf16"] + out["fp8_weight_copies"] + out["dgrad_weight_transposes"]
+                + out["optimizer_adam"] + out["refit_buffers"] + out["refit_quantize_scratch"]
+                + (out["main_grads_fp32"] if offload else 0.0))
+    if not settings.release_grad_buffers:
+        resident += out["grad_buffers"]
+    out["resident_all_phases"] = resident
+    out["logprob_phase_total"] = resident + out["logprob_logits"]
+    step_extra = out["optimizer_step_scratch"] + (0.0 if offload else out["main_grads_fp32"])
+    out["train_phase_total"] = (resident + (out["grad_buffers"] if settings.release_grad_buffers else 0.0)
+                                + max(out["activations"], step_extra))
     kv_heads_rank = max(1, shape.num_kv_heads // rtp)
     kv_per_token = 2 * shape.num_layers * kv_heads_rank * shape.head_dim * 2
     seqs_per_engine = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt / layout.engines
@@ -292,9 +325,8 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     else:
         vllm_budget = cfg.policy.generation.vllm_cfg.gpu_memory_utilization * gpu_mem_gib
         out["kv_cache_budget"] = max(0.0, vllm_budget - rollout_w)
-    resident = out["weights_bf16"] + out["fp8_weight_copies"] + out["optimizer_adam"] + out["refit_buffers"]
-    if not settings.release_grad_buffers:
-        resident += out["grad_buffers"]
+    # the refit runs with the engine awake (wake_up first); its copies go straight into the live parameters
+    out["refit_phase_total"] = resident + vllm_budget
     out["rollout_phase_total"] = resident + vllm_budget
     # host memory (per rank, then per node): the offloaded optimizer share, the pinned BF16 copy Megatron's hybrid
     # optimizer makes of each offloaded parameter on its way to the FP32 master (freed, but kept by torch's pinned
@@ -307,6 +339,14 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     out["host_per_node"] = per_node * (out["host_optimizer"] + out["host_grads_fp32"] + out["host_pinned_staging"]
                                        + out["host_vllm_sleep"])
     return out
+
+
+PHASE_TOTALS = ("logprob_phase_total", "train_phase_total", "refit_phase_total", "rollout_phase_total")
+
+
+def gpu_peak(mem: dict[str, float]) -> float:
+    """The largest per-phase total of :func:`memory_estimate` (what must fit the GPU)."""
+    return max(mem[k] for k in PHASE_TOTALS)
 
 
 def key_accounting(cfg: RunConfig) -> list[str]:
@@ -357,9 +397,9 @@ def plan_report(cfg: RunConfig, gpu_mem_gib: float = 80.0, show_config: bool = T
     lines.append(f"  grad buffers: {settings.describe_grad_buffers()}")
     lines.append(f"  refit buffers: {describe_refit_buffers(cfg, shape, layout)}")
     for k, v in mem.items():
-        lines.append(f"  {k:22s} {v:10.3f}")
+        lines.append(f"  {k:24s} {v:10.3f}")
     if cfg.is_gpu:
-        peak = max(mem["train_phase_total"], mem["rollout_phase_total"])
+        peak = gpu_peak(mem)
         verdict = "fits" if peak <= gpu_mem_gib else "DOES NOT FIT"
         lines.append(f"  peak {peak:.1f} GiB of {gpu_mem_gib:.0f} GiB: {verdict}")
         if mem["kv_cache_full_batch"] > mem["kv_cache_budget"]:

@@ -1,0 +1,90 @@
+"""The GPU memory terms of `jetrl plan` that follow from the code paths a GRPO step runs, one function per term.
+
+Each function returns bytes and says in its docstring which allocation it counts and where the code makes it, so a
+reader can check the arithmetic against the code (and the next GPU run's per-phase split metrics against the sum).
+:func:`jetrl_megatron.rl.tools.run_plan.memory_estimate` adds them up per phase.
+"""
+
+from __future__ import annotations
+
+from jetrl_megatron.rl.config import RunConfig
+
+BLOCK = 128  # FP8 weight blocks are 128 x 128, one FP32 scale each
+
+
+def trainer_runs_vllm_cuda(cfg: RunConfig) -> bool:
+    """Whether a GPU run's trainer forward is GPU vLLM's own (``attn_impl`` auto / vllm_cuda: the default wherever vLLM
+    imports, which a GPU run needs for its rollout; megatron/numerics.py ``default_attn_impl``). It decides the
+    residual stream's dtype (BF16 instead of FP32) and the logprob kernels (``megatron/model.py``)."""
+    return cfg.policy.jet_rl.attn_impl in ("auto", "vllm_cuda")
+
+
+def _vllm_cuda_logprobs(cfg: RunConfig) -> bool:
+    """The logprobs go through GPU vLLM's kernels only without a top-k / top-p filter (``logprobs_from_logits``)."""
+    g = cfg.policy.generation
+    filtered = (g.top_k is not None and g.top_k > 0) or (g.top_p is not None and g.top_p < 1.0)
+    return trainer_runs_vllm_cuda(cfg) and not filtered
+
+
+def logprob_logits_bytes(cfg: RunConfig, rows: int, seq: int, vocab: int, tp: int) -> int:
+    """The logprob pass's largest transient (forward only, ``torch.no_grad``): one micro-batch's logits.
+
+    ``rows`` x ``seq`` tokens of BF16 logits (the output layer's, ``vocab`` / TP per rank, plus the TP gather's full
+    copy when TP > 1), then ``megatron/model.py``: with GPU vLLM's kernels a contiguous BF16 copy of rows[:, :-1]
+    (``_vllm_cuda_logprobs``; its Triton log-softmax reads it and writes one FP32 value per token), i.e. 2 + 2 B per
+    (token, vocab entry) at TP 1; otherwise an FP32 upcast and the FP32 ``log_softmax`` of it (2 + 4 + 4 B).
+    """
+    entries = rows * seq * vocab
+    local = 2 * entries // tp + (2 * entries if tp > 1 else 0)
+    return local + (2 if _vllm_cuda_logprobs(cfg) else 8) * entries
+
+
+def update_logits_bytes(cfg: RunConfig, rows: int, seq: int, vocab: int, tp: int) -> int:
+    """The logits' peak in one training micro-batch's backward (it precedes every layer's backward, so it adds to the
+    checkpointed layer inputs, not to a recomputed layer).
+
+    GPU vLLM's kernels (``_VllmCudaLogprobFn``): the saved contiguous BF16 logits (2 B per entry), and in its backward
+    the FP32 upcast (4), the FP32 softmax it scales in place (4), its division by the temperature (4, a new tensor even
+    at T = 1) and the BF16 gradient (2): 16 B per (token, vocab entry) at once. The torch path: the saved FP32
+    log-softmax output (4), the gather's FP32 gradient (4), log-softmax's FP32 input gradient (4) and the BF16 cast
+    (2): 14 B. TP > 1 adds the gathered full copy's gradient (2 B) to the vocab-parallel one.
+    """
+    entries = rows * seq * vocab
+    per = 16 if _vllm_cuda_logprobs(cfg) else 14
+    return per * entries + (2 * entries if tp > 1 else 0)
+
+
+def checkpointed_inputs_bytes(cfg: RunConfig, tokens: int, hidden: int, layers: int, tp: int) -> int:
+    """Full activation checkpointing (recompute_granularity full, uniform, 1 layer per chunk): each layer's input
+    hidden state is kept for its recompute, in the residual stream's dtype (``Fp8ModelContext.residual_dtype``: BF16
+    under GPU vLLM's forward, FP32 otherwise); not divided by TP without sequence parallelism."""
+    width = 2 if trainer_runs_vllm_cuda(cfg) else 4
+    sp = tp if (cfg.policy.megatron_cfg.sequence_parallel and tp > 1) else 1
+    return layers * width * tokens * hidden // sp
+
+
+def dgrad_weight_transposes_bytes(fp8_linear_params: float) -> float:
+    """The FP8 arm's K-major copies of every FP8 weight that DGrad reads (``fp8/backends/_layout.derived``, tag
+    ``kmajor_t``, on the cuBLAS, DeepGEMM and Triton backends alike) plus their transposed FP32 block scales: made
+    by the first backward, cached per weight tensor, and replaced (not freed) by the next backward after each
+    refresh, so from the first update on they stay in every phase: 1 B/param + 4 B per 128 x 128 block."""
+    return fp8_linear_params * (1 + 4 / (BLOCK * BLOCK))
+
+
+def refit_quantize_scratch_bytes(cfg: RunConfig, fp8_linear_params_per_engine_rank: float) -> float:
+    """The self-quantizing arms' (bf16_train_fp8_rollout, fake_quant) BF16 scratch of every FP8 weight of this vLLM
+    rank: the in-place refit program copies the trainer's BF16 slabs into it and quantizes it into the live FP8
+    tensors (``rollout/refit.py`` ``InplaceRefit.quantize``); built with the program at the first refit and kept by
+    it: 2 B/param in every phase. None for jetrl (FP8 bytes copied as they are) and bf16 (BF16 served)."""
+    if cfg.recipe.rollout_weights != "self_quantized":
+        return 0.0
+    return 2 * fp8_linear_params_per_engine_rank
+
+
+def optimizer_step_scratch_bytes(largest_param: float, shard: int) -> float:
+    """The optimizer step's largest transient beyond the state it keeps: one parameter's FP32 copy at a time — the
+    hybrid optimizer's new FP32 gradient of a GPU-stepped parameter before it replaces the held one, the on-device
+    FP32 conversion of an offloaded parameter's BF16 gradient on its way to the pinned host buffer (a non-blocking
+    copy that changes dtype converts on the GPU): 4 B x the largest parameter tensor of this rank's shard (the
+    embedding or the output layer)."""
+    return 4 * largest_param / shard
