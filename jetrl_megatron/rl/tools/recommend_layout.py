@@ -110,7 +110,7 @@ def evaluate(recipe: str, overrides: list[str], tp: int, pp: int, rollout_tp: in
         more = f" (+{len(viol) - 1} more)" if len(viol) > 1 else ""
         return Candidate(tp, pp, layout.dp, rollout_tp, tier=3, why=f"resharder: {viol[0]}{more}")
     mem = memory_estimate(cfg, shape, layout, gpu_mem_gib)
-    phase = max(PHASE_TOTALS, key=lambda k: mem[k])  # the first of equal totals: the earlier phase in a step
+    phase = max(PHASE_TOTALS, key=lambda k: mem[k])  # of equal totals the first: the earlier phase in a step
     peak, phase = mem[phase], phase.removesuffix("_phase_total")
     busiest = refit_buffers(cfg, shape, layout)
     peers, own = (busiest[1].received, busiest[1].own) if busiest and layout.tp * layout.pp > 1 else (0, 0)
@@ -189,7 +189,7 @@ def recommend_report(recipe: str, overrides: list[str], gpu_mem_gib: float = 80.
         f"{TP_KEY}, {PP_KEY} and {ROLLOUT_TP_KEY} set (resharder preflight + rl/tools/run_plan.py memory_estimate; "
         "vLLM's budget is the recipe's, not tuned here)",
         f"# {RULE}",
-        "# columns: peak = max(logprob, train, refit, rollout phase) GiB per GPU, busiest pipeline stage; host = GiB "
+        "# columns: peak = max(rollout, logprob, train, refit phase) GiB per GPU, busiest pipeline stage; host = GiB "
         "per node; waves = rollout KV waves; refit = GiB per GPU per step received from model-parallel peers + copied "
         "in place (busiest-buffer rank; '-' = TP x PP 1: the engine reads the trainer's tensors in place)",
         f"{'#':>3} {'TP':>2} {'PP':>2} {'DP':>3} {'rTP':>3}  {'verdict':<18} {'peak GiB':>14} {'host':>7} "

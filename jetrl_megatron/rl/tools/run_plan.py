@@ -341,7 +341,8 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     return out
 
 
-PHASE_TOTALS = ("logprob_phase_total", "train_phase_total", "refit_phase_total", "rollout_phase_total")
+# in the order a GRPO step runs them (rl/loop.py grpo_step): a tie names the earlier phase
+PHASE_TOTALS = ("rollout_phase_total", "logprob_phase_total", "train_phase_total", "refit_phase_total")
 
 
 def gpu_peak(mem: dict[str, float]) -> float:
