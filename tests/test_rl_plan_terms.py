@@ -57,6 +57,10 @@ def test_arm_specific_terms_from_the_shape():
     assert bf16["dgrad_weight_transposes"] == 0.0 and self_q["dgrad_weight_transposes"] == 0.0
     assert self_q["refit_quantize_scratch"] == pytest.approx(2 * lin / GiB)  # BF16 scratch of every FP8 weight
     assert jet["refit_quantize_scratch"] == 0.0 and bf16["refit_quantize_scratch"] == 0.0
+    assert jet["fp8_refresh_transient"] == pytest.approx(fp8_with_scales) and bf16["fp8_refresh_transient"] == 0.0
+    # the step and the refresh come after the micro-batches' activations are freed: the larger of the three
+    assert jet["train_phase_total"] == pytest.approx(jet["resident_all_phases"] + jet["grad_buffers"] + max(
+        jet["activations"], jet["optimizer_step_scratch"], jet["fp8_refresh_transient"]))
 
 
 def test_hybrid_optimizer_fp32_grads_stay_resident_and_the_step_scratch():

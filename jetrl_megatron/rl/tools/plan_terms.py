@@ -71,6 +71,13 @@ def dgrad_weight_transposes_bytes(fp8_linear_params: float) -> float:
     return fp8_linear_params * (1 + 4 / (BLOCK * BLOCK))
 
 
+def fp8_refresh_transient_bytes(fp8_linear_params: float) -> float:
+    """The FP8 arm's cache refresh after each optimizer step quantizes every FP8 weight before it copies any into the
+    cache's tensors (``fp8/weights.py`` ``Fp8WeightCache.refresh``: all-or-nothing), so for a moment a second FP8
+    copy with its scales exists next to the grad buffers: 1 B/param + 4 B per 128 x 128 block, update phase only."""
+    return fp8_linear_params * (1 + 4 / (BLOCK * BLOCK))
+
+
 def refit_quantize_scratch_bytes(cfg: RunConfig, fp8_linear_params_per_engine_rank: float) -> float:
     """The self-quantizing arms' (bf16_train_fp8_rollout, fake_quant) BF16 scratch of every FP8 weight of this vLLM
     rank: the in-place refit program copies the trainer's BF16 slabs into it and quantizes it into the live FP8

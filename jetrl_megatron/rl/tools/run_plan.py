@@ -240,7 +240,8 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
       recomputed layer's full set (34 x S x h bytes / TP, flash attention, Korthikanti et al.; the jetrl arm saving its
       linear inputs in FP8: -(2h + q + f) B per token / TP) and the logits' backward peak (``update_logits``: 16 B
       per token and vocab entry with GPU vLLM's logprob kernels); without checkpointing every layer's full set plus
-      the logits' peak; the optimizer step adds one parameter's FP32 copy at a time (``optimizer_step_scratch``);
+      the logits' peak; the optimizer step adds one parameter's FP32 copy at a time (``optimizer_step_scratch``), and
+      the jetrl arm's cache refresh after it a second FP8 copy (``fp8_refresh_transient``);
     - the logprob pass (forward only, no autograd graph): one logprob_batch_size micro-batch's logits
       (``logprob_logits``), the largest transient next to the resident state;
     - refit exchange buffers (trainer TP x PP > 1): the busiest rank's send + receive staging buffers, exactly as
@@ -292,6 +293,7 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
         "optimizer_adam": 12 * params / shard * (1 - settings.host_fraction),
         "main_grads_fp32": 4 * params / shard * (1 - settings.host_fraction),
         "optimizer_step_scratch": plan_terms.optimizer_step_scratch_bytes(max(pc["embed"], pc["head"]) / tp, shard),
+        "fp8_refresh_transient": plan_terms.fp8_refresh_transient_bytes(lin) if fp8_train else 0.0,
         "checkpointed_inputs": ckpt,
         "update_logits": update_logits,
         "activations": acts,
@@ -308,7 +310,9 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
         resident += out["grad_buffers"]
     out["resident_all_phases"] = resident
     out["logprob_phase_total"] = resident + out["logprob_logits"]
-    step_extra = out["optimizer_step_scratch"] + (0.0 if offload else out["main_grads_fp32"])
+    # the step, then the FP8 cache refresh after it (one at a time, both after the activations are gone)
+    step_extra = max(out["optimizer_step_scratch"] + (0.0 if offload else out["main_grads_fp32"]),
+                     out["fp8_refresh_transient"])
     out["train_phase_total"] = (resident + (out["grad_buffers"] if settings.release_grad_buffers else 0.0)
                                 + max(out["activations"], step_extra))
     kv_heads_rank = max(1, shape.num_kv_heads // rtp)
