@@ -270,7 +270,9 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     tokens = mbs * seq
     h, f, vocab = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size
     q = shape.num_attention_heads * shape.head_dim
-    last_stage = True  # the busiest stage: the last one holds the output layer and its logits
+    # the logits are the last stage's; at PP > 1 they are added to the busiest stage's state, which may be the first
+    # (embedding) stage: an overestimate by at most the logits there
+    last_stage = True
     full_layer = 34 * tokens * h / tp - (tokens * (2 * h + q + f) / tp if fp8_train else 0)
     update_logits = plan_terms.update_logits_bytes(cfg, mbs, seq, vocab, tp) if last_stage else 0
     if cfg.policy.megatron_cfg.activation_checkpointing:
