@@ -170,7 +170,11 @@ def check_mlp_block(device: str) -> dict:
 
 def check_megatron_layer(device: str, seq: int, batch: int = 2) -> dict:
     """A Megatron-Core TransformerLayer from our spec (tiny Qwen3 shape), FP8 (jetrl) mode, Triton element-wise
-    kernels: output and every gradient bit-identical with the fusion on and off, and the fused kernel ran."""
+    kernels: output and gradients bit-identical with the fusion on and off, and the fused kernel ran.
+
+    Runs off, on, off: a tensor the two unfused runs do not reproduce bit for bit (on GPU the attention backward may
+    accumulate in a varying order) cannot be compared; all must reproduce on CPU, and the output and the MLP's
+    gradients (downstream of the attention backward) everywhere."""
     import dataclasses
 
     from megatron.core.transformer.spec_utils import build_module
@@ -190,7 +194,7 @@ def check_megatron_layer(device: str, seq: int, batch: int = 2) -> dict:
     gout = torch.randn(seq, batch, shape.hidden_size, generator=g).to(device)
     res, calls = {}, {}
     fused_fn, dual_fn = S.swiglu_bwd_quant_dual, quant_dispatch.quant_dual
-    for fuse in (False, True):
+    for run, fuse in enumerate((False, True, False)):
         seed_everything(0)
         config = megatron_config(shape, recipe, use_te_activation_func=True)
         attn = "fp32" if device == "cpu" else "bf16"
@@ -216,14 +220,18 @@ def check_megatron_layer(device: str, seq: int, batch: int = 2) -> dict:
             out.backward(gout)
         finally:
             S.swiglu_bwd_quant_dual, quant_dispatch.quant_dual = fused_fn, dual_fn
-        calls[fuse] = n
-        res[fuse] = {"out": out.detach(), "d_x": x.grad} | {f"d_{k}": p.grad for k, p in layer.named_parameters()}
-    assert calls[False] == {"fused": 0, "quant_dual": 4}, calls
-    assert calls[True] == {"fused": 1, "quant_dual": 3}, f"fused path not taken in the layer: {calls}"
-    for name, ref in res[False].items():
-        got = res[True][name]
-        assert got is not None and same(got, ref), f"layer {name}: differs with the fused SwiGLU backward"
-    return {"case": f"megatron layer seq={seq} batch={batch} fused on/off", "tensors bit-identical": len(res[False])}
+        calls[run] = n
+        res[run] = {"out": out.detach(), "d_x": x.grad} | {f"d_{k}": p.grad for k, p in layer.named_parameters()}
+    assert calls[0] == calls[2] == {"fused": 0, "quant_dual": 4}, calls
+    assert calls[1] == {"fused": 1, "quant_dual": 3}, f"fused path not taken in the layer: {calls}"
+    checked = [name for name, ref in res[0].items() if ref is not None and same(ref, res[2][name])]
+    must = [name for name in res[0] if device == "cpu" or name == "out" or name.startswith("d_mlp.")]
+    assert set(must) <= set(checked), f"unfused runs not reproducible: {sorted(set(must) - set(checked))}"
+    assert "d_mlp.linear_fc1.weight" in must, sorted(res[0])
+    for name in checked:
+        assert same(res[1][name], res[0][name]), f"layer {name}: differs with the fused SwiGLU backward"
+    return {"case": f"megatron layer seq={seq} batch={batch} fused on/off", "tensors bit-identical": len(checked),
+            "of": len(res[0])}
 
 
 # ----------------------------------------------------------------------------------------------------- tests
