@@ -11,7 +11,9 @@ What is measured (median of CUDA-event timings, random data, never zeros):
   through more than L2 so they stream from HBM as in a real decode step;
 - a Triton tile-config sweep at M = 8192 whose winner is the Triton column ("triton"), plus batch-invariant mode;
 - FP8 linear fwd+bwd (fp8_linear with the cached FP8 weight) vs BF16 F.linear fwd+bwd, and the Qwen3-8B MLP block
-  (gate_up, SwiGLU, down) fwd+bwd at 8192 tokens.
+  (gate_up, SwiGLU, down) fwd+bwd at 8192 tokens;
+- the SwiGLU backward fused with fc1's dY FP8 quantization (megatron/swiglu_fp8.py, a launch sweep) vs the unfused
+  triton_numerics.swiglu_bwd + quant_dual, at the Qwen3-8B fc1 width, bytes checked equal (section "swiglu").
 BENCH_DRY=1 runs every code path on CPU under TRITON_INTERPRET=1 with tiny shapes (a smoke test, not a measurement).
 """
 
@@ -422,6 +424,47 @@ def linear_fwd_bwd() -> None:
     RESULTS["linear"] = rows
 
 
+@section("SwiGLU backward + fc1 dY FP8 quantization, fused vs unfused")
+def swiglu_grad_quant() -> None:
+    from jetrl_megatron.megatron import swiglu_fp8 as S
+    from jetrl_megatron.megatron import triton_numerics as tn
+
+    recipe = Fp8Recipe()
+    f = dim(12288)
+    rows = []
+    for m in (dim(8192), dim(16384)):
+        x, dy = randn(m, 2 * f, scale=2.0), randn(m, f, scale=1e-3)
+        unfused = K.quant_dual(tn.swiglu_bwd(x, dy), recipe)
+        fused = S.swiglu_bwd_quant_dual(x, dy, recipe)
+        for a, b in zip(fused[:4], unfused, strict=True):  # the fusion must not change a byte
+            if a.dtype == torch.float8_e4m3fn:
+                a, b = a.view(torch.uint8), b.view(torch.uint8)
+            if not torch.equal(a, b):
+                raise AssertionError(f"swiglu_bwd_quant_dual differs from swiglu_bwd + quant_dual at m={m}")
+        # minimal traffic: read gate, up, d(out) once; write both FP8 copies and their scales
+        nbytes = 6 * m * f + 4 * m * f + 2 * 4 * (2 * m * f) // 128
+        base = bench_ms(lambda x=x, dy=dy: K.quant_dual(tn.swiglu_bwd(x, dy), recipe))
+        rows.append({"kernel": "unfused swiglu_bwd + quant_dual", "M": m, "F": f, "us": base * 1e3,
+                     "GBps_min_traffic": nbytes / base / 1e6})
+        launches = [dict(split=False, trans_mode=tm, num_warps=nw) for tm in (0, 1, 2) for nw in (4, 8)]
+        launches += [dict(split=True, block_m=bm, feats=ft, trans_mode=tm, num_warps=nw)
+                     for bm in (16, 32) for ft in (64, 128) for tm in (1, 2) for nw in (4, 8)]
+        for launch in launches:
+            for write_dx in (False, True):
+                ms = bench_ms(lambda x=x, dy=dy, launch=launch, write_dx=write_dx: S.swiglu_bwd_quant_dual(
+                    x, dy, recipe, write_dx=write_dx, **launch))
+                rows.append({"kernel": "fused" + ("+dx" if write_dx else ""), "M": m, "F": f, **launch,
+                             "us": ms * 1e3, "GBps_min_traffic": nbytes / ms / 1e6, "speedup": base / ms})
+        del x, dy, unfused, fused
+    best = {}
+    for r in rows:
+        if r["kernel"] == "fused" and (r["M"] not in best or r["us"] < best[r["M"]]["us"]):
+            best[r["M"]] = r
+    RESULTS["swiglu_grad_quant"] = {"rows": rows, "best_fused": list(best.values())}
+    for r in [r for r in rows if r["kernel"].startswith("unfused")] + list(best.values()):
+        print(r)
+
+
 @section("Qwen3-8B MLP block fwd+bwd, 8192 tokens")
 def mlp_block() -> None:
     m, h, f = dim(8192), dim(4096), dim(12288)
@@ -496,13 +539,17 @@ def summary() -> None:
             print(f"{r['shape']:<12} bf16 {r['bf16_ms']:.3f}  {cells}")
     if RESULTS.get("mlp"):
         print("\nQwen3-8B MLP fwd+bwd:", {k_: round(v, 3) for k_, v in RESULTS["mlp"].items()})
+    if RESULTS.get("swiglu_grad_quant"):
+        print("\nSwiGLU bwd + fc1 dY quant (us): unfused",
+              {r["M"]: round(r["us"], 1) for r in RESULTS["swiglu_grad_quant"]["rows"]
+               if r["kernel"].startswith("unfused")}, " best fused", RESULTS["swiglu_grad_quant"]["best_fused"])
     if RESULTS["errors"]:
         print("\nERRORS:", *RESULTS["errors"][:20], sep="\n  ")
 
 
 def main() -> int:
     torch.manual_seed(0)
-    sections = os.environ.get("BENCH_SECTIONS", "env,ceil,quant,sweep,gemm,decode,linear,mlp").split(",")
+    sections = os.environ.get("BENCH_SECTIONS", "env,ceil,quant,sweep,gemm,decode,linear,mlp,swiglu").split(",")
     environment()
     if "ceil" in sections:
         ceilings()
@@ -517,6 +564,8 @@ def main() -> int:
         linear_fwd_bwd()
     if "mlp" in sections:
         mlp_block()
+    if "swiglu" in sections:
+        swiglu_grad_quant()
     try:
         from jetrl_megatron.fp8.backends import cublas as cublas_backend
         RESULTS["cublas_pads_small_m"] = cublas_backend._pad_small_m

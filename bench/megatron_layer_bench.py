@@ -13,11 +13,16 @@ otherwise applies its own autograd ``silu(g) * u``); ``torch`` arms use it only 
 Besides the synced median, each arm reports the host time to issue one fwd+bwd and the time per fwd+bwd when 20 run
 back to back (no sync between them, as the layers of a model run): when the host is slower than the GPU, the synced
 median shows the host. ``--host-profile`` adds a cProfile of one step's host side per arm.
+``--fuse-swiglu-grad-quant off,on`` runs every jetrl arm without and with the SwiGLU backward fused with the FP8
+quantization of fc1's dY (Fp8ModelContext.fuse_swiglu_grad_quant, megatron/swiglu_fp8.py; implies the SwiGLU
+module); a fused arm also reports whether its MLP block's gradients (input, fc1, fc2) are bit-identical to its unfused
+twin's (they must be).
 ``--profile`` prints, per arm, the top CUDA kernels of one fwd+bwd by total time (torch.profiler) and the time per
 kernel group (GEMM, attention, FP8 quantization, our Triton element-wise kernels, other = torch element-wise/copies).
 
     python bench/megatron_layer_bench.py [--seq 8192] [--iters 20] [--backends auto,triton] [--out DIR]
         [--attn-impl bf16|bf16_gqa] [--lean-swiglu] [--e2e] [--elementwise torch,triton] [--profile [--top 25]]
+        [--fuse-swiglu-grad-quant off,on]
     python bench/megatron_layer_bench.py --tiny --seq 64 --iters 2 --warmup 1   # CPU smoke run (TRITON_INTERPRET=1
                                                                                 # makes the triton arms use Triton)
 """
@@ -51,11 +56,12 @@ except ImportError:  # no Triton: the reference quantizers run, there is no laun
     fp8_kernels = None
 
 
-def build_layer(shape, recipe, device, attn_impl=None, lean_swiglu=False, elementwise="auto"):
+def build_layer(shape, recipe, device, attn_impl=None, lean_swiglu=False, elementwise="auto", fuse=False):
     from megatron.core.transformer.spec_utils import build_module
 
     config = megatron_config(shape, recipe, use_te_activation_func=lean_swiglu)
-    ctx = Fp8ModelContext.create(shape, recipe, range(1), attn_impl, elementwise=elementwise)
+    ctx = Fp8ModelContext.create(shape, recipe, range(1), attn_impl, elementwise=elementwise,
+                                 fuse_swiglu_grad_quant=fuse)
     layer = build_module(gpt_layer_spec(ctx, 0, lean_swiglu=lean_swiglu), config=config, layer_number=1)
     layer = layer.to(device)
     cache = ctx.cache
@@ -173,6 +179,7 @@ def saved_bytes(fn, persistent: set[int]) -> int:
 
 
 KERNEL_GROUPS = (  # (group, lower-case name fragments), first match wins
+    ("fused swiglu bwd + fp8 quant", ("_swiglu_bwd_rows", "_swiglu_bwd_trans", "_swiglu_bwd_dual")),
     ("jetrl triton element-wise", ("_rms_fwd", "_rms_bwd", "_swiglu_", "_rope_kernel", "_residual_add")),
     ("fp8 quant", ("quant", "regroup")),
     ("attention", ("flash", "fmha", "attention", "attn", "sdpa")),
@@ -271,11 +278,18 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one fwd+bwd per arm")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per arm with --profile")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of one fwd+bwd per arm")
+    ap.add_argument("--fuse-swiglu-grad-quant", default="off",
+                    help="comma list of off/on: jetrl arms without / with the SwiGLU backward fused with fc1's dY "
+                         "FP8 quantization (on implies the SwiGLU module)")
     ap.add_argument("--regroup-modes", default=None,
                     help="comma list of fp8.kernels transposed-store modes (REGROUP_TRANS_MODE) for the jetrl rows; "
                          "default: the module's")
     args = ap.parse_args()
     impls = [e.strip() for e in args.elementwise.split(",") if e.strip()]
+    fuses = [v.strip() for v in args.fuse_swiglu_grad_quant.split(",") if v.strip()]
+    if not fuses or any(v not in ("off", "on") for v in fuses):
+        ap.error(f"--fuse-swiglu-grad-quant: a comma list of off/on, got {args.fuse_swiglu_grad_quant!r}")
+    fuses = [v == "on" for v in fuses]
     for e in impls:
         if e not in numerics.ELEMENTWISE_IMPLS:
             ap.error(f"--elementwise: {e!r} is not one of {numerics.ELEMENTWISE_IMPLS}")
@@ -294,17 +308,19 @@ def main() -> None:
     rows, outputs, ref_state, profiles, host_texts = [], {}, None, [], []
     default_rmode = fp8_kernels.REGROUP_TRANS_MODE if fp8_kernels else None
     rmodes = [int(v) for v in args.regroup_modes.split(",")] if args.regroup_modes else [default_rmode]
-    arms = [(e, "bf16", "auto", None) for e in impls]
-    arms += [(e, "jetrl", b, rm) for e in impls for b in args.backends.split(",") for rm in rmodes]
+    arms = [(e, "bf16", "auto", None, False) for e in impls]
+    arms += [(e, "jetrl", b, rm, fu) for e in impls for b in args.backends.split(",") for rm in rmodes
+             for fu in fuses]
     arms.sort(key=lambda a: impls.index(a[0]))
     gqa_used = True
-    for ew, mode, backend, rmode in arms:
+    grads = {}  # arm -> the gradients of one layer fwd+bwd (fused arms are checked against their unfused twin)
+    for ew, mode, backend, rmode, fuse in arms:
         if fp8_kernels is not None:
             fp8_kernels.REGROUP_TRANS_MODE = default_rmode if rmode is None else rmode
         recipe = Fp8Recipe(mode=mode, gemm_backend=backend)
         seed_everything(0)
-        lean = args.lean_swiglu or ew == "triton"
-        layer, refresh = build_layer(shape, recipe, device, args.attn_impl, lean, ew)
+        lean = args.lean_swiglu or ew == "triton" or fuse
+        layer, refresh = build_layer(shape, recipe, device, args.attn_impl, lean, ew, fuse)
         if ref_state is None:
             ref_state = {k: v.detach().clone() for k, v in layer.named_parameters()}
         else:
@@ -325,7 +341,12 @@ def main() -> None:
             out.backward(gmlp)
 
         with torch.no_grad():
-            outputs[(ew, mode, backend, rmode)] = layer(x, attention_mask=None)[0].float()
+            outputs[(ew, mode, backend, rmode, fuse)] = layer(x, attention_mask=None)[0].float()
+        if mode == "jetrl" and True in fuses and False in fuses:  # the MLP block: deterministic kernels only
+            xn.grad = None
+            mlp_step()
+            grads[(ew, mode, backend, rmode, fuse)] = [g.clone() for g in (xn.grad, *(p.grad for p in
+                                                                                   layer.mlp.parameters()))]
         t_layer = timeit(layer_step, device, args.warmup, args.iters)
         t_mlp = timeit(mlp_step, device, args.warmup, args.iters)
         t_host, t_pipe = host_and_pipelined(layer_step, device, args.iters)
@@ -340,6 +361,7 @@ def main() -> None:
         else:
             held = 0
         rows.append(dict(elementwise=ew, swiglu_module=lean, mode=mode, backend=backend, regroup_mode=rmode,
+                         fuse_swiglu_grad_quant=fuse,
                          layer_ms=t_layer, host_issue_ms=t_host, pipelined_ms=t_pipe,
                          mlp_ms=t_mlp, refresh_ms=t_refresh, saved_MiB=saved / 2**20,
                          held_after_fwd_MiB=held / 2**20))
@@ -350,16 +372,22 @@ def main() -> None:
             _sync(device)
         if args.profile:
             prof = profile_step(layer_step, device, args.top) | {"device": device.type}
-            label = f"{mode} / {backend} / elementwise {ew}" + ("" if rmode is None else f" / regroup mode {rmode}")
+            label = (f"{mode} / {backend} / elementwise {ew}" + ("" if rmode is None else f" / regroup mode {rmode}")
+                     + (" / fused SwiGLU grad quant" if fuse else ""))
             profiles.append({"arm": label, **prof})
         gqa_used &= all(m._gqa_kernels_ok for m in layer.modules() if isinstance(m, numerics.RolloutCoreAttention))
         del layer
 
-    ref = outputs[(impls[0], "bf16", "auto", None)]
+    ref = outputs[(impls[0], "bf16", "auto", None, False)]
     for r in rows:
-        o = outputs[(r["elementwise"], r["mode"], r["backend"], r["regroup_mode"])]
+        key = (r["elementwise"], r["mode"], r["backend"], r["regroup_mode"], r["fuse_swiglu_grad_quant"])
+        o = outputs[key]
         r["out_rel_err_vs_bf16"] = ((o - ref).norm() / ref.norm()).item()
-        twin_key = ("torch", r["mode"], r["backend"], r["regroup_mode"])
+        unfused = grads.get((*key[:4], False))
+        r["mlp_grads_bit_identical_vs_unfused"] = (None if not key[4] or unfused is None else
+                                               all(torch.equal(a, b) for a, b in zip(grads[key], unfused,
+                                                                                     strict=True)))
+        twin_key = ("torch", r["mode"], r["backend"], r["regroup_mode"], r["fuse_swiglu_grad_quant"])
         twin = None if r["elementwise"] == "torch" else outputs.get(twin_key)
         r["out_rel_diff_vs_torch_ew"] = None if twin is None else ((o - twin).norm() / twin.norm()).item()
     b = rows[0]
@@ -382,6 +410,7 @@ def main() -> None:
     info["megatron_core"] = megatron.core.__version__
     info["attn_impl"] = args.attn_impl or numerics.default_attn_impl()
     info["lean_swiglu"] = args.lean_swiglu
+    info["fuse_swiglu_grad_quant"] = args.fuse_swiglu_grad_quant
     info["elementwise"] = impls
     if "triton" in impls and device.type != "cuda":
         from jetrl_megatron.megatron import triton_numerics
@@ -393,17 +422,20 @@ def main() -> None:
         info.update(e2e_smoke())
     head = ("| mode | gemm_backend | elementwise | regroup mode | layer fwd+bwd ms | speedup | host issue ms "
             "| back-to-back ms | speedup | MLP fwd+bwd ms | speedup | FP8 refresh ms/step | saved for bwd MiB "
-            "| ratio | held after fwd MiB | out rel err vs bf16 | out rel diff vs torch elementwise |")
-    lines = [head, "|" + "---|" * 17]
+            "| ratio | held after fwd MiB | out rel err vs bf16 | out rel diff vs torch elementwise "
+            "| fused SwiGLU grad quant (MLP grads = unfused) |")
+    lines = [head, "|" + "---|" * 18]
     for r in rows:
         ew = r["elementwise"] + (" (SwiGLU module)" if r["swiglu_module"] else "")
         dtw = "-" if r["out_rel_diff_vs_torch_ew"] is None else f"{r['out_rel_diff_vs_torch_ew']:.2e}"
         rm = "-" if r["regroup_mode"] is None else r["regroup_mode"]
+        same = r["mlp_grads_bit_identical_vs_unfused"]
+        fu = ("on" + ("" if same is None else f" ({'yes' if same else 'NO'})")) if r["fuse_swiglu_grad_quant"] else "-"
         lines.append(f"| {r['mode']} | {r['backend']} | {ew} | {rm} | {r['layer_ms']:.2f} | {r['layer_speedup']:.3f}x "
                      f"| {r['host_issue_ms']:.2f} | {r['pipelined_ms']:.2f} | {r['pipelined_speedup']:.3f}x "
                      f"| {r['mlp_ms']:.2f} | {r['mlp_speedup']:.3f}x | {r['refresh_ms']:.2f} | {r['saved_MiB']:.1f} "
                      f"| {r['saved_ratio']:.3f} | {r['held_after_fwd_MiB']:.1f} | {r['out_rel_err_vs_bf16']:.4f} "
-                     f"| {dtw} |")
+                     f"| {dtw} | {fu} |")
     table = "\n".join(lines)
     prof_text = "\n\n".join([format_profile(p["arm"], p) for p in profiles] + host_texts)
     print(json.dumps(info))

@@ -6,6 +6,8 @@ and by the vLLM `jetrl_fp8` plugin, so the rollout forward is literally a sub-gr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from jetrl_megatron.fp8 import quant_dispatch
@@ -51,6 +53,57 @@ def fp8_linear_forward(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias
     return y.reshape(*x.shape[:-1], wq.shape[0])
 
 
+@dataclass(frozen=True)
+class PrequantizedGrad:
+    """An FP8 linear's output gradient dY, already quantized by the op that produced it (both forms of
+    ``quant_dual``: q, s, qt, st), with ``grad``, the tensor that op hands autograd as dY: the BF16 dY itself, or
+    (``placeholder``) a zero-stride stand-in when the linear needs only the FP8 forms.
+
+    Why: the producer (the fused SwiGLU backward, megatron/swiglu_fp8.py) writes the FP8 forms directly and the
+    linear skips its own quantization; autograd passes only tensors, so the forms travel on the linear's node."""
+
+    grad: torch.Tensor
+    forms: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    placeholder: bool
+
+    def is_for(self, dy: torch.Tensor) -> bool:
+        """Whether ``dy`` is the very gradient these forms quantize (not, e.g., a sum with another consumer's)."""
+        g = self.grad
+        return dy.data_ptr() == g.data_ptr() and dy.shape == g.shape and dy.stride() == g.stride()
+
+
+def prequantized_grad_target(y: torch.Tensor):
+    """The autograd node of the FP8 linear whose output ``y`` is, when that linear may take its dY prequantized
+    (:func:`hand_over_grad`): a trainable FP8 linear quantizing with the kernels (not ``reference_quant``, whose
+    point is to run the reference). None otherwise (another op produced ``y``, or a view of it)."""
+    node = y.grad_fn
+    if isinstance(node, _Fp8LinearFunction._backward_cls) and not node.reference_quant:
+        return node
+    return None
+
+
+def hand_over_grad(node, grad: PrequantizedGrad) -> None:
+    """Give the linear's node (from :func:`prequantized_grad_target`) its dY's FP8 forms, for its next backward."""
+    node.prequantized_dy = grad
+
+
+def _quantized_dy(ctx, dy: torch.Tensor, dy2d: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The FP8 forms of dY (``dy2d``: dy as (M, N)): handed over by its producer when they quantize this very
+    ``dy``, else quant_dual's."""
+    pre, ctx.prequantized_dy = getattr(ctx, "prequantized_dy", None), None
+    if pre is not None:
+        if pre.is_for(dy) and tuple(pre.forms[0].shape) == tuple(dy2d.shape):
+            return pre.forms
+        if pre.placeholder:
+            raise RuntimeError(
+                f"fp8_linear backward: dY {tuple(dy2d.shape)} is not the gradient its producer quantized (autograd "
+                "summed it with another consumer's, or an op sits between this linear and its producer); the "
+                "producer handed over only FP8 forms with a placeholder dY. Turn off the fused SwiGLU gradient "
+                "quantization (Fp8ModelContext.fuse_swiglu_grad_quant) for this model")
+    return quant_dispatch.quant_dual(dy2d, ctx.recipe, reference_quant=ctx.reference_quant)
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, wq, ws, recipe, reference_quant):
@@ -67,7 +120,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         xq, xs, wq, ws = ctx.saved_tensors
         recipe, reference = ctx.recipe, ctx.reference_quant
         dy2d = dy.reshape(-1, dy.shape[-1])
-        gq, gs, gtq, gts = quant_dispatch.quant_dual(dy2d, recipe, reference_quant=reference)
+        gq, gs, gtq, gts = _quantized_dy(ctx, dy, dy2d)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = fp8_gemm_dgrad(gq, gs, wq, ws, out_dtype=ctx.x_dtype, recipe=recipe).reshape(ctx.x_shape)

@@ -43,17 +43,21 @@ class Fp8ModelContext:
     # Experiment only (the mismatch dose-response's unified arms, CPU): the FP8-eligible linears run this stress
     # format (fp8/stress_linear.py) instead of the recipe's GEMM. None: off.
     stress: StressFormat | None = None
+    # the SwiGLU backward fused with the FP8 quantization of fc1's dY (megatron/swiglu_fp8.py: same bytes, one
+    # kernel instead of swiglu_bwd + quant_dual); off until measured faster on the GPU (docs/kernels.md)
+    fuse_swiglu_grad_quant: bool = False
 
     @classmethod
     def create(cls, shape: ModelShape, recipe: Fp8Recipe, layers: range, attn_impl: str | None = None, *,
                elementwise: str = "auto", reference_quant: bool = False, attn_match: str = "prefill",
-               stress: StressFormat | None = None) -> Fp8ModelContext:
+               stress: StressFormat | None = None, fuse_swiglu_grad_quant: bool = False) -> Fp8ModelContext:
         """A context with an empty cache; ``attn_impl`` None = the default for this device."""
         if attn_match not in ATTN_MATCHES:
             raise ValueError(f"attn_match must be one of {ATTN_MATCHES}, got {attn_match!r}")
         return cls(shape, recipe, layers, attn_impl or default_attn_impl(),
                    Fp8WeightCache(recipe, reference_quant=reference_quant), ElementwiseKernels(elementwise),
-                   bool(reference_quant), attn_match, stress=stress)
+                   bool(reference_quant), attn_match, stress=stress,
+                   fuse_swiglu_grad_quant=bool(fuse_swiglu_grad_quant))
 
     @property
     def vllm_cpu_kernels(self) -> bool:

@@ -113,7 +113,8 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
               post_process: bool | None = None, sequence_parallel: bool = False, attn_impl: str | None = None,
               elementwise: str = "auto", reference_quant: bool = False, attn_match: str = "prefill",
               lean_swiglu: bool | None = None, seed: int = 1234, init_std: float = 0.02,
-              stress: StressFormat | None = None, **config_overrides: Any) -> GPTModel:
+              stress: StressFormat | None = None, fuse_swiglu_grad_quant: bool = False,
+              **config_overrides: Any) -> GPTModel:
     """This rank's model (its TP shard of its PP stage) with Jet-RL linears, numerics and a filled FP8 cache.
 
     pre_process / post_process default to whether this rank is the first / last pipeline stage. The model is
@@ -130,7 +131,9 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
     module, which saves only the fc1 output for backward (-0.38 GB saved activations per Qwen3-8B layer at 8k
     tokens) and runs the Triton SwiGLU kernels on CUDA (H200: MLP fwd+bwd 11.20 ms vs 12.08 ms with Megatron's
     autograd SwiGLU, BF16 mode); ``None`` = on with CUDA, off on CPU (where Megatron's own BF16 ``silu(g) * u`` is
-    already vLLM's op).
+    already vLLM's op). fuse_swiglu_grad_quant: that SwiGLU module's backward also writes fc1's dY in FP8 (one
+    Triton kernel, same bytes; Fp8ModelContext.fuse_swiglu_grad_quant), off by default (GPU speed unmeasured);
+    needs lean_swiglu.
     """
     if lean_swiglu is None:
         lean_swiglu = torch.cuda.is_available()
@@ -148,7 +151,10 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
         raise ValueError(f"build_gpt: stress format {stress.name} is a CPU experiment on the bf16 arm's trainer "
                          f"(got trainer GEMM {recipe.trainer_gemm!r}, CUDA {torch.cuda.is_available()})")
     context = Fp8ModelContext.create(shape, recipe, layers, attn_impl, elementwise=elementwise,
-                                     reference_quant=reference_quant, attn_match=attn_match, stress=stress)
+                                     reference_quant=reference_quant, attn_match=attn_match, stress=stress,
+                                     fuse_swiglu_grad_quant=fuse_swiglu_grad_quant)
+    if fuse_swiglu_grad_quant and not lean_swiglu:
+        raise ValueError("fuse_swiglu_grad_quant needs lean_swiglu (the fused backward is the SwiGLU module's)")
     if context.vllm_cuda_kernels and not lean_swiglu:
         raise ValueError("attn_impl='vllm_cuda' needs lean_swiglu (the SwiGLU module runs vLLM's silu_and_mul)")
     if lean_swiglu:

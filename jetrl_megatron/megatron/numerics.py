@@ -319,18 +319,52 @@ class _RMSNormFn(torch.autograd.Function):
 
 
 class _SwiGLUFn(torch.autograd.Function):
-    """``silu(gate) * up``; backward saves only the fc1 output."""
+    """``silu(gate) * up``; backward saves only the fc1 output. With ``ctx.fc1`` set (:meth:`SwiGLU.forward`, the
+    fused gradient quantization) the backward hands fc1's node its dY in FP8 (swiglu_fp8.py)."""
 
     @staticmethod
     def forward(ctx, x, kernels: OpKernels = TWINS["swiglu"]):
         ctx.save_for_backward(x)
         ctx.kernels = kernels
+        ctx.fc1 = None
         return kernels.fwd(x)
 
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
+        if ctx.fc1 is not None:
+            dx = _swiglu_bwd_into_fc1(ctx.fc1, ctx.fused_kernels, x, dy)
+            ctx.fc1 = None
+            if dx is not None:
+                return dx, None
         return ctx.kernels.bwd(x, dy), None
+
+
+@functools.cache
+def _swiglu_fp8_module() -> ModuleType:
+    """:mod:`swiglu_fp8` (imports triton), on first use."""
+    from jetrl_megatron.megatron import swiglu_fp8
+
+    return swiglu_fp8
+
+
+def _swiglu_bwd_into_fc1(fc1, kernels: ElementwiseKernels, x: Tensor, dy: Tensor) -> Tensor | None:
+    """The SwiGLU backward as one Triton kernel that also quantizes its result, fc1's dY, into both FP8 forms and
+    hands them to fc1's node; returns the gradient for autograd: the BF16 dY where fc1 still needs it (its bias
+    gradient), else a zero-stride placeholder. None after a kernel failure in ``auto`` mode (the caller runs the
+    unfused backward; so does every later call of this model)."""
+    from jetrl_megatron.fp8.linear import PrequantizedGrad, hand_over_grad
+
+    fused = _swiglu_fp8_module()
+    need_bf16 = bool(fc1.has_bias)
+    run = functools.partial(fused.swiglu_bwd_quant_dual, recipe=fc1.recipe, write_dx=need_bf16)
+    out = kernels.run_triton("swiglu_fp8_grad", run, x, dy)
+    if out is None:
+        return None
+    q, s, qt, st, dx = out
+    grad = dx.view(x.shape) if need_bf16 else torch.zeros((), dtype=x.dtype, device=x.device).expand(x.shape)
+    hand_over_grad(fc1, PrequantizedGrad(grad, (q, s, qt, st), placeholder=not need_bf16))
+    return grad
 
 
 class _RopeFn(torch.autograd.Function):
@@ -396,17 +430,39 @@ class RolloutRMSNorm(torch.nn.Module):
 
 
 class SwiGLU(torch.nn.Module):
-    """Megatron MLP activation module (``MLPSubmodules.activation_func``) applied to the whole fc1 output."""
+    """Megatron MLP activation module (``MLPSubmodules.activation_func``) applied to the whole fc1 output.
 
-    def __init__(self, config=None, vllm_cuda: bool = False, elementwise: ElementwiseKernels | None = None) -> None:
+    ``fuse_fc1_grad_quant`` (the model context's ``fuse_swiglu_grad_quant``; off by default, GPU speed unmeasured):
+    where fc1 is an FP8 linear that feeds this module directly and the Triton kernels serve these tensors, the
+    backward is swiglu_fp8's fused kernel, which also writes fc1's dY in both FP8 forms so fc1 skips its quant_dual.
+    The same bytes either way (tests/test_megatron_swiglu_fp8.py); the forward is unchanged."""
+
+    def __init__(self, config=None, vllm_cuda: bool = False, elementwise: ElementwiseKernels | None = None,
+                 fuse_fc1_grad_quant: bool = False) -> None:
         super().__init__()
         self.vllm_cuda = vllm_cuda  # GPU vLLM's silu_and_mul kernel for CUDA BF16 input
         self.elementwise = elementwise or ElementwiseKernels()
+        self.fuse_fc1_grad_quant = bool(fuse_fc1_grad_quant)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.vllm_cuda and x.is_cuda and x.dtype == torch.bfloat16:
-            return _SwiGLUFn.apply(x, self.elementwise.with_triton_backward(VLLM_CUDA_SWIGLU, "swiglu", x))
-        return self.elementwise.dispatch("swiglu", _SwiGLUFn, (x,), (x,))
+            y = _SwiGLUFn.apply(x, self.elementwise.with_triton_backward(VLLM_CUDA_SWIGLU, "swiglu", x))
+        else:
+            y = self.elementwise.dispatch("swiglu", _SwiGLUFn, (x,), (x,))
+        if self.fuse_fc1_grad_quant:
+            self._fuse_backward_into_fc1(x, y)
+        return y
+
+    def _fuse_backward_into_fc1(self, x: Tensor, y: Tensor) -> None:
+        """Mark y's node to run the fused backward when fc1 (x's producer) can take its dY prequantized."""
+        node = y.grad_fn
+        if not isinstance(node, _SwiGLUFn._backward_cls) or self.elementwise.triton_for(x) is None:
+            return
+        from jetrl_megatron.fp8.linear import prequantized_grad_target
+
+        fc1 = prequantized_grad_target(x)
+        if fc1 is not None and _swiglu_fp8_module().fused_supported(x, y):
+            node.fc1, node.fused_kernels = fc1, self.elementwise
 
 
 def fp32_residual_add(x_with_bias: tuple[Tensor, Tensor | None], residual: Tensor, prob: float,
