@@ -1,7 +1,7 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|suite|check|grpo|decode|probe OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|suite|check|grpo|decode|probe|fuse OUT_DIR
 #   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
 #           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
 #   stage1  copy .vc/p1
@@ -19,6 +19,8 @@
 #           step than in a prefill (norms, SiLU-and-mul, FP8 linears per backend, BF16 lm_head, FA3 decode vs prefill)
 #   probe   bench/vllm_cuda_exact.py at the Qwen3-8B shape (jetrl arm, auto GEMMs, CUDA graphs, a refit), PROMPTS x LEN,
 #           with FA_SPLITS as above: trainer vs vLLM's decode and prefill, and vLLM's decode vs its own prefill
+#   fuse    the fused SwiGLU backward + fc1 dY FP8 quantization (Fp8ModelContext.fuse_swiglu_grad_quant): its GPU tests,
+#           bench/kernels_bench.py's swiglu section, the Qwen3-8B layer fwd+bwd with the fusion off and on
 set -uo pipefail
 mode=${1:?stage0|stage1|check|grpo}
 out=${2:?OUT_DIR}
@@ -110,5 +112,14 @@ case $mode in
       ${FA_SPLITS:+--fa-max-splits $FA_SPLITS} --out "$out/probe_8b_splits_$tag.json" > "$out/probe_8b_$tag.log" 2>&1
     echo "probe rc $?"; grep -A7 '"trainer_vs_decode"\|"decode_vs_prefill"\|"trainer_vs_prefill"' "$out/probe_8b_$tag.log" \
       | grep -E "vs_|bit_identical|k3" ;;
-  *) echo "usage: $0 stage0|stage1|suite|check|grpo|decode|probe OUT_DIR" >&2; exit 2 ;;
+  fuse)  # issue 29 item 2: the fused SwiGLU backward + fc1 dY FP8 quantization, its GPU tests, kernel and layer cost
+    wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_megatron_swiglu_fp8.py \
+      > "$out/swiglu_tests.log" 2>&1; echo "swiglu tests rc $?"; grep -E "passed|failed|FAILED|SKIPPED" "$out/swiglu_tests.log" | tail -6
+    BENCH_SECTIONS=env,ceil,swiglu timeout 150 python3 bench/kernels_bench.py > "$out/kernels_swiglu.log" 2>&1
+    echo "kernels bench rc $?"; tail -25 "$out/kernels_swiglu.log"
+    timeout 200 python3 bench/megatron_layer_bench.py --seq 8192 --iters 20 --warmup 5 --backends auto --lean-swiglu \
+      --elementwise triton --fuse-swiglu-grad-quant off,on --out "$out/layer_fuse.json" > "$out/layer_fuse.log" 2>&1
+    echo "layer bench rc $?"; grep -iE " ms|ratio|x bf16|identical" "$out/layer_fuse.log" | tail -12 ;;
+  *) echo "usage: $0 stage0|stage1|suite|check|grpo|decode|probe|fuse OUT_DIR" >&2; exit 2 ;;
 esac
