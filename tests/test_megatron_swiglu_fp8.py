@@ -17,11 +17,11 @@ at Qwen3-8B size.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from interpreter_child import run_module_under_interpreter
 from torch import Tensor
 
 BF16 = torch.bfloat16
@@ -236,20 +236,7 @@ def check_megatron_layer(device: str, seq: int, batch: int = 2) -> dict:
 
 # ----------------------------------------------------------------------------------------------------- tests
 def test_fused_swiglu_grad_quant_under_interpreter():
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        pytest.skip("triton is not installed")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=root)
-    print(proc.stdout[-4000:])
-    if "INTERP-OK" not in proc.stdout:
-        tail = (proc.stderr or proc.stdout)[-4000:]
-        if "AssertionError" in tail or "jetrl_megatron" in tail:
-            pytest.fail(f"fused SwiGLU gradient quantization failed under the interpreter:\n{tail}")
-        pytest.skip(f"the Triton interpreter itself could not run the kernels on this machine:\n{tail}")
+    run_module_under_interpreter(__file__, "fused SwiGLU gradient quantization failed", timeout=600)
 
 
 def test_fusion_is_off_by_default_and_needs_the_swiglu_module():

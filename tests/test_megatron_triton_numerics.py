@@ -22,11 +22,11 @@ Stated bounds elsewhere (why: see the module docstring of triton_numerics):
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from interpreter_child import run_module_under_interpreter
 from torch import Tensor
 
 from jetrl_megatron.megatron import numerics as N
@@ -288,20 +288,7 @@ def run_checks(tn, device: str, big: bool) -> list[dict]:
 
 # ----------------------------------------------------------------------------------------------------- tests
 def test_triton_kernels_match_twins_under_interpreter():
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        pytest.skip("triton is not installed")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=root)
-    print(proc.stdout[-4000:])
-    if "INTERP-OK" not in proc.stdout:
-        tail = (proc.stderr or proc.stdout)[-4000:]
-        if "AssertionError" in tail or "jetrl_megatron" in tail:
-            pytest.fail(f"Triton element-wise kernels disagree with their twins under the interpreter:\n{tail}")
-        pytest.skip(f"the Triton interpreter itself could not run the kernels on this machine:\n{tail}")
+    run_module_under_interpreter(__file__, "Triton element-wise kernels disagree with their twins", timeout=300)
 
 
 def test_cpu_tensors_keep_the_torch_twins(monkeypatch):
