@@ -1,8 +1,8 @@
 """Run a test module's own ``__main__`` under the Triton interpreter, in a child process.
 
 Why a child: TRITON_INTERPRET must be set before triton is imported, and this process imported it already. The
-child prints ``INTERP-OK`` at its end; an assertion or a traceback through this project fails the test, while a
-child that died inside the interpreter itself (no such line) is a skip that names why."""
+child prints ``INTERP-OK`` at its end; an assertion, a missing module or a traceback through this project or the test
+module fails the test, while a child that died inside the interpreter itself is a skip that names why."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def run_module_under_interpreter(module_file: str, what: str, timeout: int = 300
     print(proc.stdout[-4000:])
     if "INTERP-OK" not in proc.stdout:
         tail = (proc.stderr or proc.stdout)[-4000:]
-        if "AssertionError" in tail or "jetrl_megatron" in tail:
+        ours = ("AssertionError", "jetrl_megatron", os.path.basename(module_file), "ModuleNotFoundError")
+        if any(mark in tail for mark in ours):  # the checks, this project or the test's own code failed
             pytest.fail(f"{what} under the interpreter:\n{tail}")
         pytest.skip(f"the Triton interpreter itself could not run the kernels on this machine:\n{tail}")
     return proc.stdout

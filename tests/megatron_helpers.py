@@ -181,3 +181,13 @@ def cache_matches_weights(ddp) -> bool:
         if not (torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)):
             return False
     return True
+
+
+def one_layer_case(seq: int, batch: int, device, seed: int) -> tuple[ModelShape, torch.Tensor, torch.Tensor]:
+    """The tiny shape cut to one layer (positions for ``seq``) and a random input and output gradient
+    (seq, batch, hidden) from ``seed``: the on/off comparisons of one Megatron layer start from these."""
+    shape = dataclasses.replace(TINY, num_layers=1, max_position_embeddings=max(seq, 128))
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(seq, batch, shape.hidden_size, generator=g).to(device)
+    gout = torch.randn(seq, batch, shape.hidden_size, generator=g).to(device)
+    return shape, x0, gout

@@ -175,23 +175,19 @@ def check_megatron_layer(device: str, seq: int, batch: int = 2) -> dict:
     Runs off, on, off: a tensor the two unfused runs do not reproduce bit for bit (on GPU the attention backward may
     accumulate in a varying order) cannot be compared; all must reproduce on CPU, and the output and the MLP's
     gradients (downstream of the attention backward) everywhere."""
-    import dataclasses
 
     from megatron.core.transformer.spec_utils import build_module
+    from megatron_helpers import one_layer_case
 
     from jetrl_megatron.fp8 import quant_dispatch
     from jetrl_megatron.megatron import swiglu_fp8 as S
     from jetrl_megatron.megatron.context import Fp8ModelContext
     from jetrl_megatron.megatron.model import megatron_config, seed_everything
     from jetrl_megatron.megatron.spec import gpt_layer_spec
-    from jetrl_megatron.model.shapes import get_model_shape
     from jetrl_megatron.recipe import Fp8Recipe
 
-    shape = dataclasses.replace(get_model_shape("tiny"), num_layers=1, max_position_embeddings=max(seq, 128))
+    shape, x0, gout = one_layer_case(seq, batch, device, seed=5)
     recipe = Fp8Recipe(mode="jetrl")
-    g = torch.Generator().manual_seed(5)
-    x0 = torch.randn(seq, batch, shape.hidden_size, generator=g).to(device)
-    gout = torch.randn(seq, batch, shape.hidden_size, generator=g).to(device)
     res, calls = {}, {}
     fused_fn, dual_fn = S.swiglu_bwd_quant_dual, quant_dispatch.quant_dual
     for run, fuse in enumerate((False, True, False)):

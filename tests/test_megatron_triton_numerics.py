@@ -212,21 +212,17 @@ def check_megatron_layer(device: str, seq: int, batch: int = 2) -> dict:
     """A Megatron-Core TransformerLayer from our spec (tiny Qwen3 shape: qk-norm, GQA, SwiGLU module), BF16 mode, FP32
     residual-stream input: the layer built with the Triton kernels vs with the torch twins on the same weights and
     input. Output and every gradient close (only the reductions' order differs); needs Megatron's parallel state."""
-    import dataclasses
 
     from megatron.core.transformer.spec_utils import build_module
+    from megatron_helpers import one_layer_case
 
     from jetrl_megatron.megatron.context import Fp8ModelContext
     from jetrl_megatron.megatron.model import megatron_config, seed_everything
     from jetrl_megatron.megatron.spec import gpt_layer_spec
-    from jetrl_megatron.model.shapes import get_model_shape
     from jetrl_megatron.recipe import Fp8Recipe
 
-    shape = dataclasses.replace(get_model_shape("tiny"), num_layers=1, max_position_embeddings=max(seq, 128))
+    shape, x0, gout = one_layer_case(seq, batch, device, seed=11)
     recipe = Fp8Recipe(mode="bf16")
-    g = torch.Generator().manual_seed(11)
-    x0 = torch.randn(seq, batch, shape.hidden_size, generator=g).to(device)
-    gout = torch.randn(seq, batch, shape.hidden_size, generator=g).to(device)
     res, used = {}, {}
     for impl in ("torch", "triton"):
         seed_everything(0)
