@@ -43,13 +43,18 @@ def stress_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.
     return acc.to(out_dtype)
 
 
-def stress_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          fmt: StressFormat) -> torch.Tensor:
-    """y = Q(x) Q(W)^T (+ b) with both operands quantized in ``fmt``, no autograd; x (..., K), weight (N, K)."""
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, fmt: StressFormat) -> None:
+    """CPU only (the formats have no GPU kernel), and x's last dim is the weight's K."""
     refuse_cuda(x, fmt)
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"stress linear ({fmt.name}): x has last dim {x.shape[-1]}, the weight "
                          f"{tuple(weight.shape)} expects {weight.shape[1]}")
+
+
+def stress_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          fmt: StressFormat) -> torch.Tensor:
+    """y = Q(x) Q(W)^T (+ b) with both operands quantized in ``fmt``, no autograd; x (..., K), weight (N, K)."""
+    _check_operands(x, weight, fmt)
     x2d = x.reshape(-1, x.shape[-1])
     y = stress_gemm(*quantize_act(x2d, fmt), *quantize_weight(weight, fmt), bias, x.dtype)
     return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -82,8 +87,5 @@ class _StressLinearFunction(torch.autograd.Function):
 def stress_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   fmt: StressFormat) -> torch.Tensor:
     """Autograd stress linear (the unified arm's trainer GEMM): fake-quant forward, straight-through gradients."""
-    refuse_cuda(x, fmt)
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"stress linear ({fmt.name}): x has last dim {x.shape[-1]}, the weight "
-                         f"{tuple(weight.shape)} expects {weight.shape[1]}")
+    _check_operands(x, weight, fmt)
     return _StressLinearFunction.apply(x, weight, bias, fmt)

@@ -25,7 +25,43 @@ from jetrl_megatron.fp8.quant import BLOCK, FP8_DTYPE
 from jetrl_megatron.recipe import Fp8Recipe
 
 
-class JetRLFp8Config(QuantizationConfig):
+class LinearsOnlyConfig(QuantizationConfig):
+    """What the project's vLLM quantization methods share: BF16 activations, any device, no extra config files, and
+    only linears replaced (those under ``ignored_layers``, HF prefixes mapped to vLLM's names, stay BF16; embeddings,
+    lm_head, attention and norms always do). A subclass names its method and builds its linear method."""
+
+    ignored_layers: list[str]
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        # The emulated GEMMs run anywhere; on CUDA the fp8 dispatch picks a hardware backend where one exists.
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        self.ignored_layers = hf_to_vllm_mapper.apply_list(self.ignored_layers)
+
+    def is_bf16_module(self, prefix: str) -> bool:
+        """Whether the checkpoint keeps this (possibly fused) linear in BF16; vLLM checks fused parts agree."""
+        return is_layer_skipped(prefix, self.ignored_layers, self.packed_modules_mapping)
+
+    def linear_method(self) -> LinearMethodBase:
+        raise NotImplementedError
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, LinearBase):
+            return UnquantizedLinearMethod() if self.is_bf16_module(prefix) else self.linear_method()
+        return None
+
+
+class JetRLFp8Config(LinearsOnlyConfig):
     """Reads a checkpoint's `quantization_config` (our `jetrl_fp8` form or a standard block-`fp8` one).
 
     Accepted keys: `weight_block_size` (must be [128, 128]), `fmt`/`activation_scheme` (e4m3 / dynamic),
@@ -50,19 +86,6 @@ class JetRLFp8Config(QuantizationConfig):
         return QUANT_METHOD
 
     @classmethod
-    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
-        return [torch.bfloat16]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        # The emulated GEMM runs anywhere; on CUDA the fp8 dispatch picks a hardware backend where one exists.
-        return 0
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []
-
-    @classmethod
     def from_config(cls, config: dict[str, Any]) -> JetRLFp8Config:
         block = list(config.get("weight_block_size") or [BLOCK, BLOCK])
         if block != [BLOCK, BLOCK]:
@@ -80,20 +103,9 @@ class JetRLFp8Config(QuantizationConfig):
             raise ValueError(f"jetrl_fp8: {REFERENCE_QUANT_KEY} must be true or false, got {reference_quant!r}")
         return cls(recipe=recipe, ignored_layers=list(ignored), reference_quant=reference_quant)
 
-    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
-        self.ignored_layers = hf_to_vllm_mapper.apply_list(self.ignored_layers)
+    def linear_method(self) -> LinearMethodBase:
+        return JetRLFp8LinearMethod(self)
 
-    def is_bf16_module(self, prefix: str) -> bool:
-        """Whether the checkpoint keeps this (possibly fused) linear in BF16; vLLM checks fused parts agree."""
-        return is_layer_skipped(prefix, self.ignored_layers, self.packed_modules_mapping)
-
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        if isinstance(layer, LinearBase):
-            if self.is_bf16_module(prefix):
-                return UnquantizedLinearMethod()
-            return JetRLFp8LinearMethod(self)
-        # Embeddings, lm_head (ParallelLMHead), attention and everything else stay BF16.
-        return None
 
 
 class JetRLFp8LinearMethod(LinearMethodBase):

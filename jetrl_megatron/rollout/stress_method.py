@@ -13,13 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
-from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.parameter import ModelWeightParameter
 
 from jetrl_megatron.fp8.stress import StressFormat, stress_format
 from jetrl_megatron.fp8.stress_linear import stress_linear_forward
+from jetrl_megatron.rollout.quant_method import LinearsOnlyConfig
 
 STRESS_METHOD = "jetrl_stress"
 _registered = False
@@ -42,7 +41,7 @@ def stress_quant_config(fmt: str, ignored_layers: list[str]) -> dict[str, Any]:
     return {"quant_method": STRESS_METHOD, "format": fmt, "ignored_layers": list(ignored_layers)}
 
 
-class JetRLStressConfig(QuantizationConfig):
+class JetRLStressConfig(LinearsOnlyConfig):
     """Keys: `format` (a name of fp8.stress.STRESS_FORMATS) and `ignored_layers` (HF prefixes that stay BF16)."""
 
     def __init__(self, fmt: StressFormat, ignored_layers: list[str]):
@@ -58,32 +57,13 @@ class JetRLStressConfig(QuantizationConfig):
         return STRESS_METHOD
 
     @classmethod
-    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
-        return [torch.bfloat16]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return 0
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []
-
-    @classmethod
     def from_config(cls, config: dict[str, Any]) -> JetRLStressConfig:
         if "format" not in config:
             raise ValueError(f"{STRESS_METHOD}: quantization_config needs a 'format' key, got {sorted(config)}")
         return cls(stress_format(config["format"]), list(config.get("ignored_layers") or []))
 
-    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
-        self.ignored_layers = hf_to_vllm_mapper.apply_list(self.ignored_layers)
-
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        if isinstance(layer, LinearBase):
-            if is_layer_skipped(prefix, self.ignored_layers, self.packed_modules_mapping):
-                return UnquantizedLinearMethod()
-            return JetRLStressLinearMethod(self.fmt)
-        return None  # embeddings, lm_head, attention and norms stay BF16
+    def linear_method(self) -> LinearMethodBase:
+        return JetRLStressLinearMethod(self.fmt)
 
 
 class JetRLStressLinearMethod(LinearMethodBase):
