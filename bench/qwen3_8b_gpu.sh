@@ -1,13 +1,14 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|suite|check|grpo|decode|probe|fuse OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|check|grpo|decode|probe|fuse OUT_DIR
 #   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
 #           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
-#   stage1  copy .vc/p1
-#   suite   copy .vc/p2, install the vLLM 0.26 bundle; `make test-gpu ENV=system` (the whole GPU suite, one command, in
+#   stage1, stage2  copy .vc/p1, .vc/p2 (one 44 MiB part per call: a call takes at most 64 MiB with the tree)
+#   the other modes carry the last part (.vc/p3, with SHA256) and install the bundle once per machine
+#   suite   install the vLLM 0.26 bundle; `make test-gpu ENV=system` (the whole GPU suite, one command, in
 #           this machine's Python: it has no internet for the venv)
-#   check   copy .vc/p2, install the vLLM 0.26 bundle; FP8 FProp M-invariance per backend at the Qwen3-8B shapes
+#   check   install the vLLM 0.26 bundle; FP8 FProp M-invariance per backend at the Qwen3-8B shapes
 #           (DeepGEMM included); the backend GPU tests again with DeepGEMM; the Qwen3-8B layer fwd+bwd, bf16
 #           attention vs vLLM's own ops (issue 26's cost), cuBLAS GEMMs in both
 #   grpo    `jetrl run --recipe qwen3_8b_1gpu --arm $ARM` (random weights made on the spot), LEN new tokens by
@@ -22,7 +23,7 @@
 #   fuse    the fused SwiGLU backward + fc1 dY FP8 quantization (Fp8ModelContext.fuse_swiglu_grad_quant): its GPU tests,
 #           bench/kernels_bench.py's swiglu section, the Qwen3-8B layer fwd+bwd with the fusion off and on
 set -uo pipefail
-mode=${1:?stage0|stage1|check|grpo}
+mode=${1:?stage0|stage1|stage2|suite|check|grpo|decode|probe|fuse}
 out=${2:?OUT_DIR}
 mkdir -p /tmp/vc "$out"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -36,7 +37,7 @@ wheels() {
 }
 vllm_bundle() {
   [ -f /tmp/site/.vllm_ok ] && return 0
-  cp .vc/p2/* /tmp/vc/ && cat /tmp/vc/part0* > /tmp/vllm026.tar && sha256sum -c /tmp/vc/SHA256 && mkdir -p /tmp/w \
+  cp .vc/p3/* /tmp/vc/ && cat /tmp/vc/part0* > /tmp/vllm026.tar && sha256sum -c /tmp/vc/SHA256 && mkdir -p /tmp/w \
     && tar xf /tmp/vllm026.tar -C /tmp/w && rm -f /tmp/vllm026.tar /tmp/vc/part0* \
     && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
        /tmp/w/.whl/*.whl && rm -rf /tmp/w && touch /tmp/site/.vllm_ok
@@ -58,7 +59,7 @@ case $mode in
     timeout "${RUN_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_fp8_kernels_gpu.py \
       tests/test_fp8_backends_gpu.py tests/test_megatron_triton_numerics.py tests/test_rl_phase_memory.py > "$out/tests_novllm.log" 2>&1
     echo "tests rc $?"; grep -E "passed|failed|FAILED|SKIPPED|Error" "$out/tests_novllm.log" | tail -15 ;;
-  stage1) cp .vc/p1/* /tmp/vc/ && ls -l /tmp/vc ;;
+  stage1|stage2) cp ".vc/p${mode#stage}"/* /tmp/vc/ && ls -l /tmp/vc ;;
   suite)
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     python3 -c "import vllm, megatron.core; print('vllm', vllm.__version__, 'megatron-core', megatron.core.__version__)"
@@ -121,5 +122,5 @@ case $mode in
     timeout 200 python3 bench/megatron_layer_bench.py --seq 8192 --iters 20 --warmup 5 --backends auto --lean-swiglu \
       --elementwise triton --fuse-swiglu-grad-quant off,on --out "$out/layer_fuse.json" > "$out/layer_fuse.log" 2>&1
     echo "layer bench rc $?"; grep -iE " ms|ratio|x bf16|identical" "$out/layer_fuse.log" | tail -12 ;;
-  *) echo "usage: $0 stage0|stage1|suite|check|grpo|decode|probe|fuse OUT_DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 stage0|stage1|stage2|suite|check|grpo|decode|probe|fuse OUT_DIR" >&2; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build a vLLM bundle for the H200 test machine (torch 2.11.0+cu130, triton 3.6, Python 3.12, offline) and split it
-# into parts under <repo>/<outdir>/p0, p1, ... (an ignored folder): p0 54 MiB (it travels with the tree and .whl),
-# the others 58 MiB (that machine takes at most 64 MiB per transfer).
+# into 44 MiB parts under <repo>/<outdir>/p0, p1, ... (an ignored folder): that machine takes at most 64 MiB per
+# transfer, and each part travels with the working tree (~8 MiB) and, with p0, .whl and the DeepGEMM cache (~5 MiB).
 # Usage, from the project's root:  bash tools/vllm_gpu_bundle.sh [VERSION] [OUTDIR]   (then see docs/vllm_gpu.md)
 #   VERSION  vLLM release: 0.26.0 (default; what our GPU numbers were measured on) or 0.20.0 (NeMo-RL v0.7.0's)
 #   OUTDIR   relative to the repository root; default .vc for 0.26, .vc<minor> otherwise (0.20.0 -> .vc20)
@@ -49,9 +49,7 @@ zip -q -d whl/vllm-"$ver"-*.whl 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm
   'vllm/third_party/deep_gemm/_C.cpython-313-*' 'vllm/third_party/deep_gemm/_C.cpython-314-*' >/dev/null 2>&1 || true
 mv whl .whl && tar cf "vllm$tag.tar" .whl
 sha=$(sha256sum "vllm$tag.tar" | cut -d' ' -f1)
-# p0 travels with the working tree and .whl (megatron-core & co., ~4 MiB): 54 MiB; the later parts alone: 58 MiB
-head -c $((54 << 20)) "vllm$tag.tar" > part00
-tail -c +$(((54 << 20) + 1)) "vllm$tag.tar" | split -b 58M -d -a 2 --numeric-suffixes=1 - part
+split -b 44M -d -a 2 "vllm$tag.tar" part
 grep -qx "/$out/" "$repo/.git/info/exclude" 2>/dev/null || echo "/$out/" >> "$repo/.git/info/exclude"
 rm -rf "${repo:?}/$out"
 n=0
