@@ -66,9 +66,12 @@ SLOW_FIRST = ("test_rl_loop.py", "test_vllm_cpu_builds.py", "test_cli_user_error
 
 
 def pytest_configure(config):
+    from warm_cli import PRELOAD
+
     from jetrl_megatron.megatron import cpu
 
     cpu.SPAWN_START_METHOD = "forkserver"  # spawned worlds' ranks skip re-importing torch / Megatron (cpu.py)
+    cpu.SPAWN_PRELOAD = PRELOAD  # one forkserver per test process: the warm `jetrl` runs' too (warm_cli.py)
     config.addinivalue_line(
         "markers", "own_process: run this test in a fresh Python process (vLLM engines that cannot share one: "
         "the CuMem allocator of sleep-mode engines is one per process)")

@@ -1,8 +1,9 @@
 """The `jetrl` command line: plan, run's GPU guard, sbatch, compare table and argument errors, resharder dispatch."""
 
 import subprocess
-import sys
 import time
+
+from warm_cli import run_cli
 
 from jetrl_megatron.cli import main
 from jetrl_megatron.rl.tools.compare import summary_table
@@ -41,8 +42,7 @@ def test_arm_flag_sets_nemo_rl_switches(capsys):
 
 def test_run_gpu_recipe_without_cuda_stops_at_once():
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-m", "jetrl_megatron.cli", "run", "--recipe", "qwen3_32b_tp2"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_cli(["run", "--recipe", "qwen3_32b_tp2"], timeout=120)
     import torch
 
     if torch.cuda.is_available():

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from small_run import small_run
+from warm_cli import run_cli
 
 from jetrl_megatron.cli import main
 from jetrl_megatron.errors import UserError
@@ -42,7 +43,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _cli(*args: str, timeout: int = 120, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=_env(**env))
+    """`python -m jetrl_megatron.cli *args` in a fresh process (started warm where the environment allows)."""
+    return run_cli(args, env=_env(**env), timeout=timeout)
 
 
 def _one_error_line(r: subprocess.CompletedProcess, cmd: str = "run") -> str:

@@ -206,8 +206,6 @@ def test_tiny_cpu_run_driven_by_an_upstream_yaml(upstream, tmp_path):
     """NeMo-RL's grpo_math_1B_megatron.yaml, as `jetrl run --config FILE k=v ...` takes it (run_grpo.py's form),
     pointed at the tiny preset and a synthetic task on CPU: it trains (optimizer steps applied, metrics logged)."""
     import json
-    import subprocess
-    import sys
 
     (y,) = [y for y in upstream if y.path.name == "grpo_math_1B_megatron.yaml"]
     log_dir = tmp_path / "run"
@@ -220,8 +218,9 @@ def test_tiny_cpu_run_driven_by_an_upstream_yaml(upstream, tmp_path):
         f"logger.log_dir={log_dir}", "logger.tensorboard_enabled=false", "policy.jet_rl.progress_bars=false",
         "policy.jet_rl.plot_enabled=false", "policy.generation.vllm_cfg.enforce_eager=true",
     ]
-    cmd = [sys.executable, "-m", "jetrl_megatron.cli", "run", "--config", str(y.path), "--arm", "jetrl", *overrides]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
+    from warm_cli import run_cli
+
+    r = run_cli(["run", "--config", str(y.path), "--arm", "jetrl", *overrides], timeout=900, cwd=REPO_ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "have no effect here" in r.stderr  # the ignored NeMo-RL keys (sequence packing, DTensor, ...) warned once
     rows = [json.loads(ln) for ln in (log_dir / "metrics.jsonl").read_text().splitlines()]

@@ -21,8 +21,8 @@ NEEDS = {"jetrl_megatron.nemo_rl.worker": "nemo_rl"}
 # vllm_cpu and vllm_cuda are twin backends of one interface: ``ops.py`` in each, picked by package.
 SHARED_BASENAMES = {"ops.py": {"vllm_cpu/ops.py", "vllm_cuda/ops.py"}}
 # Layers from the bottom (docs/architecture.md): a module may import its own layer and those below, never above.
-LAYERS = ["errors", "config_key", "recipe", "model", "fp8", "vllm_cpu", "vllm_cuda", "sampling", "megatron", "reshard",
-          "rollout", "rl", "nemo_rl", "cli"]
+LAYERS = ["errors", "config_key", "warm_process", "recipe", "model", "fp8", "vllm_cpu", "vllm_cuda", "sampling",
+          "megatron", "reshard", "rollout", "rl", "nemo_rl", "cli"]
 LAYER_OF = {"cli_args": "cli", "reshard_cli": "cli", "slurm": "cli"}
 
 

@@ -5,7 +5,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 import yaml
 from small_run import small_run
+from warm_cli import run_cli
 
 from jetrl_megatron.rl.config import load_config
 from jetrl_megatron.rl.tools import compare
@@ -233,11 +233,10 @@ def _numbers(x):
 
 def _compare(out: Path, *extra: str, overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """``extra``: flags; ``overrides``: config overrides after FAST's (the last of a key wins)."""
-    cmd = [sys.executable, "-m", "jetrl_megatron.cli", "compare", "--recipe", "tiny_cpu", "--arms", "bf16,jetrl",
-           "--seeds", "2", "--out", str(out), *extra, *FAST, *overrides]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=420,
-                       env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
+    args = ["compare", "--recipe", "tiny_cpu", "--arms", "bf16,jetrl", "--seeds", "2", "--out", str(out), *extra,
+            *FAST, *overrides]
+    r = run_cli(args, timeout=420, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    assert r.returncode == 0, f"jetrl {' '.join(args)}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
     return r
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from small_run import NO_VAL, small_run
+from warm_cli import run_cli
 
 from jetrl_megatron.rl.config import arm_overrides
 from jetrl_megatron.rl.metrics import MISMATCH_KEYS
@@ -36,10 +37,14 @@ def _env():
 
 
 def _run(log_dir: Path, *overrides: str, launcher: list[str] | None = None, timeout: int = 400):
-    cmd = (launcher or [sys.executable, "-m", "jetrl_megatron.cli"]) + [
-        "run", "--recipe", "tiny_cpu", *SMALL, f"logger.log_dir={log_dir}",
-        f"checkpointing.checkpoint_dir={log_dir / 'ckpt'}", *overrides]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+    """`jetrl run` in a fresh process: `python -m jetrl_megatron.cli` started warm (warm_cli.py), or ``launcher``."""
+    args = ["run", "--recipe", "tiny_cpu", *SMALL, f"logger.log_dir={log_dir}",
+            f"checkpointing.checkpoint_dir={log_dir / 'ckpt'}", *overrides]
+    cmd = [*(launcher or [sys.executable, "-m", "jetrl_megatron.cli"]), *args]
+    if launcher is None:
+        r = run_cli(args, env=_env(), timeout=timeout)
+    else:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     rows = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in rows if r["step"] == 0]

@@ -1,5 +1,7 @@
 """Runs a `jetrl compare`: the shared BF16 warm start, then every arm x seed, each a fresh `jetrl run` process
-(vLLM and Megatron state are process-wide), then the aggregate of `rl/tools/compare.py`.
+(vLLM and Megatron state are process-wide), then the aggregate of `rl/tools/compare.py`. The processes start warm
+(`warm_process.py`: forked from a server that imported torch, Megatron-Core and vLLM once, ~10 s of CPU saved per
+run), or as plain subprocesses where the environment does not allow it.
 
 The warm start runs first and alone, its output on this terminal; the arm runs follow one at a time the same way,
 or ``parallel`` at a time, each writing to ``<run dir>.log`` (interleaved output of several runs would be
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ import yaml
 
 from jetrl_megatron.rl.config import REPO_ROOT, load_config, to_yaml
 from jetrl_megatron.rl.tools import compare
+from jetrl_megatron.warm_process import STDOUT, WarmLauncher, WarmProcess
 
 Run = tuple[str, Path, list[str]]  # (label, log dir, overrides)
 
@@ -37,15 +39,16 @@ def run_comparison(recipe: str, overrides: list[str], arms: list[str], num_seeds
     # every run's configuration, validated now (a bad combination fails here, not after the warm start)
     expected = {d: yaml.safe_load(to_yaml(load_config(recipe, ov))) for _, d, ov in plan}
     out_dir.mkdir(parents=True, exist_ok=True)
+    launcher = WarmLauncher()
     t0 = time.time()
     for k, (label, log_dir, ov) in enumerate(plan, 1):
         if k > 1 and parallel > 1:
-            rc = run_many(recipe, plan[1:], expected, reuse, parallel)
+            rc = run_many(launcher, recipe, plan[1:], expected, reuse, parallel)
             if rc:
                 return rc
             break
         print(f"== [{k}/{len(plan)}] {label}", flush=True)
-        rc, ran = run_one(recipe, label, log_dir, ov, expected[log_dir], reuse)
+        rc, ran = run_one(launcher, recipe, label, log_dir, ov, expected[log_dir], reuse)
         if rc:
             return rc
         if k == 1:
@@ -82,32 +85,39 @@ def comparison_plan(overrides: list[str], out: Path, arms: list[str], seeds: lis
 
 def fresh_run_command(recipe: str, log_dir: Path, overrides: list[str], expected: dict[str, Any],
                       reuse: bool) -> list[str] | None:
-    """The command of one run, or None when ``reuse`` finds it already finished with the same configuration. Any
-    other earlier output of the run is removed first: its checkpoints would otherwise be resumed from, and they may
-    come from another warm start or configuration."""
+    """The `jetrl run` arguments of one run, or None when ``reuse`` finds it already finished with the same
+    configuration. Any other earlier output of the run is removed first: its checkpoints would otherwise be resumed
+    from, and they may come from another warm start or configuration."""
     if reuse and compare.finished(log_dir, expected):
         print(f"   reusing {log_dir} (finished with the same configuration)", flush=True)
         return None
     if log_dir.exists():
         print(f"   removing the earlier output in {log_dir}", flush=True)
         shutil.rmtree(log_dir)
-    return [sys.executable, "-m", "jetrl_megatron.cli", "run", "--recipe", recipe, *overrides]
+    return ["run", "--recipe", recipe, *overrides]
 
 
-def run_one(recipe: str, label: str, log_dir: Path, overrides: list[str], expected: dict[str, Any],
-            reuse: bool) -> tuple[int, bool]:
+def _start(launcher: WarmLauncher, argv: list[str], log: Path | None) -> WarmProcess:
+    """`python -m jetrl_megatron.cli *argv` in a fresh process; its output to ``log``, or this terminal."""
+    return launcher.start("jetrl_megatron.cli", argv, stdout=log, stderr=None if log is None else STDOUT)
+
+
+def run_one(launcher: WarmLauncher, recipe: str, label: str, log_dir: Path, overrides: list[str],
+            expected: dict[str, Any], reuse: bool) -> tuple[int, bool]:
     """One run in a fresh process, its output on this terminal. Returns (exit code, whether it ran)."""
-    cmd = fresh_run_command(recipe, log_dir, overrides, expected, reuse)
-    if cmd is None:
+    argv = fresh_run_command(recipe, log_dir, overrides, expected, reuse)
+    if argv is None:
         return 0, False
-    print(f"   {shlex.join(cmd[1:])}", flush=True)
-    rc = subprocess.call(cmd)
+    print(f"   -m jetrl_megatron.cli {shlex.join(argv)}", flush=True)
+    sys.stdout.flush()
+    rc = _start(launcher, argv, None).wait()
     if rc:
         print(f"jetrl compare: {label} failed (exit {rc}); see {log_dir}", file=sys.stderr)
     return rc, True
 
 
-def run_many(recipe: str, runs: list[Run], expected: dict[Path, dict[str, Any]], reuse: bool, parallel: int) -> int:
+def run_many(launcher: WarmLauncher, recipe: str, runs: list[Run], expected: dict[Path, dict[str, Any]], reuse: bool,
+             parallel: int) -> int:
     """``runs``, ``parallel`` at a time, each in its own process writing to ``<run dir>.log``. Returns the first
     non-zero exit code, after all have ended."""
     pending, active, failed = list(runs), [], 0
@@ -115,22 +125,22 @@ def run_many(recipe: str, runs: list[Run], expected: dict[Path, dict[str, Any]],
         while pending and len(active) < parallel:
             label, log_dir, ov = pending.pop(0)
             print(f"== {label}", flush=True)
-            cmd = fresh_run_command(recipe, log_dir, ov, expected[log_dir], reuse)
-            if cmd is None:
+            argv = fresh_run_command(recipe, log_dir, ov, expected[log_dir], reuse)
+            if argv is None:
                 continue
             log_dir.parent.mkdir(parents=True, exist_ok=True)
-            log = open(log_dir.with_suffix(".log"), "w")  # noqa: SIM115 (closed when the process ends)
-            print(f"== {label} started: {shlex.join(cmd[1:])} > {log.name}", flush=True)
-            active.append((label, log_dir, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+            log = log_dir.with_suffix(".log")
+            print(f"== {label} started: -m jetrl_megatron.cli {shlex.join(argv)} > {log}", flush=True)
+            active.append((label, log, _start(launcher, argv, log)))
         time.sleep(1.0)
         for item in list(active):
-            label, log_dir, log, proc = item
+            label, log, proc = item
             if proc.poll() is None:
                 continue
             active.remove(item)
-            log.close()
-            print(f"== {label} ended (exit {proc.returncode})", flush=True)
-            if proc.returncode and not failed:
-                print(f"jetrl compare: {label} failed (exit {proc.returncode}); see {log.name}", file=sys.stderr)
-                failed = proc.returncode
+            rc = proc.wait()
+            print(f"== {label} ended (exit {rc})", flush=True)
+            if rc and not failed:
+                print(f"jetrl compare: {label} failed (exit {rc}); see {log}", file=sys.stderr)
+                failed = rc
     return failed

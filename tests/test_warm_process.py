@@ -1,0 +1,95 @@
+"""Warm processes (jetrl_megatron/warm_process.py): a forkserver child runs ``python -m MODULE`` as a fresh
+interpreter would (argv, ``__main__``, streams, exit code, traceback, environment, working directory, its own random
+state), only with the preloaded imports done; an environment that changes what those imports read runs cold."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from warm_cli import LAUNCHER
+
+from jetrl_megatron import warm_process
+from jetrl_megatron.warm_process import env_differences
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _probe(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
+    return LAUNCHER.run("warm_probe", list(args), env=env, timeout=timeout, cwd=TESTS)
+
+
+def _cold(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "warm_probe", *args], capture_output=True, text=True, cwd=TESTS,
+                          env=env, timeout=120)
+
+
+def _fields(stdout: str) -> dict[str, str]:
+    return dict(kv.split("=", 1) for line in stdout.splitlines() for kv in line.split(" ") if "=" in kv)
+
+
+def test_a_warm_child_behaves_as_python_dash_m():
+    env = {**os.environ, "JETRL_TEST_PROBE_VAR": "seen"}  # a run-time variable: served warm
+    warm, was_warm = _probe("3", "x y", env=env)
+    cold = _cold("3", "x y", env=env)
+    assert was_warm and LAUNCHER.broken is None
+    w, c = _fields(warm.stdout), _fields(cold.stdout)
+    assert w["preloaded"] == "True" and c["preloaded"] == "False"  # the imports were done before the module ran
+    for key in ("name", "cwd", "probe_var"):
+        assert w[key] == c[key], key
+    assert w["name"] == "__main__" and w["probe_var"] == "seen" and w["cwd"] == str(TESTS)
+    assert "argv=['3', 'x y']" in warm.stdout and "argv=['3', 'x y']" in cold.stdout
+    assert warm.returncode == cold.returncode == 3 and warm.stderr == cold.stderr == "to stderr\n"
+    assert warm.stdout.endswith("atexit ran\n") and cold.stdout.endswith("atexit ran\n")
+    assert int(w["pid"]) != os.getpid()
+
+
+def test_uncaught_exception_prints_the_traceback_and_exits_1():
+    warm, was_warm = _probe("0", "raise")
+    cold = _cold("0", "raise")
+    assert was_warm and warm.returncode == cold.returncode == 1
+    for r in (warm, cold):
+        assert "Traceback (most recent call last):" in r.stderr and r.stderr.endswith(
+            "RuntimeError: the probe raised\n"), r.stderr
+
+
+def test_each_child_is_a_fresh_process_with_its_own_random_state():
+    a, b = (_fields(_probe("0")[0].stdout) for _ in range(2))
+    assert a["pid"] != b["pid"] and a["random"] != b["random"]
+
+
+def test_an_import_time_variable_runs_cold():
+    env = {**os.environ, "HF_HUB_OFFLINE": "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1"}
+    r, was_warm = _probe("0", env=env)
+    assert not was_warm and r.returncode == 0 and _fields(r.stdout)["preloaded"] == "False"
+
+
+def test_timeout_kills_the_child():
+    with pytest.raises(subprocess.TimeoutExpired):
+        _probe("0", "sleep", timeout=3)
+
+
+def test_env_differences_name_what_imports_read():
+    base = {"PATH": "/bin", "OMP_NUM_THREADS": "2", "PYTEST_CURRENT_TEST": "a"}
+    assert env_differences(base, {**base, "PYTEST_CURRENT_TEST": "b", "JETRL_VERIFY_REFIT": "1"}) == []
+    assert env_differences(base, {**base, "OMP_NUM_THREADS": "1"}) == []  # applied through torch.set_num_threads
+    no_omp = {k: v for k, v in base.items() if k != "OMP_NUM_THREADS"}
+    assert env_differences(base, no_omp) == ["OMP_NUM_THREADS"]  # the server's thread count cannot be undone
+    assert env_differences(base, {**base, "JETRL_VLLM_CPU_BUILD": "avx2", "HF_HUB_OFFLINE": "1"}) == [
+        "HF_HUB_OFFLINE", "JETRL_VLLM_CPU_BUILD"]
+    assert env_differences(base, {"PATH": "/usr/bin", "OMP_NUM_THREADS": "2"}) == ["PATH"]
+
+
+def test_child_env_keeps_what_imports_set_and_applies_the_request(monkeypatch):
+    """The server started with ``start``; its imports then set IMPORTED. A child for ``request`` keeps IMPORTED
+    (a cold process's imports would set it too), drops what the request removed, and takes what it changed."""
+    start = {"A": "1", "B": "2"}
+    for k in list(os.environ):
+        monkeypatch.delenv(k)
+    for k, v in {**start, "IMPORTED": "by-vllm"}.items():
+        monkeypatch.setenv(k, v)
+    warm_process._apply_env(start, {"A": "1", "JETRL_X": "4"})
+    assert dict(os.environ) == {"A": "1", "IMPORTED": "by-vllm", "JETRL_X": "4"}
