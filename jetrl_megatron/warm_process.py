@@ -76,20 +76,13 @@ def env_differences(server: Mapping[str, str], request: Mapping[str, str]) -> li
     return sorted(bad)
 
 
-def _stream(fd: int, path: str | None) -> None:
-    """Point ``fd`` at ``path`` (truncated) and give Python a fresh text stream on it: the server's stream objects
-    may hold buffered text of their own."""
+def _redirect(fd: int, path: str | None) -> None:
+    """Point ``fd`` at ``path`` (truncated). Python's stream objects stay the ones the server made at its start (the
+    handlers of loggers configured at import, vLLM's among them, hold them), now writing to the new file."""
     if path is not None:
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
         os.close(target)
-    tty = os.isatty(fd)
-    stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
-                              errors="backslashreplace" if fd == 2 else "strict", line_buffering=tty or fd == 2)
-    if fd == 1:
-        sys.stdout = sys.__stdout__ = stream
-    else:
-        sys.stderr = sys.__stderr__ = stream
 
 
 def _apply_env(start: Mapping[str, str], request: Mapping[str, str]) -> None:
@@ -107,12 +100,13 @@ def _run_module(module: str, argv: list[str], env: dict[str, str], start_env: di
     """The child: its streams, environment, working directory and argv, then ``module`` as ``__main__`` with the
     interpreter's exit conventions (exit code of ``sys.exit``, traceback and 1 on an uncaught exception, the
     ``atexit`` handlers run before leaving)."""
-    _stream(1, stdout)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _redirect(1, stdout)
     if stderr == STDOUT:
         os.dup2(1, 2)
-        _stream(2, None)
     else:
-        _stream(2, stderr)  # type: ignore[arg-type]
+        _redirect(2, stderr)  # type: ignore[arg-type]
     _apply_env(start_env, env)
     if "OMP_NUM_THREADS" in env and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))

@@ -18,8 +18,18 @@ from jetrl_megatron.warm_process import env_differences
 TESTS = Path(__file__).resolve().parent
 
 
+def _server_env() -> dict[str, str]:
+    """The environment the test process's forkserver started with. Requests are built on it: this process's own
+    environment may have drifted since (an in-process vLLM engine exports VLLM_* variables), and a request that
+    differs in such a variable runs cold, by design."""
+    env = LAUNCHER.server_environ()
+    assert env is not None, LAUNCHER.broken
+    return dict(env)
+
+
 def _probe(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
-    return LAUNCHER.run("warm_probe", list(args), env=env, timeout=timeout, cwd=TESTS)
+    return LAUNCHER.run("warm_probe", list(args), env=_server_env() if env is None else env, timeout=timeout,
+                        cwd=TESTS)
 
 
 def _cold(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -32,7 +42,7 @@ def _fields(stdout: str) -> dict[str, str]:
 
 
 def test_a_warm_child_behaves_as_python_dash_m():
-    env = {**os.environ, "JETRL_TEST_PROBE_VAR": "seen"}  # a run-time variable: served warm
+    env = {**_server_env(), "JETRL_TEST_PROBE_VAR": "seen"}  # a run-time variable: served warm
     warm, was_warm = _probe("3", "x y", env=env)
     cold = _cold("3", "x y", env=env)
     assert was_warm and LAUNCHER.broken is None
@@ -49,7 +59,7 @@ def test_a_warm_child_behaves_as_python_dash_m():
 
 def test_uncaught_exception_prints_the_traceback_and_exits_1():
     warm, was_warm = _probe("0", "raise")
-    cold = _cold("0", "raise")
+    cold = _cold("0", "raise", env=_server_env())
     assert was_warm and warm.returncode == cold.returncode == 1
     for r in (warm, cold):
         assert "Traceback (most recent call last):" in r.stderr and r.stderr.endswith(
@@ -57,12 +67,14 @@ def test_uncaught_exception_prints_the_traceback_and_exits_1():
 
 
 def test_each_child_is_a_fresh_process_with_its_own_random_state():
-    a, b = (_fields(_probe("0")[0].stdout) for _ in range(2))
-    assert a["pid"] != b["pid"] and a["random"] != b["random"]
+    (ra, warm_a), (rb, warm_b) = _probe("0"), _probe("0")
+    a, b = _fields(ra.stdout), _fields(rb.stdout)
+    assert warm_a and warm_b and a["pid"] != b["pid"] and a["random"] != b["random"]
 
 
 def test_an_import_time_variable_runs_cold():
-    env = {**os.environ, "HF_HUB_OFFLINE": "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1"}
+    server = _server_env()
+    env = {**server, "HF_HUB_OFFLINE": "0" if server.get("HF_HUB_OFFLINE") == "1" else "1"}
     r, was_warm = _probe("0", env=env)
     assert not was_warm and r.returncode == 0 and _fields(r.stdout)["preloaded"] == "False"
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import logging
 import math
 import os
+import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -185,8 +187,15 @@ def save_step_figure(fig, axes, out_png: str | Path, title: str = "") -> Path:
 
 def quiet_libraries() -> None:
     """Keep the run's own progress readable: vLLM logs errors only, known import-time warnings are muted
-    (set VLLM_LOGGING_LEVEL=INFO to see vLLM's log again)."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    (set VLLM_LOGGING_LEVEL=INFO to see vLLM's log again). vLLM reads the variable once, when it is imported; if it
+    already was (a process forked warm, `warm_process.py`, or a host that imported it first), its logger and handlers
+    get the level directly."""
+    level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if "vllm" in sys.modules:
+        vllm_logger = logging.getLogger("vllm")
+        vllm_logger.setLevel(level)
+        for handler in vllm_logger.handlers:
+            handler.setLevel(level)
     for mod in ("megatron", "vllm", "torch.distributed"):
         warnings.filterwarnings("ignore", category=UserWarning, module=mod)
         warnings.filterwarnings("ignore", category=FutureWarning, module=mod)
