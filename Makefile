@@ -63,15 +63,24 @@ compare: setup
 # The mismatch dose-response (docs/rl.md; experiment only, CPU): bf16 and, per stress format of fp8/stress.py, the
 # off-policy arm (BF16 trainer, stressed rollout) and the unified arm (trainer forward stressed the same way), every
 # arm x SEEDS from one BF16 warm start; then dose_response.md / .png (rl/tools/dose_response.py) beside compare.*.
-DOSE_FORMATS ?= e4m3_tensor int4_tensor int3_tensor
-DOSE_STEPS   ?= 20
-DOSE_OUT     ?= runs/dose_response
+# DOSE_TASK=count: the long-response task instead of 3-digit sorting: count 8 terms of 3 digits (32-token answers),
+# the shared warm start stopped at a per-token loss of 0.2 (at most 300 steps); DOSE_PARALLEL runs at a time.
+DOSE_TASK     ?= sort
+DOSE_FORMATS  ?= $(if $(filter count,$(DOSE_TASK)),int4_tensor int3_tensor,e4m3_tensor int4_tensor int3_tensor)
+DOSE_STEPS    ?= 20
+DOSE_PARALLEL ?= 1
+DOSE_OUT      ?= runs/dose_response$(if $(filter count,$(DOSE_TASK)),_count)
+DOSE_COUNT_TASK = data.train.dataset_name=synthetic_count data.train.num_terms=8 data.train.term_digits=3 \
+  data.max_input_seq_length=28 policy.generation.max_new_tokens=36 policy.max_total_sequence_length=64 \
+  policy.jet_rl.sft_warmstart.steps=300 policy.jet_rl.sft_warmstart.stop_at_loss=0.2 \
+  policy.jet_rl.sft_warmstart.stop_window=4
 comma := ,
 space := $(subst ,, )
 DOSE_ARMS = $(subst $(space),$(comma),bf16 $(foreach f,$(DOSE_FORMATS),offpolicy_$(f) unified_$(f)))
 dose-response: setup
-	$(VENV)/bin/jetrl compare --recipe tiny_cpu --seeds $(SEEDS) --arms $(DOSE_ARMS) --out $(DOSE_OUT) \
-	  grpo.max_num_steps=$(DOSE_STEPS) grpo.val_period=10 policy.jet_rl.progress_bars=false $(OVERRIDES)
+	$(VENV)/bin/jetrl compare --recipe tiny_cpu --seeds $(SEEDS) --parallel $(DOSE_PARALLEL) --arms $(DOSE_ARMS) \
+	  --out $(DOSE_OUT) grpo.max_num_steps=$(DOSE_STEPS) grpo.val_period=10 policy.jet_rl.progress_bars=false \
+	  $(if $(filter count,$(DOSE_TASK)),$(DOSE_COUNT_TASK)) $(OVERRIDES)
 	$(VPY) -m jetrl_megatron.rl.tools.dose_response $(DOSE_OUT)
 
 plan: setup

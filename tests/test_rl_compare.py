@@ -250,6 +250,8 @@ def test_compare_e2e_shared_warmstart(tmp_path):
     for arm in ("bf16", "jetrl"):
         for seed in (42, 43):
             assert f"== arm {arm} seed {seed} ended (exit 0)" in r.stdout
+            # forked from the comparison's warm server (warm_process.py): its environment is the runs' own
+            assert f"== arm {arm} seed {seed} started warm: -m jetrl_megatron.cli run" in r.stdout
             assert "validation before GRPO" in (out / arm / f"seed{seed}.log").read_text()  # each run's own log
     model = out / "warmstart" / "model"
     assert (model / "config.json").is_file() and (model / "model.safetensors").stat().st_size > 0

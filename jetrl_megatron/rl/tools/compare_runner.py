@@ -130,8 +130,10 @@ def run_many(launcher: WarmLauncher, recipe: str, runs: list[Run], expected: dic
                 continue
             log_dir.parent.mkdir(parents=True, exist_ok=True)
             log = log_dir.with_suffix(".log")
-            print(f"== {label} started: -m jetrl_megatron.cli {shlex.join(argv)} > {log}", flush=True)
-            active.append((label, log, _start(launcher, argv, log)))
+            proc = _start(launcher, argv, log)
+            how = "started warm" if proc.warm else "started"
+            print(f"== {label} {how}: -m jetrl_megatron.cli {shlex.join(argv)} > {log}", flush=True)
+            active.append((label, log, proc))
         time.sleep(1.0)
         for item in list(active):
             label, log, proc = item
