@@ -64,16 +64,17 @@ compare: setup
 # off-policy arm (BF16 trainer, stressed rollout) and the unified arm (trainer forward stressed the same way), every
 # arm x SEEDS from one BF16 warm start; then dose_response.md / .png (rl/tools/dose_response.py) beside compare.*.
 # DOSE_TASK=count: the long-response task instead of 3-digit sorting: count 8 terms of 3 digits (32-token answers),
-# the shared warm start stopped at a per-token loss of 0.2 (at most 300 steps); DOSE_PARALLEL runs at a time.
+# the shared warm start stopped at a per-token loss of 0.2 (at most 300 steps), 30 GRPO steps at lr 3e-5 (1e-4 and
+# above made BF16 itself worse on this task: docs/rl.md); DOSE_PARALLEL runs at a time.
 DOSE_TASK     ?= sort
 DOSE_FORMATS  ?= $(if $(filter count,$(DOSE_TASK)),int4_tensor int3_tensor,e4m3_tensor int4_tensor int3_tensor)
-DOSE_STEPS    ?= 20
+DOSE_STEPS    ?= $(if $(filter count,$(DOSE_TASK)),30,20)
 DOSE_PARALLEL ?= 1
 DOSE_OUT      ?= runs/dose_response$(if $(filter count,$(DOSE_TASK)),_count)
 DOSE_COUNT_TASK = data.train.dataset_name=synthetic_count data.train.num_terms=8 data.train.term_digits=3 \
   data.max_input_seq_length=28 policy.generation.max_new_tokens=36 policy.max_total_sequence_length=64 \
   policy.jet_rl.sft_warmstart.steps=300 policy.jet_rl.sft_warmstart.stop_at_loss=0.2 \
-  policy.jet_rl.sft_warmstart.stop_window=4
+  policy.jet_rl.sft_warmstart.stop_window=4 policy.megatron_cfg.optimizer.lr=3e-5 policy.megatron_cfg.optimizer.min_lr=3e-5
 comma := ,
 space := $(subst ,, )
 DOSE_ARMS = $(subst $(space),$(comma),bf16 $(foreach f,$(DOSE_FORMATS),offpolicy_$(f) unified_$(f)))
