@@ -130,3 +130,27 @@ def test_report_says_null_when_ranges_overlap(tmp_path):
     assert text.startswith("No off-policy arm ended below BF16 beyond the seed spread up to k3 1.00e-02")
     uni = next(p for p in points if p["arm"] == "unified_int4_tensor")
     assert dose_response.compared(uni, next(p for p in points if p["arm"] == "bf16"))[2] is True  # gains 0.02 < 0.10
+
+
+def test_report_judges_the_greedy_reward_too_where_answers_earn_partial_credit(tmp_path):
+    """Exact accuracy overlapping (null) while the off-policy arm's greedy reward ends below BF16's whole range: the
+    report keeps the pre-registered verdict and adds the reward's, which names the level."""
+    d = _compare_dir(tmp_path, off_bf16_end=[0.79, 0.81, 0.83], uni_end=[0.70, 0.72, 0.74])
+    for arm, ends in (("bf16", [0.50, 0.52, 0.54]), ("offpolicy_int4_tensor", [0.40, 0.42, 0.44]),
+                      ("unified_int4_tensor", [0.49, 0.50, 0.53])):
+        for seed, end in zip(SEEDS, ends, strict=True):
+            run = compare.run_dir(d, arm, seed)
+            rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+            rows[0]["val/reward"], rows[-1]["val/reward"] = 0.40, end + (0.1 if arm.startswith("off") else 0.0)
+            (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+            if arm.startswith("off"):  # the trainer's policy, served in BF16 at the end (rl/stress_eval.py)
+                summary = json.loads((run / "summary.json").read_text())
+                (run / "summary.json").write_text(json.dumps({**summary, "val_bf16/reward": end}))
+    points = dose_response.points_of(json.loads((d / "compare.json").read_text())["arms"])
+    off = next(p for p in points if p["arm"] == "offpolicy_int4_tensor")
+    assert off["reward_end"]["max"] == pytest.approx(0.44) and off["reward_start"]["mean"] == pytest.approx(0.40)
+    assert dose_response.verdict(points).startswith("No off-policy arm ended below BF16")
+    text = dose_response.verdict(points, "reward")
+    assert "first falls below BF16 beyond the seed spread at k3 1.00e-02" in text and "greedy reward at the end" in text
+    md = dose_response.report(d)["md"].read_text()
+    assert "On the greedy reward: The off-policy arm first falls below" in md and "0.400 ± 0.000 -> 0.520 ± 0.020 (0.500..0.540)" in md

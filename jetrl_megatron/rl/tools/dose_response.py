@@ -27,8 +27,13 @@ from jetrl_megatron.rl.tools.compare import atomic_write, endpoint, fmt_stats, l
 
 BASELINE = "bf16"
 Stats = dict[str, Any]
+# (label, the arm's own validation key, the BF16-served key of rl/stress_eval.py). "greedy" (exact accuracy) is the
+# pre-registered measure; "reward" (the greedy answers' reward) matters where the task gives partial credit (the count
+# task's leading correct terms), where exact accuracy is low and coarse.
 ACC_KEYS = (("greedy", "val/accuracy", "val_bf16/accuracy"),
-            ("sampled", "val/accuracy_sampled", "val_bf16/accuracy_sampled"))
+            ("sampled", "val/accuracy_sampled", "val_bf16/accuracy_sampled"),
+            ("reward", "val/reward", "val_bf16/reward"))
+MEASURES = {"greedy": "greedy accuracy", "reward": "greedy reward"}
 
 
 def _last(rows: list[dict[str, Any]], key: str, last: bool = True) -> float | None:
@@ -91,11 +96,13 @@ def below(a: Stats | None, b: Stats | None) -> bool | None:
     return a["max"] < b["min"]
 
 
-def compared(p: dict[str, Any], base: dict[str, Any] | None) -> tuple[str, float | None, bool | None]:
-    """(what is compared, difference of means, below beyond the spread) of one arm against BF16: the end accuracy
-    of the trainer's policy for off-policy arms (both are BF16 policies from one start), the gain over its own start
-    for unified arms (their policy starts from the warm start quantized in their format)."""
-    what = "greedy_gain" if p["kind"] == "unified" else "greedy_end"
+def compared(p: dict[str, Any], base: dict[str, Any] | None,
+             measure: str = "greedy") -> tuple[str, float | None, bool | None]:
+    """(what is compared, difference of means, below beyond the spread) of one arm against BF16 on ``measure``
+    (a label of ACC_KEYS): the end value of the trainer's policy for off-policy arms (both are BF16 policies from one
+    start), the gain over its own start for unified arms (their policy starts from the warm start quantized in their
+    format)."""
+    what = f"{measure}_gain" if p["kind"] == "unified" else f"{measure}_end"
     a, b = p.get(what), (base or {}).get(what)
     return what, (a["mean"] - b["mean"]) if a and b else None, below(a, b)
 
@@ -112,7 +119,8 @@ def table(points: list[dict[str, Any]]) -> str:
     base = next((p for p in points if p["kind"] == "baseline"), None)
     head = ["arm", "kind", "seeds", "k3 KL", "token_mult_prob_error", "trainer's policy: greedy start",
             "greedy end (min..max)", "gain (min..max)", "sampled end", "vs bf16",
-            "served in its format: greedy start -> end", "final weights in BF16: greedy"]
+            "served in its format: greedy start -> end", "final weights in BF16: greedy",
+            "trainer's policy: greedy reward start -> end (min..max)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in sorted(points, key=_by_k3):
         if p["kind"] == "baseline":
@@ -128,45 +136,48 @@ def table(points: list[dict[str, Any]]) -> str:
             fmt_stats(p.get("sampled_end")), vs,
             f"{fmt_stats(p.get('greedy_served_start'))} -> {fmt_stats(p.get('greedy_served_end'))}",
             fmt_stats(p.get("greedy_bf16_end")),
+            f"{fmt_stats(p.get('reward_start'))} -> {_range(p.get('reward_end'))}",
         ]) + " |")
     return "\n".join(lines)
 
 
-def verdict(points: list[dict[str, Any]]) -> str:
-    """The mismatch level at which an off-policy arm first falls below BF16 beyond the seed spread and where the
-    unified arm of that format stands; or that none did, with the largest mismatch tried."""
+def verdict(points: list[dict[str, Any]], measure: str = "greedy") -> str:
+    """The mismatch level at which an off-policy arm first falls below BF16 beyond the seed spread on ``measure`` and
+    where the unified arm of that format stands; or that none did, with the largest mismatch tried."""
     base = next((p for p in points if p["kind"] == "baseline"), None)
     off = sorted((p for p in points if p["kind"] == "off-policy" and p["k3"]), key=_by_k3)
-    hit = next((p for p in off if compared(p, base)[2]), None)
+    hit = next((p for p in off if compared(p, base, measure)[2]), None)
     if hit is None:
         top = off[-1] if off else None
         reach = (f" up to k3 {top['k3']['mean']:.2e} / token_mult_prob_error {top['tmpe']['mean']:.4f} "
                  f"({top['arm']})") if top else ""
         return (f"No off-policy arm ended below BF16 beyond the seed spread{reach}: a null result at this task "
-                "length and step count.")
+                f"length and step count ({MEASURES[measure]}).")
     uni = next((p for p in points if p["kind"] == "unified" and p["format"] == hit["format"]), None)
     if uni is None:
         uni_text = "no unified arm of that format was run"
     else:
-        _, diff, low = compared(uni, base)
+        _, diff, low = compared(uni, base, measure)
         uni_text = (f"the unified arm in the same format ({uni['arm']}, k3 {fmt_stats(uni['k3'], '{:.2e}')}) "
                     + ("gains less than BF16 beyond the spread too" if low else "gains as BF16 does, within the "
-                       "spread") + f" (gain {_range(uni.get('greedy_gain'), '{:+.3f}')} vs BF16's "
-                    f"{_range((base or {}).get('greedy_gain'), '{:+.3f}')})")
+                       "spread") + f" (gain {_range(uni.get(f'{measure}_gain'), '{:+.3f}')} vs BF16's "
+                    f"{_range((base or {}).get(f'{measure}_gain'), '{:+.3f}')})")
     return (f"The off-policy arm first falls below BF16 beyond the seed spread at k3 {hit['k3']['mean']:.2e} / "
-            f"token_mult_prob_error {hit['tmpe']['mean']:.4f} ({hit['arm']}: greedy at the end "
-            f"{_range(hit.get('greedy_end'))} vs BF16's {_range((base or {}).get('greedy_end'))}); {uni_text}.")
+            f"token_mult_prob_error {hit['tmpe']['mean']:.4f} ({hit['arm']}: {MEASURES[measure]} at the end "
+            f"{_range(hit.get(f'{measure}_end'))} vs BF16's {_range((base or {}).get(f'{measure}_end'))}); "
+            f"{uni_text}.")
 
 
 def plot(points: list[dict[str, Any]], out_png: Path, title: str) -> Path:
-    """Held-out greedy (top) and sampled (bottom) accuracy at the end against k3 (symlog: the unified arms sit at
-    0): mean with std bars and min..max whiskers per arm; BF16's min..max as a band and its mean as a line."""
+    """Held-out greedy and sampled accuracy and greedy reward at the end (one panel each) against k3 (symlog: the
+    unified arms sit at 0): mean with std bars and min..max whiskers per arm; BF16's min..max as a band and its mean
+    as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    fig, axes = plt.subplots(len(ACC_KEYS), 1, figsize=(8, 3.5 * len(ACC_KEYS)), sharex=True)
     formats = sorted({p["format"] for p in points if p["kind"] != "baseline"})
     colors = {f: plt.cm.tab10(i % 10) for i, f in enumerate(formats)}
     k3s = [p["k3"]["mean"] for p in points if p["k3"] and p["k3"]["mean"] > 0]
@@ -192,7 +203,7 @@ def plot(points: list[dict[str, Any]], out_png: Path, title: str) -> Path:
         ax.set_ylabel(f"held-out {label} at the end\n(the trainer's policy)", fontsize=8)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=6, ncol=2)
-    axes[1].set_xlabel("k3 KL (rollout || trainer), mean over GRPO steps (symlog; unified arms at 0)")
+    axes[-1].set_xlabel("k3 KL (rollout || trainer), mean over GRPO steps (symlog; unified arms at 0)")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
@@ -213,7 +224,10 @@ def report(compare_dir: Path) -> dict[str, Path]:
             "BF16 for bf16 and off-policy arms (their start: the warm start's BF16 validation), the stressed forward "
             "for unified arms (their own validation); off-policy arms are compared with BF16 on the end, unified "
             "arms on the gain. Rule: below BF16 beyond the seed spread = the arm's best seed is below BF16's worst.")
-    atomic_write(md, f"{table(points)}\n\n{verdict(points)}\n\n{note}\n")
+    verdicts = [verdict(points)]  # the pre-registered measure
+    if any(p.get("reward_end") for p in points):  # where answers earn partial credit, the greedy reward too
+        verdicts.append(f"On the greedy reward: {verdict(points, 'reward')}")
+    atomic_write(md, table(points) + "\n\n" + "\n\n".join(verdicts) + f"\n\n{note}\n")
     png = plot(points, compare_dir / "dose_response.png",
                f"{meta['recipe']}: held-out accuracy vs mismatch, {len(meta['seeds'])} seeds per arm")
     return {"md": md, "png": png}
