@@ -109,7 +109,6 @@ def run_one(launcher: WarmLauncher, recipe: str, label: str, log_dir: Path, over
     if argv is None:
         return 0, False
     print(f"   -m jetrl_megatron.cli {shlex.join(argv)}", flush=True)
-    sys.stdout.flush()
     rc = _start(launcher, argv, None).wait()
     if rc:
         print(f"jetrl compare: {label} failed (exit {rc}); see {log_dir}", file=sys.stderr)
