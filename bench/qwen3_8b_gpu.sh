@@ -1,7 +1,7 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|check|grpo|decode|probe|fuse OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|fuse OUT_DIR
 #   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
 #           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
 #   stage1, stage2  copy .vc/p1, .vc/p2 (one 44 MiB part per call: a call takes at most 64 MiB with the tree)
@@ -13,7 +13,7 @@
 #           attention vs vLLM's own ops (issue 26's cost), cuBLAS GEMMs in both
 #   grpo    `jetrl run --recipe qwen3_8b_1gpu --arm $ARM` (random weights made on the spot), LEN new tokens by
 #           ignore_eos, STEPS steps; the run directory (metrics.jsonl, summary.json, config.yaml, log) as one .tgz;
-#           PACK_DG=1 also packs DeepGEMM's JIT cache (for the next round: carry it back as .dgc/dg_cache.tgz);
+#           PACK_DG=1 (any mode) then packs DeepGEMM's JIT cache (for the next round: carry it back as .dgc/dg_cache.tgz);
 #           FA_SPLITS=N sets vLLM's FA3 KV-split cap for CUDA-graph decode (attention_config, vLLM's default 32);
 #           PROFILE=N profiles step N (profile_stepN.md in the run directory); EXTRA="key=value ..." appends overrides; LAYER=1 then runs check's layer cost benchmark
 #   decode  bench/decode_invariance.py at the Qwen3-8B shape: which of vLLM's ops give a token other bytes in a decode
@@ -23,7 +23,7 @@
 #   fuse    the fused SwiGLU backward + fc1 dY FP8 quantization (Fp8ModelContext.fuse_swiglu_grad_quant): its GPU tests,
 #           bench/kernels_bench.py's swiglu section, the Qwen3-8B layer fwd+bwd with the fusion off and on
 set -uo pipefail
-mode=${1:?stage0|stage1|stage2|suite|check|grpo|decode|probe|fuse}
+mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|fuse}
 out=${2:?OUT_DIR}
 mkdir -p /tmp/vc "$out"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -64,8 +64,10 @@ case $mode in
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     python3 -c "import vllm, megatron.core; print('vllm', vllm.__version__, 'megatron-core', megatron.core.__version__)"
     start=$(date +%s)
-    timeout "${RUN_LIMIT:-540}" make test-gpu ENV=system > "$out/test_gpu.log" 2>&1
-    echo "make test-gpu rc $? in $(( $(date +%s) - start )) s"
+    # -v with each line's seconds since the start: a run cut by the limit still says where its time went
+    PYTEST_ADDOPTS=-v timeout "${RUN_LIMIT:-540}" make test-gpu ENV=system 2>&1 \
+      | while IFS= read -r line; do printf '%4d %s\n' $(( $(date +%s) - start )) "$line"; done > "$out/test_gpu.log"
+    echo "make test-gpu rc ${PIPESTATUS[0]} in $(( $(date +%s) - start )) s"
     grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$out/test_gpu.log" | tail -25 ;;
   check)
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
@@ -96,10 +98,13 @@ case $mode in
     wait $pid; echo "== run $arm len $len: rc $?"
     grep -E "^step|rollout engine|Error|error:|Killed|CUDA out" "$dir/run.log" | tail -12
     (cd "$dir/.." && tar czf "$out/grpo8b_len${len}_$arm.tgz" --exclude='model_init_engine*' "$(basename "$dir")")
-    [ "${LAYER:-0}" = 1 ] && layer_cost
-    if [ "${PACK_DG:-0}" = 1 ] && [ -d /tmp/dg_cache ]; then
-      tar czf "$out/dg_cache.tgz" -C /tmp dg_cache; ls -l "$out/dg_cache.tgz"
-    fi ;;
+    [ "${LAYER:-0}" = 1 ] && layer_cost ;;
+  vtests)  # issue 26's GPU tests alone: vLLM's own CUDA ops, trainer == engine decode/prefill, the decode-matched trainer
+    wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
+    timeout "${RUN_LIMIT:-240}" python3 -m pytest -v -s -p no:cacheprovider -m gpu -rs --durations=10 \
+      tests/test_vllm_cuda_gpu.py > "$out/vllm_cuda_tests.log" 2>&1
+    echo "vllm_cuda tests rc $?"; grep -E "PASSED|FAILED|SKIPPED|ERROR|bit-identical|passed|failed|Error" \
+      "$out/vllm_cuda_tests.log" | tail -20 ;;
   decode)
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     timeout "${RUN_LIMIT:-300}" python3 bench/decode_invariance.py --preset "${PRESET:-qwen3-8b}" \
@@ -122,5 +127,9 @@ case $mode in
     timeout 200 python3 bench/megatron_layer_bench.py --seq 8192 --iters 20 --warmup 5 --backends auto --lean-swiglu \
       --elementwise triton --fuse-swiglu-grad-quant off,on --out "$out/layer_fuse.json" > "$out/layer_fuse.log" 2>&1
     echo "layer bench rc $?"; grep -iE " ms|ratio|x bf16|identical" "$out/layer_fuse.log" | tail -12 ;;
-  *) echo "usage: $0 stage0|stage1|stage2|suite|check|grpo|decode|probe|fuse OUT_DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|fuse OUT_DIR" >&2; exit 2 ;;
 esac
+# PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz
+if [ "${PACK_DG:-0}" = 1 ] && [ -d /tmp/dg_cache ]; then
+  tar czf "$out/dg_cache.tgz" -C /tmp dg_cache; ls -l "$out/dg_cache.tgz"
+fi
