@@ -65,8 +65,18 @@ def _norm_kind(spec, ctx: Fp8ModelContext) -> str | None:
 @pytest.mark.parametrize("layers", [range(0, 4), range(2, 4)])  # a whole model, and a later PP stage
 def test_spec_follows_vllms_qwen3_op_sequence(layers):
     shape = get_model_shape("tiny")
-    ctx = Fp8ModelContext.create(shape, Fp8Recipe(), layers, "vllm_cuda")
+    ctx = Fp8ModelContext.create(shape, Fp8Recipe(), layers, "vllm_cuda", cuda_norms="vllm")
     assert ctx.residual_dtype == torch.bfloat16
+    # the default: every norm is the batch-invariant kernel the GPU engines then run (either form)
+    inv = Fp8ModelContext.create(shape, Fp8Recipe(), layers, "vllm_cuda")
+    for g in layers:
+        sub = gpt_layer_spec(inv, g, lean_swiglu=True).submodules
+        attn = sub.self_attention.submodules
+        kinds = {_norm_kind(m, inv) for m in (sub.input_layernorm, sub.pre_mlp_layernorm, attn.q_layernorm,
+                                              attn.k_layernorm)}
+        assert kinds == {"batch_invariant"}, kinds
+    assert _norm_kind(gpt_block_spec(inv, lean_swiglu=True).layer_norm, inv) == "batch_invariant"
+    # cuda_norms "vllm": vLLM's own kernel per norm, in the order Qwen3 runs them
     for g in layers:
         sub = gpt_layer_spec(ctx, g, lean_swiglu=True).submodules
         assert _norm_kind(sub.input_layernorm, ctx) == ("plain" if g == 0 else "fused")

@@ -8,7 +8,13 @@ import torch
 
 from jetrl_megatron.fp8.stress import StressFormat
 from jetrl_megatron.fp8.weights import Fp8WeightCache
-from jetrl_megatron.megatron.numerics import ATTN_MATCHES, ElementwiseKernels, PackedRowsCache, default_attn_impl
+from jetrl_megatron.megatron.numerics import (
+    ATTN_MATCHES,
+    CUDA_NORMS,
+    ElementwiseKernels,
+    PackedRowsCache,
+    default_attn_impl,
+)
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
 
@@ -38,6 +44,9 @@ class Fp8ModelContext:
     # vllm_cuda attention follows vLLM's prefill of whole sequences, or its sampling's calls (prompt prefill, then one
     # decode step per token: packed_seq_params.decode_from); numerics.ATTN_MATCHES
     attn_match: str = "prefill"
+    # vllm_cuda norms: the batch-invariant kernel GPU engines run with RolloutConfig.cuda_norms "batch_invariant"
+    # (rollout/invariant_norm.py), or vLLM's own norm kernels ("vllm"); numerics.CUDA_NORMS
+    cuda_norms: str = "batch_invariant"
     # the micro-batch's packed-token layout for GPU vLLM's attention, built by the first layer, read by the others
     packed_rows: PackedRowsCache = field(default_factory=PackedRowsCache, repr=False)
     # Experiment only (the mismatch dose-response's unified arms, CPU): the FP8-eligible linears run this stress
@@ -50,13 +59,16 @@ class Fp8ModelContext:
     @classmethod
     def create(cls, shape: ModelShape, recipe: Fp8Recipe, layers: range, attn_impl: str | None = None, *,
                elementwise: str = "auto", reference_quant: bool = False, attn_match: str = "prefill",
-               stress: StressFormat | None = None, fuse_swiglu_grad_quant: bool = False) -> Fp8ModelContext:
+               cuda_norms: str = "batch_invariant", stress: StressFormat | None = None,
+               fuse_swiglu_grad_quant: bool = False) -> Fp8ModelContext:
         """A context with an empty cache; ``attn_impl`` None = the default for this device."""
         if attn_match not in ATTN_MATCHES:
             raise ValueError(f"attn_match must be one of {ATTN_MATCHES}, got {attn_match!r}")
+        if cuda_norms not in CUDA_NORMS:
+            raise ValueError(f"cuda_norms must be one of {CUDA_NORMS}, got {cuda_norms!r}")
         return cls(shape, recipe, layers, attn_impl or default_attn_impl(),
                    Fp8WeightCache(recipe, reference_quant=reference_quant), ElementwiseKernels(elementwise),
-                   bool(reference_quant), attn_match, stress=stress,
+                   bool(reference_quant), attn_match, cuda_norms, stress=stress,
                    fuse_swiglu_grad_quant=bool(fuse_swiglu_grad_quant))
 
     @property

@@ -112,7 +112,8 @@ def megatron_config(shape: ModelShape, recipe: Fp8Recipe, *, sequence_parallel: 
 def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None = None,
               post_process: bool | None = None, sequence_parallel: bool = False, attn_impl: str | None = None,
               elementwise: str = "auto", reference_quant: bool = False, attn_match: str = "prefill",
-              lean_swiglu: bool | None = None, seed: int = 1234, init_std: float = 0.02,
+              cuda_norms: str = "batch_invariant", lean_swiglu: bool | None = None, seed: int = 1234,
+              init_std: float = 0.02,
               stress: StressFormat | None = None, fuse_swiglu_grad_quant: bool = False,
               **config_overrides: Any) -> GPTModel:
     """This rank's model (its TP shard of its PP stage) with Jet-RL linears, numerics and a filled FP8 cache.
@@ -127,7 +128,8 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
     ``"triton"``, this model's element-wise kernels (numerics.ElementwiseKernels); reference_quant: quantize CUDA
     tensors with the torch reference instead of the Triton kernels (bit-identical). Both live in the model's
     :class:`Fp8ModelContext`, so models of one process may differ, as does attn_match (``"prefill"`` |
-    ``"decode"``: what the ``vllm_cuda`` attention follows, numerics.ATTN_MATCHES). lean_swiglu: our SwiGLU
+    ``"decode"``: what the ``vllm_cuda`` attention follows, numerics.ATTN_MATCHES) and cuda_norms
+    (``"batch_invariant"`` | ``"vllm"``: the ``vllm_cuda`` norms, numerics.CUDA_NORMS). lean_swiglu: our SwiGLU
     module, which saves only the fc1 output for backward (-0.38 GB saved activations per Qwen3-8B layer at 8k
     tokens) and runs the Triton SwiGLU kernels on CUDA (H200: MLP fwd+bwd 11.20 ms vs 12.08 ms with Megatron's
     autograd SwiGLU, BF16 mode); ``None`` = on with CUDA, off on CPU (where Megatron's own BF16 ``silu(g) * u`` is
@@ -151,7 +153,8 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
         raise ValueError(f"build_gpt: stress format {stress.name} is a CPU experiment on the bf16 arm's trainer "
                          f"(got trainer GEMM {recipe.trainer_gemm!r}, CUDA {torch.cuda.is_available()})")
     context = Fp8ModelContext.create(shape, recipe, layers, attn_impl, elementwise=elementwise,
-                                     reference_quant=reference_quant, attn_match=attn_match, stress=stress,
+                                     reference_quant=reference_quant, attn_match=attn_match,
+                                     cuda_norms=cuda_norms, stress=stress,
                                      fuse_swiglu_grad_quant=fuse_swiglu_grad_quant)
     if fuse_swiglu_grad_quant and not lean_swiglu:
         raise ValueError("fuse_swiglu_grad_quant needs lean_swiglu (the fused backward is the SwiGLU module's)")

@@ -61,6 +61,7 @@ __all__ = [
     "bf16_residual_add",
     "get_bf16_residual_bda",
     "VLLM_CUDA_NORMS",
+    "CUDA_NORMS",
     "rope_cos_sin_cache",
     "apply_rope_neox",
     "RolloutCoreAttention",
@@ -258,10 +259,25 @@ def _rms_fwd_vllm_cuda_fused(x: Tensor, w: Tensor, eps: float, out_dtype: torch.
     return vllm_cuda_ops.fused_rms_norm_of_sum(x, w, eps).to(out_dtype), _rstd(x, eps)
 
 
+def _rms_fwd_batch_invariant(x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The batch-invariant RMSNorm GPU engines run with ``cuda_norms: batch_invariant`` (rollout/invariant_norm.py
+    calls this same Triton kernel on each norm's BF16 input: layer 0's embedding, the q/k heads, and the BF16 residual
+    sum of every fused norm, which is ``x`` here); 1/rms in the twin's (..., 1) layout."""
+    from jetrl_megatron.megatron import triton_numerics
+
+    y, rstd = triton_numerics.rms_norm_fwd(x, w, eps, x.dtype)
+    return y.to(out_dtype), rstd.view(*x.shape[:-1], 1)
+
+
+# The vllm_cuda norms: vLLM's own kernels (``plain`` rms_norm, ``fused`` fused_add_rms_norm) or the batch-invariant
+# one both the engine and the trainer run (``batch_invariant``, for either form)
 VLLM_CUDA_NORMS: dict[str, OpKernels] = {
     "plain": OpKernels("vllm_cuda", _rms_fwd_vllm_cuda_plain, _rms_bwd_twin),
     "fused": OpKernels("vllm_cuda", _rms_fwd_vllm_cuda_fused, _rms_bwd_twin),
+    "batch_invariant": OpKernels("batch_invariant", _rms_fwd_batch_invariant, _rms_bwd_twin),
 }
+# policy.jet_rl.cuda_norms / Fp8ModelContext.cuda_norms
+CUDA_NORMS = ("batch_invariant", "vllm")
 VLLM_CUDA_SWIGLU = OpKernels("vllm_cuda", vllm_cuda_ops.silu_and_mul, _swiglu_bwd_twin)
 
 
@@ -404,7 +420,8 @@ class RolloutRMSNorm(torch.nn.Module):
 
     ``vllm_cuda``: ``"plain"`` or ``"fused"`` to run GPU vLLM's own kernel for CUDA BF16 input (``plain``: its
     ``rms_norm``, for layer 0's input norm and the q/k norms; ``fused``: its ``fused_add_rms_norm``, for every norm
-    vLLM fuses with the residual add); None: the twins / Triton kernels. ``elementwise``: the model's
+    vLLM fuses with the residual add), ``"batch_invariant"`` for the batch-invariant kernel GPU engines then run in
+    place of both (``cuda_norms``); None: the twins / Triton kernels. ``elementwise``: the model's
     :class:`ElementwiseKernels` (from its context, through the spec); None = a default ``auto`` choice of its own.
     """
 

@@ -126,10 +126,11 @@ def gpt_block_spec(ctx: Fp8ModelContext, *, lean_swiglu: bool = False) -> Transf
 
 def norm_spec(ctx: Fp8ModelContext, vllm_cuda_kind: str) -> ModuleSpec:
     """A rollout-matched RMSNorm with the model's element-wise kernels; where the trainer is GPU vLLM's forward, the
-    vLLM kernel (``plain`` or ``fused``) that norm runs there."""
+    kernel that norm runs in the engine: the batch-invariant one (``ctx.cuda_norms``) or vLLM's own (``plain`` or
+    ``fused``)."""
     params: dict = {"elementwise": ctx.elementwise}
     if ctx.vllm_cuda_kernels:
-        params["vllm_cuda"] = vllm_cuda_kind
+        params["vllm_cuda"] = "batch_invariant" if ctx.cuda_norms == "batch_invariant" else vllm_cuda_kind
     return ModuleSpec(module=RolloutRMSNorm, params=params)
 
 

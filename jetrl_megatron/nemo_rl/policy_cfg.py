@@ -33,6 +33,7 @@ from jetrl_megatron.rl.config.arm_switches import (
 )
 from jetrl_megatron.rl.config.schema import JetRlCfg
 from jetrl_megatron.rl.config.switches import RunSwitches, resolve_switches
+from jetrl_megatron.rollout import invariant_norm
 
 __all__ = ["PolicyConfigError", "QUANT_CONFIG_KEY", "RULES", "READS", "jetrl_vllm_kwargs", "recipe_from_policy",
            "check_policy", "model_shape", "PolicyPlan", "policy_plan", "uses_jetrl", "arm_of_switches",
@@ -114,10 +115,12 @@ def _get(policy: Mapping[str, Any], path: str, default: Any = _MISSING) -> Any:
 
 
 def jetrl_vllm_kwargs(recipe: Fp8Recipe, num_layers: int) -> dict[str, Any]:
-    """The ``policy.generation.vllm_kwargs`` entries that serve the trainer's FP8 bytes with this recipe."""
+    """The ``policy.generation.vllm_kwargs`` entries that serve the trainer's FP8 bytes with this recipe, with the
+    batch-invariant RMSNorm the hosted trainer's GPU forward runs (rollout/invariant_norm.py; CPU engines ignore it)."""
     return {"quantization": QUANT_METHOD,
             "hf_overrides": {"quantization_config": recipe.hf_quantization_config(num_layers,
-                                                                                 quant_method=QUANT_METHOD)}}
+                                                                                 quant_method=QUANT_METHOD),
+                             **invariant_norm.engine_overrides("batch_invariant", on_cuda=True)}}
 
 
 def recipe_from_policy(policy: Mapping[str, Any]) -> Fp8Recipe:

