@@ -1,6 +1,6 @@
 #!/bin/bash
 # The long-response learning experiment on one GPU (docs/rl.md): every arm x 2 seeds from one BF16 warm start per
-# response length. Usage: bash bench/long_response_gpu.sh warmstart|short|long OUT_DIR [overrides...]
+# response length. Usage: bash bench/long_response_gpu.sh warmstart|short|long|learn OUT_DIR [overrides...]
 #   warmstart  both shared warm starts, nothing else: the short one (255-token answers, the recipe's 800 steps: per-token
 #              loss 5.1 -> 0.0025, held-out greedy 0.86), then the long one (1025-token answers) continuing from it
 #              until the mean per-token loss of 10 steps is 0.001 (at most 200 steps; 124 were needed on 2026-12-02).
@@ -8,10 +8,16 @@
 #              s per step with six sharing the GPU)
 #   long       the same at 1025 tokens, six runs at once (106 GiB of the H200 in use at the peak sample), 10 GRPO steps
 #              (~17 s per step shared; 300 s in all). At 2K tokens one run peaks near 49 GiB: PARALLEL=2 there.
+#   learn      issue 31 item 2, the round in which BF16 should learn: from its own ~1K warm start stopped earlier
+#              (per-token loss LEARN_STOP, default 0.01, continuing from the short warm start), GRPO at lr LEARN_LR
+#              (default 3e-5: on the CPU count task 1e-4 and above made BF16 itself worse) for LEARN_STEPS steps
+#              (default 20), the three arms and the INT4 stressor's off-policy and unified arms (one GPU, opted in
+#              with policy.jet_rl.stress.gpu) x 2 seeds, PARALLEL (default 5) at once; then the dose-response table
+#              and plot. WARMSTART_ONLY=1 stops after the warm start (a call of its own).
 # Everything the runs write stays in /tmp/jetrl_long/<length>; OUT_DIR gets the metrics, summaries, logs and plots
 # (not the model directories). TIME_LIMIT (seconds) stops the harness so what was written is still copied out.
 set -euo pipefail
-mode=${1:?warmstart|short|long}
+mode=${1:?warmstart|short|long|learn}
 out=${2:?OUT_DIR}
 shift 2
 # the long task: 205 terms x 5 characters = 1025 response tokens; 1056 new tokens leave room to run on; prompt <= 32
@@ -20,6 +26,10 @@ long_ov=(data.train.num_terms=205 policy.generation.max_new_tokens=1056 policy.m
          policy.model_name=/tmp/jetrl_long/short/warmstart/model policy.jet_rl.sft_warmstart.steps=200
          policy.jet_rl.sft_warmstart.stop_at_loss=0.001)
 short_ov=(grpo.max_num_steps=30)
+learn_ov=("${long_ov[@]/policy.jet_rl.sft_warmstart.stop_at_loss=0.001/policy.jet_rl.sft_warmstart.stop_at_loss=${LEARN_STOP:-0.01}}"
+          "grpo.max_num_steps=${LEARN_STEPS:-20}" "policy.megatron_cfg.optimizer.lr=${LEARN_LR:-3e-5}"
+          "policy.megatron_cfg.optimizer.min_lr=${LEARN_LR:-3e-5}" policy.jet_rl.stress.gpu=true grpo.val_period=5)
+learn_arms=bf16,bf16_train_fp8_rollout,jetrl,offpolicy_int4_tensor,unified_int4_tensor
 common=(logger.tensorboard_enabled=false)
 compare() {  # length parallel [flags...]
   local length=$1 parallel=$2
@@ -37,10 +47,17 @@ case $mode in
   short) compare short 6 --reuse || status=$? ;;
   long) PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} compare long 6 --reuse \
           || status=$? ;;
-  *) echo "usage: $0 warmstart|short|long OUT_DIR [overrides...]" >&2; exit 2 ;;
+  learn) [ -d /tmp/jetrl_long/short/warmstart/model ] || compare short 1 --warmstart-only || status=$?
+         if [ "$status" != 0 ]; then :
+         elif [ "${WARMSTART_ONLY:-0}" = 1 ]; then compare learn 1 --warmstart-only --arms "$learn_arms" || status=$?
+         else PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
+                compare learn 5 --reuse --arms "$learn_arms" || status=$?
+              python -m jetrl_megatron.rl.tools.dose_response /tmp/jetrl_long/learn 2>&1 | tail -n 30 || true
+         fi ;;
+  *) echo "usage: $0 warmstart|short|long|learn OUT_DIR [overrides...]" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
-for length in short long; do
+for length in short long learn; do
   [ -d "/tmp/jetrl_long/$length" ] || continue
   (cd "/tmp/jetrl_long/$length" && find . -path '*/model*' -prune -o -path '*/checkpoints' -prune -o -type f \
     \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.png' -o -name '*.log' -o -name 'config.yaml' \) \

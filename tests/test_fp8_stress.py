@@ -204,9 +204,24 @@ def test_straight_through_gradients():
     assert torch.allclose(w.grad.double(), w2.grad, rtol=2e-2, atol=2e-2)
 
 
-def test_cuda_tensors_are_refused():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: the refusal is checked on the device type only")
-    with pytest.raises(RuntimeError, match="CPU-only"):
-        stress_linear_forward(torch.randn(2, 256, device="cuda"), torch.randn(128, 256), None,
-                              stress_format("mxfp4"))
+def test_int8_products_are_the_fp64_products_bit_for_bit():
+    """The INT formats' int8 GEMM path (int32 accumulation) gives the FP64 path's result bit for bit, at batch sizes
+    a decode step has (1, 5, 16, 17) and a trainer's (300), and rows do not depend on the batch; on CUDA too when a
+    device is present (there the int8 kernel runs on tensor cores and pads batches of 16 rows or fewer)."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    g = torch.Generator().manual_seed(11)
+    for name in ("int4_tensor", "int3_tensor", "int4_g128"):
+        fmt = stress_format(name)
+        w = (torch.randn(384, 512, generator=g) * 0.03).bfloat16()
+        x = torch.randn(300, 512, generator=g).bfloat16()
+        bias = torch.randn(384, generator=g).bfloat16()
+        for dev in devices:
+            xq, xs = quantize_act(x.to(dev), fmt)
+            wq, ws = quantize_weight(w.to(dev), fmt)
+            full = stress_gemm(xq, xs, wq, ws, bias.to(dev), torch.float64, integer_codes=True)
+            assert torch.equal(full, stress_gemm(xq, xs, wq, ws, bias.to(dev), torch.float64)), (name, dev)
+            for m in (1, 5, 16, 17):
+                part = stress_gemm(xq[:m], xs[:m], wq, ws, bias.to(dev), torch.float64, integer_codes=True)
+                assert torch.equal(part, full[:m]), (name, dev, m)
+            y = stress_linear_forward(x.to(dev), w.to(dev), bias.to(dev), fmt)
+            assert torch.equal(y.cpu(), full.to(torch.bfloat16).cpu()), (name, dev)

@@ -61,11 +61,17 @@ def test_stress_keys_are_refused_outside_the_experiment(arm, overrides, match):
         load_config("tiny_cpu", [*arm_overrides(arm), *overrides])
 
 
-def test_gpu_recipes_refuse_stress_formats():
+def test_gpu_recipes_refuse_stress_formats_unless_one_gpu_opts_in():
     with pytest.raises(StressConfigError, match=r"refused in GPU recipes \(cluster.gpus_per_node = 1\)"):
         load_config("tiny_cpu", [*compare_arm_overrides("offpolicy_mxfp4"), *NO_PROBE, "cluster.gpus_per_node=1"])
-    with pytest.raises(StressConfigError, match="refused in GPU recipes"):
+    with pytest.raises(StressConfigError, match="set policy.jet_rl.stress.gpu=true"):
         load_config("count_150m_gpu", [*compare_arm_overrides("unified_mxfp4"), *NO_PROBE])
+    cfg = load_config("count_150m_gpu", [*compare_arm_overrides("offpolicy_int4_tensor"), *NO_PROBE,
+                                         "policy.jet_rl.stress.gpu=true"])
+    assert cfg.policy.jet_rl.stress.format == "int4_tensor" and cfg.arm == "bf16"
+    with pytest.raises(StressConfigError, match=r"runs on one GPU, the recipe asks for 1 node\(s\) x 2 GPUs"):
+        load_config("count_150m_gpu", [*compare_arm_overrides("offpolicy_int4_tensor"), *NO_PROBE,
+                                       "policy.jet_rl.stress.gpu=true", "cluster.gpus_per_node=2"])
 
 
 # ------------------------------------------------------------------------------------------------ the report

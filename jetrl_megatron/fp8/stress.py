@@ -3,9 +3,10 @@ rollout-vs-trainer mismatch on purpose (the mismatch dose-response of docs/rl.md
 
 Why they exist: on the CPU task the production FP8 rollout's mismatch (k3 ~2e-4) is too small to change what GRPO
 learns, so the question "at which mismatch does an off-policy rollout start to hurt?" needs harsher rollouts. None of
-this is part of the FP8 contract (``recipe.py``): no recipe field, no checkpoint format, no GPU kernel. The config
-key ``policy.jet_rl.stress.format`` selects one, CPU runs only (rl/stress_arms.py refuses GPU recipes and the vLLM
-method refuses CUDA tensors).
+this is part of the FP8 contract (``recipe.py``): no recipe field, no checkpoint format, no production kernel. The
+config key ``policy.jet_rl.stress.format`` selects one; GPU recipes refuse it unless the run opts in to a one-GPU
+experiment (``policy.jet_rl.stress.gpu``, rl/stress_arms.py), where the INT formats' GEMMs run on int8 tensor cores
+and the others in FP64 (``stress_linear.stress_gemm``: the same bits either way).
 
 Every format is "codes times one FP32 scale per (row, K group)": weights (N, K) and activations (M, K) share the
 K group, so a GEMM group's products are code x code with one scale pair. Formats (``STRESS_FORMATS``):

@@ -11,21 +11,37 @@ import torch
 
 from jetrl_megatron.fp8.stress import StressFormat, dequantize, quantize_act, quantize_weight
 
+# formats whose codes are integers: a K group's code products sum exactly in int32, on int8 tensor cores
+INTEGER_ELEMENTS = ("int4", "int3")
 
-def refuse_cuda(t: torch.Tensor, fmt: StressFormat) -> None:
-    """The stress formats are CPU experiments (emulated GEMMs, no kernels): a CUDA tensor is an error."""
-    if t.is_cuda:
-        raise RuntimeError(f"stress format {fmt.name}: experiment-only and CPU-only (emulated FP64 GEMM); got a CUDA "
-                           f"tensor of shape {tuple(t.shape)}. Unset policy.jet_rl.stress.format for GPU runs")
+
+def _int8_products(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor | None:
+    """xq (M, k) @ wq (N, k)^T for integer codes in [-127, 127], exact (int32 accumulation: |sum| < k * 49), as FP64;
+    None where ``torch._int_mm`` cannot take these sizes (then the FP64 GEMM computes the same numbers)."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    if k % 8 or n % 8 or (xq.is_cuda and k <= 16):
+        return None
+    a = xq.to(torch.int8)
+    pad = 17 - m if xq.is_cuda and m <= 16 else 0  # the CUDA kernel takes more than 16 rows; zero rows add nothing
+    if pad:
+        a = torch.cat((a, a.new_zeros(pad, k)))
+    try:
+        out = torch._int_mm(a.contiguous(), wq.to(torch.int8).contiguous().t())
+    except RuntimeError:  # a build without this int8 GEMM
+        return None
+    return out[:m].double()
 
 
 def stress_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
-                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+                bias: torch.Tensor | None, out_dtype: torch.dtype, integer_codes: bool = False) -> torch.Tensor:
     """sum over K groups j of (xs[:, j] ws[:, j]^T) * (xq[:, group j] @ wq[:, group j]^T), in FP64, groups in order.
 
     Codes: xq (M, K), wq (N, K); scales xs (M, G), ws (N, G). Within a group the partial sum of code products is
     exact (E4M3: multiples of 2**-18 below 2**18 each; E2M1: of 1/4 below 36; INT4: integers), so it cannot depend
     on the summation order BLAS picks for a given M; the scaling and the group sum are element-wise in a fixed order.
+    ``integer_codes`` (INT formats): each group's products come from an int8 GEMM with int32 accumulation, the same
+    exact integers as the FP64 GEMM (bit-identical result), at tensor-core speed on the GPU.
     """
     m, k = xq.shape
     n, groups = wq.shape[0], ws.shape[1]
@@ -33,19 +49,21 @@ def stress_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.
         raise ValueError(f"stress_gemm: codes x {tuple(xq.shape)} / w {tuple(wq.shape)} and scales x "
                          f"{tuple(xs.shape)} / w {tuple(ws.shape)} do not fit one another")
     g = k // groups
-    x64, w64, xs64, ws64 = xq.double(), wq.double(), xs.double(), ws.double()
+    xs64, ws64 = xs.double(), ws.double()
     acc = torch.zeros(m, n, dtype=torch.float64, device=xq.device)
     for j in range(groups):
         cols = slice(j * g, (j + 1) * g)
-        acc += (x64[:, cols] @ w64[:, cols].T) * (xs64[:, j : j + 1] * ws64[:, j].unsqueeze(0))
+        part = _int8_products(xq[:, cols], wq[:, cols]) if integer_codes else None
+        if part is None:
+            part = xq[:, cols].double() @ wq[:, cols].double().T
+        acc += part * (xs64[:, j : j + 1] * ws64[:, j].unsqueeze(0))
     if bias is not None:
         acc = acc + bias.double()
     return acc.to(out_dtype)
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, fmt: StressFormat) -> None:
-    """CPU only (the formats have no GPU kernel), and x's last dim is the weight's K."""
-    refuse_cuda(x, fmt)
+    """x's last dim is the weight's K."""
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"stress linear ({fmt.name}): x has last dim {x.shape[-1]}, the weight "
                          f"{tuple(weight.shape)} expects {weight.shape[1]}")
@@ -56,7 +74,8 @@ def stress_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     """y = Q(x) Q(W)^T (+ b) with both operands quantized in ``fmt``, no autograd; x (..., K), weight (N, K)."""
     _check_operands(x, weight, fmt)
     x2d = x.reshape(-1, x.shape[-1])
-    y = stress_gemm(*quantize_act(x2d, fmt), *quantize_weight(weight, fmt), bias, x.dtype)
+    y = stress_gemm(*quantize_act(x2d, fmt), *quantize_weight(weight, fmt), bias, x.dtype,
+                    fmt.element in INTEGER_ELEMENTS)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -69,7 +88,7 @@ class _StressLinearFunction(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])
         xq, xs = quantize_act(x2d, fmt)
         wq, ws = quantize_weight(weight.detach(), fmt)
-        y = stress_gemm(xq, xs, wq, ws, bias, x.dtype)
+        y = stress_gemm(xq, xs, wq, ws, bias, x.dtype, fmt.element in INTEGER_ELEMENTS)
         ctx.save_for_backward(dequantize(xq, xs, x.dtype), dequantize(wq, ws, weight.dtype))
         ctx.x_shape, ctx.has_bias, ctx.weight_dtype = x.shape, bias is not None, weight.dtype
         return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -69,7 +69,8 @@ def compare_arm_overrides(arm: str) -> list[str]:
 
 def check_stress(cfg: RunConfig) -> None:
     """Refuse stress keys outside the experiment: an unknown format, a GPU recipe, an arm other than bf16, the
-    trainer switch without a format, the final arm probe (it measures the production arms)."""
+    trainer switch without a format, the final arm probe (it measures the production arms); GPU runs only with
+    ``stress.gpu`` (one GPU)."""
     s = cfg.policy.jet_rl.stress
     if s.format is None:
         if s.trainer:
@@ -78,10 +79,14 @@ def check_stress(cfg: RunConfig) -> None:
         return
     if s.format not in _format_names():
         raise StressConfigError(f"policy.jet_rl.stress.format: {s.format!r} is not one of {list(_format_names())}")
-    if cfg.is_gpu:
-        raise StressConfigError(f"policy.jet_rl.stress.format={s.format}: the stress formats are a CPU experiment "
-                                f"(emulated GEMMs, no kernels) and are refused in GPU recipes (cluster.gpus_per_node "
-                                f"= {cfg.cluster.gpus_per_node}); unset it")
+    if cfg.is_gpu and not s.gpu:
+        raise StressConfigError(f"policy.jet_rl.stress.format={s.format}: the stress formats are an experiment "
+                                f"(emulated GEMMs, no production kernels) and are refused in GPU recipes "
+                                f"(cluster.gpus_per_node = {cfg.cluster.gpus_per_node}); unset it, or set "
+                                "policy.jet_rl.stress.gpu=true to run the experiment on one GPU")
+    if cfg.is_gpu and cfg.cluster.gpus_per_node * cfg.cluster.num_nodes != 1:
+        raise StressConfigError(f"policy.jet_rl.stress.gpu: a stress experiment runs on one GPU, the recipe asks for "
+                                f"{cfg.cluster.num_nodes} node(s) x {cfg.cluster.gpus_per_node} GPUs")
     if cfg.arm != "bf16":
         raise StressConfigError(f"policy.jet_rl.stress.format={s.format}: stressed arms are built on the bf16 arm "
                                 f"(BF16 masters and refit), got arm {cfg.arm!r}; use `--arm bf16` or the compare arms "

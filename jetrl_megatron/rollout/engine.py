@@ -169,11 +169,9 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------------------------------ start / stop
     def _stress_quant_config(self, quant_cfg: Mapping[str, Any] | None) -> dict[str, Any]:
-        """The experiment-only `jetrl_stress` config (CPU, bf16 mode, BF16 checkpoint); registers the method."""
+        """The experiment-only `jetrl_stress` config (bf16 mode, BF16 checkpoint); registers the method. On a GPU the
+        run opted in (policy.jet_rl.stress.gpu, checked at config load)."""
         fmt = self.config.stress_format
-        if self.on_cuda:
-            raise UserError(f"rollout stress format {fmt!r}: experiment-only, CPU engines only (emulated GEMMs); "
-                            "unset policy.jet_rl.stress.format on GPU")
         if self.mode != "bf16" or quant_cfg:
             raise ValueError(f"rollout stress format {fmt!r} serves BF16 weights: it needs recipe mode 'bf16' and a "
                              f"BF16 checkpoint (got mode {self.mode!r}, quantization_config "

@@ -2,8 +2,9 @@
 
 The engine keeps BF16 weights (refit is the BF16 arm's byte copy) and every linear quantizes its weight and its
 input in the format at each call, through ``stress_linear_forward``, the very function the unified arm's trainer
-runs. Registered by the engine only when a run asks for a stress format (CPU, in-process engines); the vLLM plugin
-entry point (plugin.py) never registers it, so no production engine can select it.
+runs. Registered by the engine only when a run asks for a stress format (in-process engines; on a GPU only with
+policy.jet_rl.stress.gpu); the vLLM plugin entry point (plugin.py) never registers it, so no production engine can
+select it.
 
 This module imports vLLM at the top; only the engine imports it.
 """

@@ -242,13 +242,16 @@ class SftWarmstartCfg:
 
 @dataclass
 class StressCfg:
-    """Experiment only (the mismatch dose-response, CPU recipes; docs/rl.md): the rollout's linears in a format
-    coarser than the FP8 contract (fp8/stress.py), on top of the bf16 arm. Checked in rl/stress_arms.py."""
+    """Experiment only (the mismatch dose-response; docs/rl.md): the rollout's linears in a format coarser than the
+    FP8 contract (fp8/stress.py), on top of the bf16 arm. Checked in rl/stress_arms.py."""
 
     format: str | None = None  # e4m3_tensor | e5m2_block | mxfp4 | nvfp4 | int4_g128 | int4_tensor; None: off
     # true: the unified arm (the trainer's forward in the same format, straight-through gradients to the BF16
     # master); false: the off-policy arm (BF16 trainer, stressed rollout)
     trainer: bool = False
+    # a stress experiment on one GPU (refused otherwise in GPU recipes): the INT formats run int8 GEMMs, the others
+    # FP64 ones (slow: small models only)
+    gpu: bool = False
 
 
 @dataclass
