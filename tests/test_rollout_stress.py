@@ -76,5 +76,5 @@ def test_engine_refuses_stress_outside_the_bf16_mode(tmp_path):
 def test_trainer_refuses_stress_on_an_fp8_trainer(mp):
     from jetrl_megatron.megatron.model import build_gpt
 
-    with pytest.raises(ValueError, match="stress format mxfp4 is a CPU experiment on the bf16 arm's trainer"):
+    with pytest.raises(ValueError, match="stress format mxfp4 is an experiment on the bf16 arm's trainer"):
         build_gpt(SHAPE, Fp8Recipe(mode="jetrl"), stress=stress_format("mxfp4"))
