@@ -28,8 +28,10 @@ out=${2:?OUT_DIR}
 mkdir -p /tmp/vc "$out"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
   TRANSFORMERS_OFFLINE=1 PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} DG_JIT_CACHE_DIR=/tmp/dg_cache \
-  PYTHONUNBUFFERED=1
+  TRITON_CACHE_DIR=/tmp/triton_cache PYTHONUNBUFFERED=1
+# JIT caches carried from an earlier session (PACK_DG=1 below writes them): DeepGEMM's and Triton's
 [ -f .dgc/dg_cache.tgz ] && [ ! -d /tmp/dg_cache ] && mkdir -p /tmp/dg_cache && tar xzf .dgc/dg_cache.tgz -C /tmp
+[ -f .dgc/triton_cache.tgz ] && [ ! -d /tmp/triton_cache ] && tar xzf .dgc/triton_cache.tgz -C /tmp
 wheels() {
   [ -f /tmp/site/.whl_ok ] && return 0
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -129,7 +131,13 @@ case $mode in
     echo "layer bench rc $?"; grep -iE " ms|ratio|x bf16|identical" "$out/layer_fuse.log" | tail -12 ;;
   *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|fuse OUT_DIR" >&2; exit 2 ;;
 esac
-# PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz
+# PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz, and
+# Triton's as .dgc/triton_cache.tgz when it packs under 12 MiB (a call brings back at most 16 MiB per file)
 if [ "${PACK_DG:-0}" = 1 ] && [ -d /tmp/dg_cache ]; then
   tar czf "$out/dg_cache.tgz" -C /tmp dg_cache; ls -l "$out/dg_cache.tgz"
+fi
+if [ "${PACK_DG:-0}" = 1 ] && [ -d /tmp/triton_cache ]; then
+  tar czf "$out/triton_cache.tgz" -C /tmp triton_cache
+  [ "$(stat -c %s "$out/triton_cache.tgz")" -lt $((12 << 20)) ] || rm -f "$out/triton_cache.tgz"
+  ls -l "$out"/triton_cache.tgz 2>/dev/null || echo "triton cache over 12 MiB packed: not kept"
 fi

@@ -98,7 +98,10 @@ def register() -> type | None:
             self.jetrl_batch_invariant = _asked_by_current_engine() and self.variance_size_override is None
 
         def _invariant(self, x: Tensor) -> bool:
-            return self.jetrl_batch_invariant and x.is_cuda and bool(self.has_weight)
+            # not while torch.compile traces the model (vLLM's compilation modes above 0): there vLLM fuses its own
+            # kernels, which no trainer reproduces anyway (docs/precision.md: exactness needs mode 0)
+            return (self.jetrl_batch_invariant and x.is_cuda and bool(self.has_weight)
+                    and not torch.compiler.is_compiling())
 
         def forward_cuda(self, x: Tensor, residual: Tensor | None = None):
             if self._invariant(x):
