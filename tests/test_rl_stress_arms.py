@@ -96,9 +96,11 @@ def _run(root: Path, arm: str, seed: int, start: float, end: float, k3: float, b
 
 def _compare_dir(tmp_path: Path, off_bf16_end: list[float], uni_end: list[float]) -> Path:
     """bf16 ends 0.80/0.82/0.84 from 0.70; the off-policy arm's BF16-served ends are given (its own validation is
-    lower: the format's inference error); the unified arm starts from 0.60 in its format and ends at ``uni_end``."""
-    runs = {"bf16": {}, "offpolicy_int4_tensor": {}, "unified_int4_tensor": {}}
+    lower: the format's inference error); the unified arm starts from 0.60 in its format and ends at ``uni_end``; a
+    production jetrl arm rides along (a GPU round runs all arms; the dose-response leaves it to compare.md)."""
+    runs = {"bf16": {}, "offpolicy_int4_tensor": {}, "unified_int4_tensor": {}, "jetrl": {}}
     for i, seed in enumerate(SEEDS):
+        runs["jetrl"][seed] = _run(tmp_path, "jetrl", seed, 0.70, 0.10, 1e-5, None)
         runs["bf16"][seed] = _run(tmp_path, "bf16", seed, 0.70, 0.80 + 0.02 * i, 0.0, None)
         runs["offpolicy_int4_tensor"][seed] = _run(tmp_path, "offpolicy_int4_tensor", seed, 0.60,
                                                    off_bf16_end[i] - 0.1, 0.01, off_bf16_end[i])
@@ -114,6 +116,7 @@ def _compare_dir(tmp_path: Path, off_bf16_end: list[float], uni_end: list[float]
 def test_report_names_the_level_where_off_policy_falls_below(tmp_path):
     d = _compare_dir(tmp_path, off_bf16_end=[0.70, 0.72, 0.75], uni_end=[0.70, 0.72, 0.74])
     points = {p["arm"]: p for p in dose_response.points_of(json.loads((d / "compare.json").read_text())["arms"])}
+    assert sorted(points) == ["bf16", "offpolicy_int4_tensor", "unified_int4_tensor"]  # jetrl: compare.md's
     off, uni, base = points["offpolicy_int4_tensor"], points["unified_int4_tensor"], points["bf16"]
     assert off["greedy_start"]["mean"] == pytest.approx(0.70)  # the warm start's BF16 validation (bf16's step 0)
     assert off["greedy_end"]["max"] == pytest.approx(0.75)  # BF16-served, not its own (stressed) validation

@@ -69,13 +69,17 @@ def _log_dir(d: str, root: Path | None, arm: str, seed: str) -> Path:
 
 
 def points_of(arms: dict[str, Stats], root: Path | None = None) -> list[dict[str, Any]]:
-    """One row per arm: format, kind, mismatch means (compare.json) and every accuracy across seeds."""
+    """One row per arm: format, kind, mismatch means (compare.json) and every accuracy across seeds. The other
+    production arms a round may hold beside bf16 (jetrl, bf16_train_fp8_rollout) are left to compare.md: the
+    dose-response is bf16 against the stressed arms."""
     base_dirs = arms.get(BASELINE, {}).get("log_dirs", {})
     bf16_start = {seed: seed_values(_log_dir(d, root, BASELINE, seed), "baseline", {})
                   for seed, d in base_dirs.items()}
     points = []
     for name, arm in arms.items():
         parsed = parse_arm(name)
+        if parsed is None and name != BASELINE:
+            continue
         kind = "baseline" if parsed is None else ("unified" if parsed[1] else "off-policy")
         per_seed = [seed_values(_log_dir(d, root, name, seed), kind, {lbl: bf16_start.get(seed, {}).get(f"{lbl}_start")
                                                for lbl, _, _ in ACC_KEYS})
