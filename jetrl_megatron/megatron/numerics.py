@@ -277,7 +277,7 @@ VLLM_CUDA_NORMS: dict[str, OpKernels] = {
     "batch_invariant": OpKernels("batch_invariant", _rms_fwd_batch_invariant, _rms_bwd_twin),
 }
 # policy.jet_rl.cuda_norms / Fp8ModelContext.cuda_norms
-CUDA_NORMS = ("batch_invariant", "vllm")
+CUDA_NORMS = vllm_cuda_ops.CUDA_NORMS
 VLLM_CUDA_SWIGLU = OpKernels("vllm_cuda", vllm_cuda_ops.silu_and_mul, _swiglu_bwd_twin)
 
 

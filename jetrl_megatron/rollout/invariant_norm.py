@@ -28,8 +28,8 @@ import logging
 import torch
 from torch import Tensor
 
-from jetrl_megatron.megatron import triton_numerics
-from jetrl_megatron.megatron.numerics import CUDA_NORMS
+from jetrl_megatron.megatron import triton_numerics  # torch + Triton only: no Megatron-Core in the engine
+from jetrl_megatron.vllm_cuda.ops import CUDA_NORMS
 
 log = logging.getLogger(__name__)
 

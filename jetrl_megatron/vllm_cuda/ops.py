@@ -79,6 +79,11 @@ def flash_attention_module() -> tuple:
     return _STATE["fa"], _STATE["fa_version"]
 
 
+# The RMSNorm choices of GPU engines and of the trainer's vLLM-matched forward (policy.jet_rl.cuda_norms):
+# one batch-invariant kernel in both (rollout/invariant_norm.py), or vLLM's own norm kernels
+CUDA_NORMS = ("batch_invariant", "vllm")
+
+
 def available() -> bool:
     """Whether GPU vLLM's CUDA ops (norms, rotary, SiLU-and-mul, flash attention) can be called in this process."""
     return unavailable_reason() is None
