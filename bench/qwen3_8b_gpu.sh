@@ -6,7 +6,8 @@
 #           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
 #   stage1, stage2  copy .vc/p1, .vc/p2 (one 44 MiB part per call: a call takes at most 64 MiB with the tree)
 #   the other modes carry the last part (.vc/p3, with SHA256) and install the bundle once per machine
-#   suite   install the vLLM 0.26 bundle; `make test-gpu ENV=system` (the whole GPU suite, one command, in
+#   suite   install the vLLM 0.26 bundle; `make test-gpu ENV=system` (the whole GPU suite, one command, GPU_WORKERS=N
+#           pytest processes sharing the GPU, in
 #           this machine's Python: it has no internet for the venv)
 #   check   install the vLLM 0.26 bundle; FP8 FProp M-invariance per backend at the Qwen3-8B shapes
 #           (DeepGEMM included); the backend GPU tests again with DeepGEMM; the Qwen3-8B layer fwd+bwd, bf16
@@ -67,7 +68,7 @@ case $mode in
     python3 -c "import vllm, megatron.core; print('vllm', vllm.__version__, 'megatron-core', megatron.core.__version__)"
     start=$(date +%s)
     # -v with each line's seconds since the start: a run cut by the limit still says where its time went
-    PYTEST_ADDOPTS=-v timeout "${RUN_LIMIT:-540}" make test-gpu ENV=system 2>&1 \
+    PYTEST_ADDOPTS=-v timeout "${RUN_LIMIT:-540}" make test-gpu ENV=system GPU_WORKERS="${GPU_WORKERS:-1}" 2>&1 \
       | while IFS= read -r line; do printf '%4d %s\n' $(( $(date +%s) - start )) "$line"; done > "$out/test_gpu.log"
     echo "make test-gpu rc ${PIPESTATUS[0]} in $(( $(date +%s) - start )) s"
     grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$out/test_gpu.log" | tail -25 ;;
