@@ -22,7 +22,7 @@ kernel group (GEMM, attention, FP8 quantization, our Triton element-wise kernels
 
     python bench/megatron_layer_bench.py [--seq 8192] [--iters 20] [--backends auto,triton] [--out DIR]
         [--attn-impl bf16|bf16_gqa] [--lean-swiglu] [--e2e] [--elementwise torch,triton] [--profile [--top 25]]
-        [--fuse-swiglu-grad-quant off,on]
+        [--fuse-swiglu-grad-quant off,on] [--cuda-norms batch_invariant|vllm]
     python bench/megatron_layer_bench.py --tiny --seq 64 --iters 2 --warmup 1   # CPU smoke run (TRITON_INTERPRET=1
                                                                                 # makes the triton arms use Triton)
 """
@@ -56,12 +56,13 @@ except ImportError:  # no Triton: the reference quantizers run, there is no laun
     fp8_kernels = None
 
 
-def build_layer(shape, recipe, device, attn_impl=None, lean_swiglu=False, elementwise="auto", fuse=False):
+def build_layer(shape, recipe, device, attn_impl=None, lean_swiglu=False, elementwise="auto", fuse=False,
+                cuda_norms="batch_invariant"):
     from megatron.core.transformer.spec_utils import build_module
 
     config = megatron_config(shape, recipe, use_te_activation_func=lean_swiglu)
     ctx = Fp8ModelContext.create(shape, recipe, range(1), attn_impl, elementwise=elementwise,
-                                 fuse_swiglu_grad_quant=fuse)
+                                 fuse_swiglu_grad_quant=fuse, cuda_norms=cuda_norms)
     layer = build_module(gpt_layer_spec(ctx, 0, lean_swiglu=lean_swiglu), config=config, layer_number=1)
     layer = layer.to(device)
     cache = ctx.cache
@@ -272,6 +273,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--e2e", action="store_true", help="also run a tiny whole-model train smoke test")
     ap.add_argument("--attn-impl", default=None, help="numerics.RolloutCoreAttention attn_impl (default per device)")
+    ap.add_argument("--cuda-norms", default="batch_invariant", choices=numerics.CUDA_NORMS,
+                    help="the vllm_cuda norms: the batch-invariant kernel GPU engines run (default) or vLLM's own")
     ap.add_argument("--lean-swiglu", action="store_true", help="SwiGLU saving only the fc1 output for backward")
     ap.add_argument("--elementwise", default="auto",
                     help="comma list of element-wise impls to run every mode with: auto, torch, triton")
@@ -320,7 +323,7 @@ def main() -> None:
         recipe = Fp8Recipe(mode=mode, gemm_backend=backend)
         seed_everything(0)
         lean = args.lean_swiglu or ew == "triton" or fuse
-        layer, refresh = build_layer(shape, recipe, device, args.attn_impl, lean, ew, fuse)
+        layer, refresh = build_layer(shape, recipe, device, args.attn_impl, lean, ew, fuse, args.cuda_norms)
         if ref_state is None:
             ref_state = {k: v.detach().clone() for k, v in layer.named_parameters()}
         else:
@@ -411,6 +414,7 @@ def main() -> None:
     info["attn_impl"] = args.attn_impl or numerics.default_attn_impl()
     info["lean_swiglu"] = args.lean_swiglu
     info["fuse_swiglu_grad_quant"] = args.fuse_swiglu_grad_quant
+    info["cuda_norms"] = args.cuda_norms
     info["elementwise"] = impls
     if "triton" in impls and device.type != "cuda":
         from jetrl_megatron.megatron import triton_numerics

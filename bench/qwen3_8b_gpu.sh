@@ -45,11 +45,15 @@ vllm_bundle() {
     && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
        /tmp/w/.whl/*.whl && rm -rf /tmp/w && touch /tmp/site/.vllm_ok
 }
-layer_cost() {  # the Qwen3-8B layer's fwd+bwd at 8K tokens, bf16 attention vs vLLM's own ops (issue 26's cost)
-  for impl in bf16 vllm_cuda; do
+layer_cost() {  # the Qwen3-8B layer's fwd+bwd at 8K tokens: bf16 attention vs vLLM's ops with the batch-invariant
+  # norms (the default) and with vLLM's own norms (issue 26's cost)
+  for variant in bf16 vllm_cuda:batch_invariant vllm_cuda:vllm; do
+    impl=${variant%%:*} norms=${variant#*:}; [ "$norms" = "$variant" ] && norms=batch_invariant
+    tag=${variant/:/_}
     timeout 120 python3 bench/megatron_layer_bench.py --seq 8192 --iters 20 --warmup 5 --backends cublas \
-      --lean-swiglu --elementwise triton --attn-impl "$impl" --out "$out/layer_$impl.json" > "$out/layer_$impl.log" 2>&1
-    echo "layer $impl rc $?"; grep -iE " ms|ratio|x bf16" "$out/layer_$impl.log" | tail -6
+      --lean-swiglu --elementwise triton --attn-impl "$impl" --cuda-norms "$norms" --out "$out/layer_$tag.json" \
+      > "$out/layer_$tag.log" 2>&1
+    echo "layer $tag rc $?"; grep -iE " ms|ratio|x bf16" "$out/layer_$tag.log" | tail -6
   done
 }
 case $mode in
