@@ -125,7 +125,7 @@ class RolloutEngine:
         hf_cfg = read_config(model_dir)
         self.shape = ModelShape.from_hf_config(hf_cfg)
         quant_cfg = hf_cfg.get("quantization_config")
-        hf_overrides: dict[str, Any] = dict(invariant_norm.engine_overrides(config.cuda_norms, self.on_cuda))
+        hf_overrides: dict[str, Any] = invariant_norm.engine_overrides(config.cuda_norms, self.on_cuda)
         if config.stress_format is not None:
             hf_overrides["quantization_config"] = self._stress_quant_config(quant_cfg)
         elif self.recipe.rollout_fp8:

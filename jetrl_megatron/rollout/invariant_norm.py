@@ -8,7 +8,7 @@ token per running sequence, the padded batch a CUDA graph was captured for) and 
 op by op"): every other op of the decode path (FA3 attention, the FP8 and BF16 GEMMs, SiLU-and-mul) gives a row the
 same bytes at decode and prefill sizes; the two norms do not. No trainer can follow that without knowing every
 decode step's padded batch, so the engine's norms become batch-invariant instead, and the trainer runs the very same
-kernel (:func:`rms_norm_rows`).
+kernel (``megatron.triton_numerics.rms_norm_fwd``, as ``megatron.numerics`` calls it for ``cuda_norms``).
 
 The kernel is the trainer's Triton RMSNorm (``megatron.triton_numerics.rms_norm_fwd``: one row's reduction depends
 on the hidden size only; vLLM's rounding convention ``bf16(bf16(x * rstd) * w)``); the fused form adds the residual
@@ -39,22 +39,17 @@ HF_KEY = "jetrl_batch_invariant_norms"
 _registered: list[type] = []
 
 
-def rms_norm_rows(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(y like x, 1/rms per row FP32): the batch-invariant RMSNorm of every row of ``x`` (..., hidden)."""
-    return triton_numerics.rms_norm_fwd(x, weight, eps, x.dtype)
-
-
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
              ) -> Tensor | tuple[Tensor, Tensor]:
     """vLLM's ``RMSNorm.forward`` contract, batch-invariant: ``residual`` None -> the normalised ``x``; otherwise
     (normalised ``s``, ``s``) with ``s = x + residual`` rounded once to ``x``'s dtype (as vLLM's fused kernel stores
     the residual it carries on)."""
     if residual is None:
-        return rms_norm_rows(x, weight, eps)[0]
+        return triton_numerics.rms_norm_fwd(x, weight, eps, x.dtype)[0]
     if residual.shape != x.shape:
         raise ValueError(f"residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}")
     s = (x.float() + residual.float()).to(x.dtype)
-    return rms_norm_rows(s, weight, eps)[0], s
+    return triton_numerics.rms_norm_fwd(s, weight, eps, x.dtype)[0], s
 
 
 def engine_overrides(cuda_norms: str, on_cuda: bool) -> dict[str, bool]:
