@@ -263,9 +263,7 @@ def _rms_fwd_batch_invariant(x: Tensor, w: Tensor, eps: float, out_dtype: torch.
     """The batch-invariant RMSNorm GPU engines run with ``cuda_norms: batch_invariant`` (rollout/invariant_norm.py
     calls this same Triton kernel on each norm's BF16 input: layer 0's embedding, the q/k heads, and the BF16 residual
     sum of every fused norm, which is ``x`` here); 1/rms in the twin's (..., 1) layout."""
-    from jetrl_megatron.megatron import triton_numerics
-
-    y, rstd = triton_numerics.rms_norm_fwd(x, w, eps, x.dtype)
+    y, rstd = _triton_module().rms_norm_fwd(x, w, eps, x.dtype)
     return y.to(out_dtype), rstd.view(*x.shape[:-1], 1)
 
 
