@@ -45,13 +45,12 @@ test: setup
 
 # The GPU tests (they skip without CUDA, and say so). ENV=system: in the Python environment already on the PATH
 # (python3 with this project's dependencies installed, e.g. an offline GPU node's image plus vLLM), no venv, no
-# install. GPU_WORKERS=N: N pytest processes sharing the GPU, a test file each (the engine tests take 20-30% of it).
+# install. One pytest process: vLLM's start-up memory profiling fails when another process frees GPU memory meanwhile
+# (measured: two processes sharing the H200 failed 4 engine tests).
 ENV ?= venv
-GPU_WORKERS ?= 1
 GPU_PY = $(if $(filter system,$(ENV)),python3,$(VPY))
 test-gpu: $(if $(filter system,$(ENV)),,setup)
-	$(GPU_PY) -m pytest -q -rs -p no:cacheprovider --durations=25 -m gpu \
-	  $(if $(filter-out 1,$(GPU_WORKERS)),-n $(GPU_WORKERS) --dist loadfile) tests
+	$(GPU_PY) -m pytest -q -rs -p no:cacheprovider --durations=25 -m gpu tests
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -9,9 +9,10 @@ for the same row depends on that, so the trainer can follow vLLM's decode where 
 
 Per op, the fraction of rows bit-identical between the decode-shaped call and the prefill-shaped call, and the max
 |difference|:
-* RMSNorm and fused add + RMSNorm (hidden size), SiLU-and-mul (FFN size): a row at M = 1..255 vs at M = 4096;
+* RMSNorm and fused add + RMSNorm (hidden size), vLLM's and the batch-invariant kernels GPU engines run by default
+  (`policy.jet_rl.cuda_norms`), SiLU-and-mul (FFN size): a row at M = 1..255 vs at M = 4096;
 * the FP8 linear (the plugin's `fp8_linear_forward`, each backend and `auto` with the jetrl recipe) at M vs 4096;
-* the BF16 lm_head GEMM (vocab x hidden) at M vs 4096;
+* the BF16 linears (the bf16 arm's engine: torch `F.linear`) and the BF16 lm_head GEMM (vocab x hidden) at M vs 4096;
 * FlashAttention 3 over the paged KV cache: vLLM's decode call (one query per sequence, `max_seqlen_q` 1,
   `seqused_k` = position + 1, the scheduler metadata for that batch, `num_splits` 1 or FA3's heuristic 0) vs the
   prefill call over the whole sequences, at several positions, per head configuration (the model's, and GQA 2).
@@ -36,6 +37,7 @@ from jetrl_megatron.fp8.gemm import load_backend, resolve_backend  # noqa: E402
 from jetrl_megatron.fp8.linear import fp8_linear_forward  # noqa: E402
 from jetrl_megatron.model.shapes import get_model_shape  # noqa: E402
 from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
+from jetrl_megatron.rollout import invariant_norm  # noqa: E402
 from jetrl_megatron.vllm_cuda import ops  # noqa: E402
 
 M_DECODE = (1, 8, 16, 32, 64, 128, 255)
@@ -67,7 +69,12 @@ def elementwise(shape, g) -> dict:
         out, res = ops.fused_add_rms_norm(t.clone(), r[:n].clone(), w, eps)
         return torch.cat((out, res), -1)
 
+    def fused_invariant(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat(invariant_norm.rms_norm(t, w, eps, r[:t.shape[0]].clone()), -1)
+
     return {"rms_norm": by_m(lambda t: ops.rms_norm(t, w, eps), x), "fused_add_rms_norm": by_m(fused, x),
+            "rms_norm batch_invariant": by_m(lambda t: invariant_norm.rms_norm(t, w, eps), x),
+            "fused_add_rms_norm batch_invariant": by_m(fused_invariant, x),
             "silu_and_mul": by_m(ops.silu_and_mul, gu)}
 
 
@@ -88,6 +95,9 @@ def linears(shape, g, backends: list[str]) -> list[dict]:
             picked = {m: resolve_backend("fprop", x.device, m, None, recipe) for m in (*M_DECODE, M_PREFILL)}
             res = by_m(lambda t, wq=wq, ws=ws, recipe=recipe: fp8_linear_forward(t, wq, ws, recipe=recipe), x)
             out.append({"linear": name, "n": n, "k": k, "backend": backend, "picked": picked, "by_m": res})
+        # the BF16 arm's engine: vLLM's unquantized linear is torch's F.linear (cuBLAS picks its kernel by M)
+        out.append({"linear": f"{name}_bf16", "n": n, "k": k, "backend": "torch F.linear",
+                    "by_m": by_m(lambda t, w=w: F.linear(t, w), x)})
     vocab = shape.vocab_size
     w = torch.randn(vocab, shape.hidden_size, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(M_PREFILL, shape.hidden_size, generator=g, device="cuda", dtype=torch.bfloat16)

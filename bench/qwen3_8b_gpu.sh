@@ -1,14 +1,13 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|fuse OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|fuse OUT_DIR
 #   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
 #           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
 #   stage1, stage2  copy .vc/p1, .vc/p2 (one 44 MiB part per call: a call takes at most 64 MiB with the tree)
 #   the other modes carry the last part (.vc/p3, with SHA256) and install the bundle once per machine
-#   suite   install the vLLM 0.26 bundle; `make test-gpu ENV=system` (the whole GPU suite, one command, GPU_WORKERS=N
-#           pytest processes sharing the GPU, in
-#           this machine's Python: it has no internet for the venv)
+#   suite   install the vLLM 0.26 bundle; `make test-gpu ENV=system` (the whole GPU suite, one command, in this
+#           machine's Python: it has no internet for the venv)
 #   check   install the vLLM 0.26 bundle; FP8 FProp M-invariance per backend at the Qwen3-8B shapes
 #           (DeepGEMM included); the backend GPU tests again with DeepGEMM; the Qwen3-8B layer fwd+bwd, bf16
 #           attention vs vLLM's own ops (issue 26's cost), cuBLAS GEMMs in both
@@ -19,12 +18,14 @@
 #           PROFILE=N profiles step N (profile_stepN.md in the run directory); EXTRA="key=value ..." appends overrides; LAYER=1 then runs check's layer cost benchmark
 #   decode  bench/decode_invariance.py at the Qwen3-8B shape: which of vLLM's ops give a token other bytes in a decode
 #           step than in a prefill (norms, SiLU-and-mul, FP8 linears per backend, BF16 lm_head, FA3 decode vs prefill)
-#   probe   bench/vllm_cuda_exact.py at the Qwen3-8B shape (jetrl arm, auto GEMMs, CUDA graphs, a refit), PROMPTS x LEN,
+#   probe   bench/vllm_cuda_exact.py at the Qwen3-8B shape (ARMS, default jetrl; auto GEMMs, CUDA graphs, a refit), PROMPTS x LEN,
 #           with FA_SPLITS as above: trainer vs vLLM's decode and prefill, and vLLM's decode vs its own prefill
+#   rollcost  bench/rollout_bench.py compare at Qwen3-8B, 128 x 1024 tokens: stock FP8, the plugin and BF16, each with
+#           the batch-invariant norms and with vLLM's own (ARMS to choose), every arm in a fresh process
 #   fuse    the fused SwiGLU backward + fc1 dY FP8 quantization (Fp8ModelContext.fuse_swiglu_grad_quant): its GPU tests,
 #           bench/kernels_bench.py's swiglu section, the Qwen3-8B layer fwd+bwd with the fusion off and on
 set -uo pipefail
-mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|fuse}
+mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|fuse}
 out=${2:?OUT_DIR}
 mkdir -p /tmp/vc "$out"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -72,7 +73,7 @@ case $mode in
     python3 -c "import vllm, megatron.core; print('vllm', vllm.__version__, 'megatron-core', megatron.core.__version__)"
     start=$(date +%s)
     # -v with each line's seconds since the start: a run cut by the limit still says where its time went
-    PYTEST_ADDOPTS=-v timeout "${RUN_LIMIT:-540}" make test-gpu ENV=system GPU_WORKERS="${GPU_WORKERS:-1}" 2>&1 \
+    PYTEST_ADDOPTS=-v timeout "${RUN_LIMIT:-540}" make test-gpu ENV=system 2>&1 \
       | while IFS= read -r line; do printf '%4d %s\n' $(( $(date +%s) - start )) "$line"; done > "$out/test_gpu.log"
     echo "make test-gpu rc ${PIPESTATUS[0]} in $(( $(date +%s) - start )) s"
     grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$out/test_gpu.log" | tail -25 ;;
@@ -120,11 +121,17 @@ case $mode in
   probe)
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     tag=${FA_SPLITS:-default}
-    timeout "${RUN_LIMIT:-300}" python3 bench/vllm_cuda_exact.py --preset qwen3-8b --arms jetrl --gemm-backend auto \
+    timeout "${RUN_LIMIT:-300}" python3 bench/vllm_cuda_exact.py --preset qwen3-8b --arms ${ARMS:-jetrl} --gemm-backend auto \
       --prompts "${PROMPTS:-32}" --new-tokens "${LEN:-512}" --kv-cache-gib 8 --cuda-graphs --refit --no-probe \
       ${FA_SPLITS:+--fa-max-splits $FA_SPLITS} --out "$out/probe_8b_splits_$tag.json" > "$out/probe_8b_$tag.log" 2>&1
     echo "probe rc $?"; grep -A7 '"trainer_vs_decode"\|"decode_vs_prefill"\|"trainer_vs_prefill"' "$out/probe_8b_$tag.log" \
       | grep -E "vs_|bit_identical|k3" ;;
+  rollcost)  # issue 26 item 5: rollout tokens/s at 8B with the batch-invariant norms vs vLLM's own, side by side
+    wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
+    timeout "${RUN_LIMIT:-540}" python3 bench/rollout_bench.py compare --preset qwen3-8b --prompts "${PROMPTS:-128}" \
+      --prompt-len 64 --new "${LEN:-1024}" --arm-timeout 170 --out "$out/rollcost.json" \
+      --arms "${ARMS:-stock_fp8,jetrl,jetrl:auto:vllm,bf16,bf16:auto:vllm}" > "$out/rollcost.log" 2>&1
+    echo "rollout cost rc $?"; grep -B2 -A8 "^arm " "$out/rollcost.log" | head -14 ;;
   fuse)  # issue 29 item 2: the fused SwiGLU backward + fc1 dY FP8 quantization, its GPU tests, kernel and layer cost
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_megatron_swiglu_fp8.py \
@@ -134,7 +141,7 @@ case $mode in
     timeout 200 python3 bench/megatron_layer_bench.py --seq 8192 --iters 20 --warmup 5 --backends auto --lean-swiglu \
       --elementwise triton --fuse-swiglu-grad-quant off,on --out "$out/layer_fuse.json" > "$out/layer_fuse.log" 2>&1
     echo "layer bench rc $?"; grep -iE " ms|ratio|x bf16|identical" "$out/layer_fuse.log" | tail -12 ;;
-  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|fuse OUT_DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|fuse OUT_DIR" >&2; exit 2 ;;
 esac
 # PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz, and
 # Triton's as .dgc/triton_cache.tgz when it packs under 12 MiB (a call brings back at most 16 MiB per file)

@@ -12,7 +12,9 @@ BF16 SDPA (the trainer's CUDA default) or FP32 SDPA. It then refits new weights 
 `--gemm-backend` sets the plugin's GEMM backend (the config's `policy.jet_rl.gemm_backend`; `auto` by default).
 `compare`: the listed arms one after another, each in a fresh process with the same settings (same GPU, same prompts);
 prints a table with each arm's tokens/s and its ratio to BF16 and to stock block-FP8. An arm `jetrl:deep_gemm` is the
-plugin with that GEMM backend.
+plugin with that GEMM backend; `jetrl:auto:vllm` the plugin with vLLM's own RMSNorm kernels (the engines of a GRPO run
+use the batch-invariant ones, `policy.jet_rl.cuda_norms`, and so do the `jetrl` and `bf16` arms here; `stock_fp8`
+keeps vLLM's).
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def throughput(args) -> dict:
 
     from jetrl_megatron.model.shapes import get_model_shape
     from jetrl_megatron.recipe import Fp8Recipe
-    from jetrl_megatron.rollout import plugin
+    from jetrl_megatron.rollout import invariant_norm, plugin
     from jetrl_megatron.rollout.model_dir import hf_config_for
 
     plugin.register()
@@ -119,6 +121,8 @@ def throughput(args) -> dict:
     kwargs = dict(model=tmp, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, seed=0,
                   gpu_memory_utilization=0.85, max_model_len=args.prompt_len + args.new + 16,
                   max_num_seqs=args.prompts, tensor_parallel_size=args.tp)
+    norms = args.cuda_norms or ("vllm" if args.arm == "stock_fp8" else "batch_invariant")
+    kwargs["hf_overrides"] = invariant_norm.engine_overrides(norms, on_cuda=torch.cuda.is_available())
     if args.eager:
         kwargs["enforce_eager"] = True
     else:
@@ -139,7 +143,7 @@ def throughput(args) -> dict:
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     del llm
     gc.collect()
-    return {"arm": args.arm, "gemm_backend": args.gemm_backend if args.arm == "jetrl" else None,
+    return {"arm": args.arm, "gemm_backend": args.gemm_backend if args.arm == "jetrl" else None, "cuda_norms": norms,
             "preset": args.preset, "tp": args.tp, "init_s": init_s, "gen_s": dt, "new_tokens": n,
             "tok_per_s": n / dt, "cuda_graphs": not args.eager}
 
@@ -150,10 +154,12 @@ def compare(args) -> dict:
 
     rows = []
     for spec in args.arms.split(","):
-        arm, _, backend = spec.partition(":")
+        arm, _, rest = spec.partition(":")
+        backend, _, norms = rest.partition(":")
         cmd = [sys.executable, os.path.abspath(__file__), "throughput", "--arm", arm, "--preset", args.preset,
                "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len), "--new", str(args.new),
-               "--tp", str(args.tp), "--gemm-backend", backend or "auto"] + (["--eager"] if args.eager else [])
+               "--tp", str(args.tp), "--gemm-backend", backend or "auto"] + (["--eager"] if args.eager else []) \
+            + (["--cuda-norms", norms] if norms else [])
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.arm_timeout)
         row = {"spec": spec, "rc": proc.returncode, "wall_s": time.perf_counter() - t0}
@@ -180,7 +186,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("what", choices=("agree", "throughput", "compare"))
     p.add_argument("--arm", default="jetrl", choices=("jetrl", "bf16", "stock_fp8"))
-    p.add_argument("--arms", default="stock_fp8,jetrl:deep_gemm,jetrl,bf16", help="compare: comma-separated arms")
+    p.add_argument("--arms", default="stock_fp8,jetrl:deep_gemm,jetrl,bf16",
+                   help="compare: comma-separated ARM[:GEMM_BACKEND[:NORMS]] (NORMS batch_invariant | vllm)")
+    p.add_argument("--cuda-norms", default=None, choices=("batch_invariant", "vllm"),
+                   help="the engine's RMSNorm kernels (default: batch_invariant, as GRPO engines run; stock_fp8: vllm)")
     p.add_argument("--gemm-backend", default="auto", help="the plugin's GEMM backend (jetrl arm)")
     p.add_argument("--tp", type=int, default=1, help="vLLM tensor_parallel_size")
     p.add_argument("--arm-timeout", type=float, default=560.0, help="compare: seconds per arm")

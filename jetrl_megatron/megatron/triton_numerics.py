@@ -36,9 +36,9 @@ try:
 except ImportError:  # CPU installs without triton: numerics.py keeps using its torch twins
     triton = None
 
-__all__ = ["available", "interpreting", "rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope_fwd",
-           "rope_bwd", "residual_add_fwd", "residual_add_bwd", "rms_norm_supported", "swiglu_supported",
-           "rope_supported", "residual_add_supported"]
+__all__ = ["available", "interpreting", "rms_norm_fwd", "add_rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd",
+           "swiglu_bwd", "rope_fwd", "rope_bwd", "residual_add_fwd", "residual_add_bwd", "rms_norm_supported",
+           "swiglu_supported", "rope_supported", "residual_add_supported"]
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -122,16 +122,25 @@ if triton is not None:
 
     # ------------------------------------------------------------------------------------------------ RMSNorm
     @triton.jit
-    def _rms_fwd_kernel(X, W, Y, RSTD, n_rows, N, stride_x, stride_y, eps, inv_n,
+    def _rms_fwd_kernel(X, R, S, W, Y, RSTD, n_rows, N, group, stride_xo, stride_xi, stride_r, stride_y, eps, inv_n,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_N: tl.constexpr,
-                        ROUND_Y: tl.constexpr, EMU_BF16: tl.constexpr):
+                        ROUND_Y: tl.constexpr, HAS_RES: tl.constexpr, ROUND_S: tl.constexpr, EMU_BF16: tl.constexpr):
+        """Row r of X at (r // group) * stride_xo + (r % group) * stride_xi (group > 1: per-head norms read in place
+        from a strided view). HAS_RES: first s = X + R in FP32, rounded once to S's dtype and stored in S (rows of
+        stride_y), then the norm of s (vLLM's fused add + RMSNorm contract, one launch)."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
         rmask = rows < n_rows
         cmask = cols < N
         mask = rmask[:, None] & cmask[None, :]
         r64 = rows.to(tl.int64)[:, None]
-        x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_off = (r64 // group) * stride_xo + (r64 % group) * stride_xi
+        x = tl.load(X + x_off + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            x = x + tl.load(R + r64 * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if ROUND_S:
+                x = _round_bf16(x, EMU_BF16)
+            tl.store(S + r64 * stride_y + cols[None, :], x.to(S.dtype.element_ty), mask=mask)
         ms = tl.sum(x * x, axis=1) * inv_n  # torch: x.pow(2) (x*x), then mean = sum * (1/N)
         rstd = _rsqrt(ms + eps, EMU_BF16)
         n = x * rstd[:, None]
@@ -286,20 +295,57 @@ def rms_norm_supported(x: Tensor, w: Tensor, out_dtype: torch.dtype) -> bool:
             and w.dim() == 1 and x.shape[-1] == w.shape[0] and w.shape[0] <= 32768 and x.numel() > 0)
 
 
-def rms_norm_fwd(x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(y shaped like x in ``out_dtype``, rstd (rows,) FP32) with the twin's ops: n = bf16(x*rstd); y = bf16(n*w)."""
-    n = w.shape[0]
+def _row_groups(x: Tensor, n: int) -> tuple[Tensor, int, int, int, int]:
+    """(base, rows, group, stride_outer, stride_inner): row r of ``x`` (..., n) starts at element
+    (r // group) * stride_outer + (r % group) * stride_inner of ``base``; no copy for a (tokens, heads, n) view with
+    unit column stride (vLLM's per-head q/k norms read the fused QKV output that way)."""
+    if x.dim() >= 3 and x.stride(-1) == 1:
+        try:
+            x3 = x.view(-1, x.shape[-2], n)
+        except RuntimeError:
+            x3 = None
+        if x3 is not None and x3.shape[1] > 1 and x3.stride(1) >= n:
+            return x3, x3.shape[0] * x3.shape[1], x3.shape[1], x3.stride(0), x3.stride(1)
     x2 = _rows(x, n)
-    rows = x2.shape[0]
+    return x2, x2.shape[0], 1, x2.stride(0), 0
+
+
+def _launch_rms_fwd(x: Tensor, residual: Tensor | None, w: Tensor, eps: float, out_dtype: torch.dtype
+                    ) -> tuple[Tensor, Tensor, Tensor | None]:
+    n = w.shape[0]
+    if residual is None:
+        base, rows, group, s_o, s_i = _row_groups(x, n)
+        r2 = s2 = base  # unused (HAS_RES off)
+    else:
+        base = _rows(x, n)
+        rows, group, s_o, s_i = base.shape[0], 1, base.stride(0), 0
+        r2 = _rows(residual, n)
+        s2 = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     bm, bn, warps = _rms_blocks(n)
     round_n = w.dtype == torch.bfloat16
     _rms_fwd_kernel[(triton.cdiv(rows, bm),)](
-        x2, w, y, rstd, rows, n, x2.stride(0), y.stride(0), float(eps), _inv(n),
+        base, r2, s2, w, y, rstd, rows, n, group, s_o, s_i, r2.stride(0), y.stride(0), float(eps), _inv(n),
         BLOCK_M=bm, BLOCK_N=bn, ROUND_N=round_n, ROUND_Y=round_n or out_dtype == torch.bfloat16,
-        EMU_BF16=interpreting(), num_warps=warps, **_launch_opts())
-    return y.view(x.shape), rstd
+        HAS_RES=residual is not None, ROUND_S=x.dtype == torch.bfloat16, EMU_BF16=interpreting(), num_warps=warps,
+        **_launch_opts())
+    return y.view(x.shape), rstd, (None if residual is None else s2.view(x.shape))
+
+
+def rms_norm_fwd(x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(y shaped like x in ``out_dtype``, rstd (rows,) FP32) with the twin's ops: n = bf16(x*rstd); y = bf16(n*w)."""
+    y, rstd, _ = _launch_rms_fwd(x, None, w, eps, out_dtype)
+    return y, rstd
+
+
+def add_rms_norm_fwd(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(rms_norm_fwd(s) in x's dtype, s) with s = (x + residual in FP32) rounded once to x's dtype, in one launch:
+    byte for byte what ``rms_norm_fwd`` gives on that s (same reduction, same roundings; tested)."""
+    if residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}")
+    y, _, s = _launch_rms_fwd(x, residual, w, eps, x.dtype)
+    return y, s
 
 
 def rms_norm_bwd(x: Tensor, w: Tensor, rstd: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:

@@ -12,7 +12,8 @@ kernel (``megatron.triton_numerics.rms_norm_fwd``, as ``megatron.numerics`` call
 
 The kernel is the trainer's Triton RMSNorm (``megatron.triton_numerics.rms_norm_fwd``: one row's reduction depends
 on the hidden size only; vLLM's rounding convention ``bf16(bf16(x * rstd) * w)``); the fused form adds the residual
-as vLLM's kernels do (one rounding of the FP32 sum) and normalises that sum.
+as vLLM's kernels do (one rounding of the FP32 sum) and normalises that sum, in one launch, and the per-head q/k norms
+read the fused QKV output in place (a decode step runs ~150 norms: extra launches or copies there cost rollout time).
 
 How it reaches the engine: :func:`register` (called by the plugin's ``register()`` in every vLLM process) puts an
 out-of-tree subclass of vLLM's ``RMSNorm`` in vLLM's custom-op registry; each instance reads, when the model is
@@ -46,10 +47,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     the residual it carries on)."""
     if residual is None:
         return triton_numerics.rms_norm_fwd(x, weight, eps, x.dtype)[0]
-    if residual.shape != x.shape:
-        raise ValueError(f"residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}")
-    s = (x.float() + residual.float()).to(x.dtype)
-    return triton_numerics.rms_norm_fwd(s, weight, eps, x.dtype)[0], s
+    return triton_numerics.add_rms_norm_fwd(x, residual, weight, eps)
 
 
 def engine_overrides(cuda_norms: str, on_cuda: bool) -> dict[str, bool]:
