@@ -207,9 +207,9 @@ def grpo_step(cfg: RunConfig, trainer: Trainer, ro: Rollout, step: int, logger: 
 
 
 def release_cached_gpu_memory() -> None:
-    """Return the trainer's cached, unused GPU blocks before the next rollout (as NeMo-RL does before generation):
-    the refit and update leave torch's caching allocator holding memory the awake engine could use, and that the
-    rollout phase's peak would otherwise count."""
+    """Return cached, unused GPU blocks at a phase change (as NeMo-RL does around generation): after the refit, the
+    trainer's, which the awake engine could use and the rollout phase's peak would otherwise count; when the engine
+    goes to sleep, the engine's own transient buffers, which the trainer's phases would otherwise count."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -259,6 +259,10 @@ class TrainPhase:
 
     def __enter__(self) -> TrainPhase:
         self.asleep = self.cfg.policy.generation.colocated.enabled and self.ro.engine.sleep(level=1)
+        # the engine's activations and sampler buffers live in torch's default pool, not its sleep pool: any cached
+        # blocks they leave are returned before the trainer runs (the 8B bf16 arm's logprob phase showed 10.9 GiB of
+        # cached blocks on 2026-12-05, from the engine or from the phase itself: the next GPU round tells)
+        release_cached_gpu_memory()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
