@@ -297,8 +297,15 @@ def rms_norm_supported(x: Tensor, w: Tensor, out_dtype: torch.dtype) -> bool:
 
 def _row_groups(x: Tensor, n: int) -> tuple[Tensor, int, int, int, int]:
     """(base, rows, group, stride_outer, stride_inner): row r of ``x`` (..., n) starts at element
-    (r // group) * stride_outer + (r % group) * stride_inner of ``base``; no copy for a (tokens, heads, n) view with
-    unit column stride (vLLM's per-head q/k norms read the fused QKV output that way)."""
+    (r // group) * stride_outer + (r % group) * stride_inner of ``base``. Plain rows (group 1) wherever ``x`` has a
+    (rows, n) view; otherwise no copy for a (tokens, heads, n) view with unit column stride (vLLM's per-head q/k
+    norms read the fused QKV output that way)."""
+    try:
+        x2 = x.view(-1, n)
+    except RuntimeError:
+        x2 = None
+    if x2 is not None and x2.stride(1) == 1 and (x2.shape[0] <= 1 or x2.stride(0) >= n):
+        return x2, x2.shape[0], 1, x2.stride(0), 0
     if x.dim() >= 3 and x.stride(-1) == 1:
         try:
             x3 = x.view(-1, x.shape[-2], n)
