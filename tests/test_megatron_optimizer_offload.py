@@ -266,3 +266,12 @@ def test_plan_counts_gpu_and_host_memory_of_the_offload():
     assert not ok and "host 146.1 GiB per node of 125 GiB: DOES NOT FIT, 21.1 GiB over" in text, text
     text, ok = plan_report(full, 139.0, show_config=False)
     assert ok and "not checked (--host-mem-gib)" in text
+    # fits, but leaves less than the process's own uncounted memory: the bf16 arm (118.2 of 125 GiB; measured 123.5)
+    bf16 = load_config("qwen3_8b_1gpu", ["policy.megatron_cfg.fp8_cfg.enabled=false",
+                                         "policy.generation.vllm_cfg.precision=bfloat16"])
+    text, ok = plan_report(bf16, 139.0, show_config=False, host_mem_gib=125.0)
+    assert ok and "host 118.2 GiB per node of 125 GiB: fits, but TIGHT: 6.8 GiB left" in text, text
+    text, ok = plan_report(bf16, 139.0, show_config=False, host_mem_gib=128.0)  # 9.8 GiB left: enough
+    assert ok and "host 118.2 GiB per node of 128 GiB: fits\n" in text + "\n" and "TIGHT" not in text, text
+    text, ok = plan_report(off, 139.0, show_config=False, host_mem_gib=125.0)  # the jetrl arm: 13.2 GiB left
+    assert "TIGHT" not in text, text

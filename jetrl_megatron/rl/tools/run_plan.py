@@ -342,7 +342,7 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     out["host_grads_fp32"] = 4 * params / shard * settings.host_fraction / GiB
     out["host_pinned_staging"] = 2 * params / shard * settings.host_fraction / GiB
     out["host_vllm_sleep"] = rollout_w if cfg.policy.generation.colocated.enabled else 0.0
-    per_node = max(1, cfg.cluster.gpus_per_node) if cfg.is_gpu else layout.world
+    per_node = per_node_processes(cfg, layout)
     out["host_per_node"] = per_node * (out["host_optimizer"] + out["host_grads_fp32"] + out["host_pinned_staging"]
                                        + out["host_vllm_sleep"])
     return out
@@ -420,5 +420,31 @@ def plan_report(cfg: RunConfig, gpu_mem_gib: float = 80.0, show_config: bool = T
                          f"{mem['host_per_node'] - host_mem_gib:.1f} GiB over")
             ok = False
         else:
-            lines.append(f"  host {mem['host_per_node']:.1f} GiB per node of {host_mem_gib:.0f} GiB: fits")
+            lines.append(f"  host {mem['host_per_node']:.1f} GiB per node of {host_mem_gib:.0f} GiB: fits"
+                         + host_headroom_note(mem["host_per_node"], host_mem_gib, per_node_processes(cfg, layout)))
     return "\n".join(lines), ok
+
+
+# What each GPU process holds on the host beyond the counted terms (Python, torch, CUDA and vLLM libraries, the
+# loop's buffers), measured on one H200 at Qwen3-8B (bench/RESULTS.md, 2026-12-03 and 2026-12-05): 3.5 GiB in the
+# jetrl arm (115.3 RSS vs 111.8 planned), 5.3 GiB in the bf16 arm (123.5 vs 118.2); and what a node keeps for its
+# system and page cache (the bf16 run left it 2 GiB of 125.6 and its rollout ran 2x slower; the jetrl run 10 GiB, fine)
+HOST_UNCOUNTED_GIB_PER_PROCESS = 5.3
+HOST_SYSTEM_RESERVE_GIB = 4.0
+
+
+def per_node_processes(cfg: RunConfig, layout: Layout) -> int:
+    """GPU processes per node (a CPU run: the whole world on one host)."""
+    return max(1, cfg.cluster.gpus_per_node) if cfg.is_gpu else layout.world
+
+
+def host_headroom_note(planned_gib: float, host_mem_gib: float, processes: int) -> str:
+    """A warning when what the plan leaves of the host is less than the processes' own uncounted memory plus the
+    system's reserve: the 8B bf16 arm planned 118.2 of 125 GiB, used 123.5, and its rollout ran 2x slower."""
+    needed = processes * HOST_UNCOUNTED_GIB_PER_PROCESS + HOST_SYSTEM_RESERVE_GIB
+    left = host_mem_gib - planned_gib
+    if left >= needed:
+        return ""
+    return (f", but TIGHT: {left:.1f} GiB left for what the plan does not count (~{HOST_UNCOUNTED_GIB_PER_PROCESS} "
+            f"GiB per GPU process measured at 8B, {HOST_SYSTEM_RESERVE_GIB:.0f} for the system: {needed:.1f} here); "
+            f"the 8B bf16 arm's rollout ran 2x slower with its host full: lower optimizer_offload_fraction if the GPU has room")
