@@ -447,4 +447,5 @@ def host_headroom_note(planned_gib: float, host_mem_gib: float, processes: int) 
         return ""
     return (f", but TIGHT: {left:.1f} GiB left for what the plan does not count (~{HOST_UNCOUNTED_GIB_PER_PROCESS} "
             f"GiB per GPU process measured at 8B, {HOST_SYSTEM_RESERVE_GIB:.0f} for the system: {needed:.1f} here); "
-            f"the 8B bf16 arm's rollout ran 2x slower with its host full: lower optimizer_offload_fraction if the GPU has room")
+            f"the 8B bf16 arm's rollout ran 2x slower with its host full: lower optimizer_offload_fraction if the GPU "
+            f"has room")
