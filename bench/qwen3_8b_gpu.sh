@@ -1,7 +1,7 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|fuse OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse OUT_DIR
 #   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
 #           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
 #   stage1, stage2  copy .vc/p1, .vc/p2 (one 44 MiB part per call: a call takes at most 64 MiB with the tree)
@@ -22,10 +22,12 @@
 #           with FA_SPLITS as above: trainer vs vLLM's decode and prefill, and vLLM's decode vs its own prefill
 #   rollcost  bench/rollout_bench.py compare at Qwen3-8B, 128 x 1024 tokens: stock FP8, the plugin and BF16, each with
 #           the batch-invariant norms and with vLLM's own (ARMS to choose), every arm in a fresh process
+#   exact150m  count_150m_gpu from random init, the three arms side by side at LENS (default 256 1024 4096) new tokens
+#           by ignore_eos, 2 GRPO steps each: issue 26's mismatch-by-position rows at the small shape
 #   fuse    the fused SwiGLU backward + fc1 dY FP8 quantization (Fp8ModelContext.fuse_swiglu_grad_quant): its GPU tests,
 #           bench/kernels_bench.py's swiglu section, the Qwen3-8B layer fwd+bwd with the fusion off and on
 set -uo pipefail
-mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|fuse}
+mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse}
 out=${2:?OUT_DIR}
 mkdir -p /tmp/vc "$out"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -132,6 +134,21 @@ case $mode in
       --prompt-len 64 --new "${LEN:-1024}" --arm-timeout 170 --out "$out/rollcost.json" \
       --arms "${ARMS:-stock_fp8,jetrl,jetrl:auto:vllm,bf16,bf16:auto:vllm}" > "$out/rollcost.log" 2>&1
     echo "rollout cost rc $?"; grep -B2 -A8 "^arm " "$out/rollcost.log" | head -14 ;;
+  exact150m)  # issue 26 item 5: count_150m_gpu (random init, no warm start), the three arms side by side at each of
+    # LENS new tokens (ignore_eos), 2 GRPO steps: the mismatch by position with the batch-invariant norms
+    wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
+    for len in ${LENS:-256 1024 4096}; do
+      timeout "${RUN_LIMIT:-180}" python3 -m jetrl_megatron.cli compare --recipe count_150m_gpu --seeds 1 --parallel 3 \
+        --arms "${ARMS:-jetrl,bf16,bf16_train_fp8_rollout}" --out "/tmp/exact150m/len$len" \
+        policy.jet_rl.sft_warmstart.steps=0 grpo.max_num_steps=2 grpo.val_at_start=false grpo.max_val_samples=0 \
+        policy.generation.ignore_eos=true policy.generation.max_new_tokens="$len" \
+        policy.max_total_sequence_length=$((len + 64)) policy.generation.vllm_cfg.max_model_len=$((len + 64)) \
+        policy.generation.vllm_kwargs.kv_cache_memory_bytes=$((8 << 30)) logger.tensorboard_enabled=false ${EXTRA:-} \
+        > "$out/exact150m_len$len.log" 2>&1
+      echo "== count_150m_gpu len $len: rc $?"; grep -A5 "^| arm | seeds" "$out/exact150m_len$len.log" | head -6
+    done
+    (cd /tmp/exact150m && find . -path '*/model*' -prune -o -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' \
+      -o -name '*.log' -o -name 'config.yaml' \) -print0 | tar czf "$out/exact150m.tgz" --null -T -) ;;
   fuse)  # issue 29 item 2: the fused SwiGLU backward + fc1 dY FP8 quantization, its GPU tests, kernel and layer cost
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_megatron_swiglu_fp8.py \
@@ -141,7 +158,7 @@ case $mode in
     timeout 200 python3 bench/megatron_layer_bench.py --seq 8192 --iters 20 --warmup 5 --backends auto --lean-swiglu \
       --elementwise triton --fuse-swiglu-grad-quant off,on --out "$out/layer_fuse.json" > "$out/layer_fuse.log" 2>&1
     echo "layer bench rc $?"; grep -iE " ms|ratio|x bf16|identical" "$out/layer_fuse.log" | tail -12 ;;
-  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|fuse OUT_DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse OUT_DIR" >&2; exit 2 ;;
 esac
 # PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz, and
 # Triton's as .dgc/triton_cache.tgz when it packs under 12 MiB (a call brings back at most 16 MiB per file)
