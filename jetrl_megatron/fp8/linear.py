@@ -37,19 +37,66 @@ def check_trainable_shape(weight: torch.Tensor, x: torch.Tensor, fn: str) -> Non
                          "weight blocks). Pad the layer to a multiple of 128 or keep it in BF16")
 
 
+@dataclass(frozen=True)
+class PrequantizedAct:
+    """An FP8 linear's input x, already quantized 1x128 by the op that produced it: the codes (M, K) and scales
+    (M, K/128) ``quant_act`` would give for that very tensor, under one recipe's scale rule.
+
+    Why: the producer (the batch-invariant RMSNorm, megatron/triton_numerics.py) has the values in registers and
+    writes the codes in the same pass, so the linear skips a launch and a read of x (a decode step runs two such
+    norm -> linear pairs per layer). The forms ride on the tensor object; ``matches`` refuses them for any other
+    tensor, a tensor changed in place since, or another scale rule, and the linear then quantizes as usual."""
+
+    q: torch.Tensor
+    s: torch.Tensor
+    data_ptr: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    version: int
+    scale_fmt: str
+    amax_eps: float
+
+    def matches(self, x: torch.Tensor, recipe: Fp8Recipe | None) -> bool:
+        r = recipe or Fp8Recipe()
+        return (x.data_ptr() == self.data_ptr and tuple(x.shape) == self.shape and tuple(x.stride()) == self.stride
+                and x._version == self.version and r.scale_fmt == self.scale_fmt and r.amax_eps == self.amax_eps)
+
+
+_INPUT_FORMS = "_jetrl_fp8_input_forms"
+
+
+def attach_input_forms(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, recipe: Fp8Recipe | None) -> None:
+    """Hand ``x``'s 1x128 FP8 forms (as ``quant_act`` gives them) to the FP8 linear that will consume ``x``."""
+    r = recipe or Fp8Recipe()
+    setattr(x, _INPUT_FORMS, PrequantizedAct(q, s, x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version,
+                                             r.scale_fmt, r.amax_eps))
+
+
+def _input_forms(x: torch.Tensor, recipe: Fp8Recipe | None, reference_quant: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The forms attached to ``x`` when they are x's under ``recipe`` (never with ``reference_quant``: its point is
+    to run the reference quantizer)."""
+    pre = getattr(x, _INPUT_FORMS, None)
+    if pre is None or reference_quant or not pre.matches(x, recipe):
+        return None
+    return pre.q, pre.s
+
+
 def _fprop(x2d: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
-           recipe: Fp8Recipe | None, out_dtype: torch.dtype, reference_quant: bool
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    xq, xs = quant_dispatch.quant_act(x2d, recipe, reference_quant=reference_quant)
+           recipe: Fp8Recipe | None, out_dtype: torch.dtype, reference_quant: bool,
+           forms: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    xq, xs = forms or quant_dispatch.quant_act(x2d, recipe, reference_quant=reference_quant)
     y = fp8_gemm_fprop(xq, xs, wq, ws, bias=bias, out_dtype=out_dtype, recipe=recipe)
     return y, xq, xs
 
 
 def fp8_linear_forward(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None = None,
                        recipe: Fp8Recipe | None = None, *, reference_quant: bool = False) -> torch.Tensor:
-    """y = x W^T with x quantized 1x128 and W given as its FP8 128x128 copy (no autograd). ``reference_quant``:
-    quantize CUDA tensors with the torch reference instead of the Triton kernels (bit-identical; for checking)."""
-    y, _, _ = _fprop(_flatten(x, wq.shape[1]), wq, ws, bias, recipe, x.dtype, reference_quant)
+    """y = x W^T with x quantized 1x128 (or its forms, when its producer attached them: ``attach_input_forms``)
+    and W given as its FP8 128x128 copy (no autograd). ``reference_quant``: quantize CUDA tensors with the torch
+    reference instead of the Triton kernels (bit-identical; for checking)."""
+    y, _, _ = _fprop(_flatten(x, wq.shape[1]), wq, ws, bias, recipe, x.dtype, reference_quant,
+                     _input_forms(x, recipe, reference_quant))
     return y.reshape(*x.shape[:-1], wq.shape[0])
 
 
@@ -108,7 +155,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, wq, ws, recipe, reference_quant):
         x2d = _flatten(x, wq.shape[1])
-        y, xq, xs = _fprop(x2d, wq, ws, bias, recipe, x.dtype, reference_quant)
+        y, xq, xs = _fprop(x2d, wq, ws, bias, recipe, x.dtype, reference_quant,
+                           _input_forms(x, recipe, reference_quant))
         # Saved for backward: the FP8 activation and its scales (~0.52x the BF16 input), plus the cached FP8 weight.
         ctx.save_for_backward(xq, xs, wq, ws)
         ctx.recipe, ctx.reference_quant, ctx.x_shape, ctx.x_dtype = recipe, reference_quant, x.shape, x.dtype

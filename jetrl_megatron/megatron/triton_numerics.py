@@ -29,10 +29,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from jetrl_megatron.fp8.linear import attach_input_forms
+from jetrl_megatron.recipe import Fp8Recipe
+
 try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+
+    from jetrl_megatron.fp8 import kernels as fp8_kernels  # the FP8 scale rule and cast, for the fused norm + quant
 except ImportError:  # CPU installs without triton: numerics.py keeps using its torch twins
     triton = None
 
@@ -122,12 +127,16 @@ if triton is not None:
 
     # ------------------------------------------------------------------------------------------------ RMSNorm
     @triton.jit
-    def _rms_fwd_kernel(X, R, S, W, Y, RSTD, n_rows, N, group, stride_xo, stride_xi, stride_r, stride_y, eps, inv_n,
+    def _rms_fwd_kernel(X, R, S, W, Y, RSTD, Q, QS, n_rows, N, group, stride_xo, stride_xi, stride_r, stride_y,
+                        stride_qs, eps, inv_n, amax_eps,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_N: tl.constexpr,
-                        ROUND_Y: tl.constexpr, HAS_RES: tl.constexpr, ROUND_S: tl.constexpr, EMU_BF16: tl.constexpr):
+                        ROUND_Y: tl.constexpr, HAS_RES: tl.constexpr, ROUND_S: tl.constexpr, QUANT: tl.constexpr,
+                        POW2: tl.constexpr, CAST: tl.constexpr, EMU_BF16: tl.constexpr):
         """Row r of X at (r // group) * stride_xo + (r % group) * stride_xi (group > 1: per-head norms read in place
         from a strided view). HAS_RES: first s = X + R in FP32, rounded once to S's dtype and stored in S (rows of
-        stride_y), then the norm of s (vLLM's fused add + RMSNorm contract, one launch)."""
+        stride_y), then the norm of s (vLLM's fused add + RMSNorm contract, one launch). QUANT: also y's 1x128 FP8
+        codes into Q (rows of stride_y) and scales into QS (column-major, column stride stride_qs), with
+        fp8/kernels.py's scale rule and cast on the values y is stored with."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
         rmask = rows < n_rows
@@ -152,6 +161,15 @@ if triton is not None:
             y = _round_bf16(y, EMU_BF16)
         tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         tl.store(RSTD + rows, rstd, mask=rmask)
+        if QUANT:
+            GROUPS: tl.constexpr = BLOCK_N // 128
+            yg = tl.reshape(y, (BLOCK_M, GROUPS, 128))
+            sc = fp8_kernels._scale_from_amax(fp8_kernels._nan_aware_amax(yg, 2), amax_eps, POW2)  # (BLOCK_M, GROUPS)
+            qg = fp8_kernels._to_fp8(tl.div_rn(yg, sc[:, :, None]), CAST)
+            tl.store(Q + r64 * stride_y + cols[None, :], tl.reshape(qg, (BLOCK_M, BLOCK_N)), mask=mask)
+            gs = tl.arange(0, GROUPS)
+            tl.store(QS + rows.to(tl.int64)[:, None] + gs[None, :].to(tl.int64) * stride_qs, sc,
+                     mask=rmask[:, None] & (gs[None, :] * 128 < N))
 
     @triton.jit
     def _rms_bwd_kernel(X, W, RSTD, DY, DX, DWP, n_rows, N, stride_x, stride_dy, stride_dx, inv_n,
@@ -317,8 +335,8 @@ def _row_groups(x: Tensor, n: int) -> tuple[Tensor, int, int, int, int]:
     return x2, x2.shape[0], 1, x2.stride(0), 0
 
 
-def _launch_rms_fwd(x: Tensor, residual: Tensor | None, w: Tensor, eps: float, out_dtype: torch.dtype
-                    ) -> tuple[Tensor, Tensor, Tensor | None]:
+def _launch_rms_fwd(x: Tensor, residual: Tensor | None, w: Tensor, eps: float, out_dtype: torch.dtype,
+                    quant: Fp8Recipe | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     n = w.shape[0]
     if residual is None:
         base, rows, group, s_o, s_i = _row_groups(x, n)
@@ -330,28 +348,42 @@ def _launch_rms_fwd(x: Tensor, residual: Tensor | None, w: Tensor, eps: float, o
         s2 = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    quant = quant if quant is not None and n % 128 == 0 and rows > 0 else None
+    if quant is not None:
+        q, qs = fp8_kernels._codes_buffer((rows, n), x.device), fp8_kernels._col_major(rows, n // 128, x.device)
+    else:
+        q = qs = y  # unused (QUANT off)
     bm, bn, warps = _rms_blocks(n)
     round_n = w.dtype == torch.bfloat16
     _rms_fwd_kernel[(triton.cdiv(rows, bm),)](
-        base, r2, s2, w, y, rstd, rows, n, group, s_o, s_i, r2.stride(0), y.stride(0), float(eps), _inv(n),
+        base, r2, s2, w, y, rstd, q, qs, rows, n, group, s_o, s_i, r2.stride(0), y.stride(0),
+        qs.stride(1) if quant is not None else 0, float(eps), _inv(n), quant.amax_eps if quant is not None else 0.0,
         BLOCK_M=bm, BLOCK_N=bn, ROUND_N=round_n, ROUND_Y=round_n or out_dtype == torch.bfloat16,
-        HAS_RES=residual is not None, ROUND_S=x.dtype == torch.bfloat16, EMU_BF16=interpreting(), num_warps=warps,
-        **_launch_opts())
-    return y.view(x.shape), rstd, (None if residual is None else s2.view(x.shape))
+        HAS_RES=residual is not None, ROUND_S=x.dtype == torch.bfloat16, QUANT=quant is not None,
+        POW2=quant is not None and quant.scale_fmt == "pow2", CAST=not interpreting(), EMU_BF16=interpreting(),
+        num_warps=warps, **_launch_opts())
+    y = y.view(x.shape)
+    if quant is not None:
+        attach_input_forms(y, fp8_kernels._finish_codes(q), qs, quant)
+    return y, rstd, (None if residual is None else s2.view(x.shape))
 
 
-def rms_norm_fwd(x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(y shaped like x in ``out_dtype``, rstd (rows,) FP32) with the twin's ops: n = bf16(x*rstd); y = bf16(n*w)."""
-    y, rstd, _ = _launch_rms_fwd(x, None, w, eps, out_dtype)
+def rms_norm_fwd(x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype, quant: Fp8Recipe | None = None
+                 ) -> tuple[Tensor, Tensor]:
+    """(y shaped like x in ``out_dtype``, rstd (rows,) FP32) with the twin's ops: n = bf16(x*rstd); y = bf16(n*w).
+    ``quant`` (a recipe; hidden sizes that are multiples of 128): y also carries its 1x128 FP8 forms for the FP8
+    linear that consumes it (fp8/linear.py ``attach_input_forms``), the bytes ``quant_act(y)`` would give."""
+    y, rstd, _ = _launch_rms_fwd(x, None, w, eps, out_dtype, quant)
     return y, rstd
 
 
-def add_rms_norm_fwd(x: Tensor, residual: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm_fwd(x: Tensor, residual: Tensor, w: Tensor, eps: float, quant: Fp8Recipe | None = None
+                     ) -> tuple[Tensor, Tensor]:
     """(rms_norm_fwd(s) in x's dtype, s) with s = (x + residual in FP32) rounded once to x's dtype, in one launch:
-    byte for byte what ``rms_norm_fwd`` gives on that s (same reduction, same roundings; tested)."""
+    byte for byte what ``rms_norm_fwd`` gives on that s (same reduction, same roundings; tested); ``quant`` as there."""
     if residual.shape != x.shape:
         raise ValueError(f"residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}")
-    y, _, s = _launch_rms_fwd(x, residual, w, eps, x.dtype)
+    y, _, s = _launch_rms_fwd(x, residual, w, eps, x.dtype, quant)
     return y, s
 
 

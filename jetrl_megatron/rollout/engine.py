@@ -150,8 +150,9 @@ class RolloutEngine:
         # GPU: which kernel the served RMSNorm layers run (batch-invariant or vLLM's own; rollout/invariant_norm.py)
         self.norms = self.llm.collective_rpc("jetrl_served_norms")[0] if self.on_cuda else None
         if self.norms is not None:
-            log.info("rollout engine RMSNorm layers: %d batch-invariant, %d vLLM's own (cuda_norms %s)",
-                     self.norms["batch_invariant"], self.norms["vllm"], config.cuda_norms)
+            log.info("rollout engine RMSNorm layers: %d batch-invariant (%d of them handing FP8 forms to the next "
+                     "linear), %d vLLM's own (cuda_norms %s)", self.norms["batch_invariant"],
+                     self.norms["fp8_input"], self.norms["vllm"], config.cuda_norms)
             if config.cuda_norms == "batch_invariant" and self.norms["vllm"]:
                 log.warning("cuda_norms 'batch_invariant' asked, but %d of the engine's RMSNorm layers run vLLM's "
                             "own kernel (another plugin replaced vLLM's RMSNorm?): decode steps will not be exactly "

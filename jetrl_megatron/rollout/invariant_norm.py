@@ -29,7 +29,9 @@ import logging
 import torch
 from torch import Tensor
 
+from jetrl_megatron.fp8.format import QUANT_METHOD
 from jetrl_megatron.megatron import triton_numerics  # torch + Triton only: no Megatron-Core in the engine
+from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.vllm_cuda.ops import CUDA_NORMS
 
 log = logging.getLogger(__name__)
@@ -40,14 +42,15 @@ HF_KEY = "jetrl_batch_invariant_norms"
 _registered: list[type] = []
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None, quant: Fp8Recipe | None = None
              ) -> Tensor | tuple[Tensor, Tensor]:
     """vLLM's ``RMSNorm.forward`` contract, batch-invariant: ``residual`` None -> the normalised ``x``; otherwise
     (normalised ``s``, ``s``) with ``s = x + residual`` rounded once to ``x``'s dtype (as vLLM's fused kernel stores
-    the residual it carries on)."""
+    the residual it carries on). ``quant``: the normalised output also carries its 1x128 FP8 forms under that
+    recipe, which the plugin's FP8 linear consuming it takes instead of quantizing again (same bytes)."""
     if residual is None:
-        return triton_numerics.rms_norm_fwd(x, weight, eps, x.dtype)[0]
-    return triton_numerics.add_rms_norm_fwd(x, residual, weight, eps)
+        return triton_numerics.rms_norm_fwd(x, weight, eps, x.dtype, quant)[0]
+    return triton_numerics.add_rms_norm_fwd(x, residual, weight, eps, quant)
 
 
 def engine_overrides(cuda_norms: str, on_cuda: bool) -> dict[str, bool]:
@@ -58,16 +61,33 @@ def engine_overrides(cuda_norms: str, on_cuda: bool) -> dict[str, bool]:
     return {HF_KEY: True} if on_cuda and cuda_norms == "batch_invariant" else {}
 
 
-def _asked_by_current_engine() -> bool:
-    """Whether the engine whose model vLLM is building now set :data:`HF_KEY` (False outside a model build)."""
+def _current_vllm_config():
+    """The config of the engine whose model vLLM is building now (None outside a model build)."""
     try:
         from vllm.config import get_current_vllm_config
 
-        vllm_config = get_current_vllm_config()
+        return get_current_vllm_config()
     except (ImportError, AssertionError):
-        return False
-    model_config = getattr(vllm_config, "model_config", None)
+        return None
+
+
+def _asked_by_current_engine() -> bool:
+    """Whether the engine whose model vLLM is building now set :data:`HF_KEY` (False outside a model build)."""
+    model_config = getattr(_current_vllm_config(), "model_config", None)
     return bool(getattr(getattr(model_config, "hf_config", None), HF_KEY, False))
+
+
+def fp8_input_recipe(norm_size: int) -> Fp8Recipe | None:
+    """The recipe whose 1x128 FP8 forms a norm of ``norm_size`` should attach to its output: the engine serves the
+    ``jetrl_fp8`` plugin and the norm is hidden-sized (its output feeds the QKV / gate-up FP8 linears; the per-head
+    q/k norms feed attention). None otherwise."""
+    vllm_config = _current_vllm_config()
+    quant_config = getattr(vllm_config, "quant_config", None)
+    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    if (quant_config is None or quant_config.get_name() != QUANT_METHOD
+            or getattr(quant_config, "reference_quant", True)):
+        return None
+    return quant_config.recipe if norm_size == getattr(hf_config, "hidden_size", None) else None
 
 
 def register() -> type | None:
@@ -89,6 +109,7 @@ def register() -> type | None:
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.jetrl_batch_invariant = _asked_by_current_engine() and self.variance_size_override is None
+            self.jetrl_fp8_recipe = fp8_input_recipe(self.hidden_size) if self.jetrl_batch_invariant else None
 
         def _invariant(self, x: Tensor) -> bool:
             # not while torch.compile traces the model (vLLM's compilation modes above 0): there vLLM fuses its own
@@ -98,13 +119,13 @@ def register() -> type | None:
 
         def forward_cuda(self, x: Tensor, residual: Tensor | None = None):
             if self._invariant(x):
-                return rms_norm(x, self.weight.data, self.variance_epsilon, residual)
+                return rms_norm(x, self.weight.data, self.variance_epsilon, residual, self.jetrl_fp8_recipe)
             return super().forward_cuda(x, residual)
 
         def forward_native(self, x: Tensor, residual: Tensor | None = None):
             # vLLM calls this instead of forward_cuda when its custom ops are disabled (torch.compile modes)
             if self._invariant(x):
-                return rms_norm(x, self.weight.data, self.variance_epsilon, residual)
+                return rms_norm(x, self.weight.data, self.variance_epsilon, residual, self.jetrl_fp8_recipe)
             return super().forward_native(x, residual)
 
     CustomOp.register_oot(name=RMSNorm.__name__)(JetRLRMSNorm)
@@ -116,11 +137,13 @@ def register() -> type | None:
 
 
 def served_norms(model: torch.nn.Module) -> dict[str, int]:
-    """How many of a served model's RMSNorm layers run the batch-invariant kernel, and how many vLLM's own."""
-    counts = {"batch_invariant": 0, "vllm": 0}
+    """How many of a served model's RMSNorm layers run the batch-invariant kernel, and how many vLLM's own; and how
+    many of the former hand their output's FP8 forms to the next linear (``fp8_input``, on CUDA tensors)."""
+    counts = {"batch_invariant": 0, "vllm": 0, "fp8_input": 0}
     for m in model.modules():
         if hasattr(m, "jetrl_batch_invariant"):
             counts["batch_invariant" if m.jetrl_batch_invariant else "vllm"] += 1
+            counts["fp8_input"] += getattr(m, "jetrl_fp8_recipe", None) is not None
         elif type(m).__name__ == "RMSNorm":
             counts["vllm"] += 1
     return counts
