@@ -214,6 +214,10 @@ def _check_fp8_forms(x, r, w, plain_y, fused_y) -> None:
             calls.clear()
             assert torch.equal(fl.fp8_linear_forward(y, wq, ws, recipe=recipe),
                                fl.fp8_linear_forward(y.clone(), wq, ws, recipe=recipe)) and len(calls) == 2
+            with torch.inference_mode():  # how vLLM runs its model: inference tensors have no version counter
+                yi = invariant_norm.rms_norm(x, w, EPS, quant=recipe)
+                calls.clear()
+                assert torch.equal(fl.fp8_linear_forward(yi, wq, ws, recipe=recipe), got) and not calls
     finally:
         quant_dispatch.quant_act = real_quant_act
 

@@ -59,16 +59,22 @@ class PrequantizedAct:
     def matches(self, x: torch.Tensor, recipe: Fp8Recipe | None) -> bool:
         r = recipe or Fp8Recipe()
         return (x.data_ptr() == self.data_ptr and tuple(x.shape) == self.shape and tuple(x.stride()) == self.stride
-                and x._version == self.version and r.scale_fmt == self.scale_fmt and r.amax_eps == self.amax_eps)
+                and _version(x) == self.version and r.scale_fmt == self.scale_fmt and r.amax_eps == self.amax_eps)
 
 
 _INPUT_FORMS = "_jetrl_fp8_input_forms"
 
 
+def _version(x: torch.Tensor) -> int:
+    """x's in-place version counter; -1 for inference tensors (vLLM runs its model under ``torch.inference_mode``,
+    whose tensors have none: there the forms are trusted from producer to consumer, as nothing runs in between)."""
+    return -1 if x.is_inference() else x._version
+
+
 def attach_input_forms(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, recipe: Fp8Recipe | None) -> None:
     """Hand ``x``'s 1x128 FP8 forms (as ``quant_act`` gives them) to the FP8 linear that will consume ``x``."""
     r = recipe or Fp8Recipe()
-    setattr(x, _INPUT_FORMS, PrequantizedAct(q, s, x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version,
+    setattr(x, _INPUT_FORMS, PrequantizedAct(q, s, x.data_ptr(), tuple(x.shape), tuple(x.stride()), _version(x),
                                              r.scale_fmt, r.amax_eps))
 
 

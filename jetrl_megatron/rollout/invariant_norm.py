@@ -109,7 +109,8 @@ def register() -> type | None:
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.jetrl_batch_invariant = _asked_by_current_engine() and self.variance_size_override is None
-            self.jetrl_fp8_recipe = fp8_input_recipe(self.hidden_size) if self.jetrl_batch_invariant else None
+            size = getattr(self, "hidden_size", None) or self.weight.shape[-1]
+            self.jetrl_fp8_recipe = fp8_input_recipe(size) if self.jetrl_batch_invariant else None
 
         def _invariant(self, x: Tensor) -> bool:
             # not while torch.compile traces the model (vLLM's compilation modes above 0): there vLLM fuses its own
