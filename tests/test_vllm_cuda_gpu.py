@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 
@@ -270,6 +271,11 @@ def test_decode_matched_trainer_equals_vllm_decode_under_cuda_graphs(tmp_path):
         engine.shutdown()
 
 
+def _note_forms(seen: list, want: bool, _module, _inputs, out) -> None:
+    """Forward hook: whether a norm's output carries FP8 forms for its linear, next to whether it should."""
+    seen.append((want, hasattr(out, "_jetrl_fp8_input_forms")))
+
+
 @pytest.mark.own_process
 def test_batch_invariant_norms_make_the_trainer_equal_vllm_decode_at_hidden_4096(tmp_path):
     """At the Qwen3-8B width (hidden 4096, 32/8 heads) vLLM 0.26's own RMSNorm kernels give a row other bytes in a
@@ -283,7 +289,7 @@ def test_batch_invariant_norms_make_the_trainer_equal_vllm_decode_at_hidden_4096
 
     from jetrl_megatron.megatron import cpu
     from jetrl_megatron.megatron.convert import load_hf_checkpoint
-    from jetrl_megatron.megatron.model import build_gpt, fp8_context, rollout_weights
+    from jetrl_megatron.megatron.model import build_gpt, fp8_context, rollout_weights, unwrap
     from jetrl_megatron.model.shapes import get_model_shape
     from jetrl_megatron.recipe import Fp8Recipe
     from jetrl_megatron.reshard.mover import MegatronShards, iter_canonical
@@ -318,7 +324,21 @@ def test_batch_invariant_norms_make_the_trainer_equal_vllm_decode_at_hidden_4096
             samples = engine.generate(_prompts(48, shape.vocab_size, seed=3), n=1, max_tokens=300, seed=3,
                                       ignore_eos=True)
             seqs = [s.prompt_token_ids + s.token_ids for s in samples]
-            got = _trainer_logprobs(gpt, seqs)
+            # the trainer's norm -> FP8 linear inputs carry their FP8 forms with the batch-invariant norms (and the
+            # tokens below being identical says the linears that take them compute the engine's bytes)
+            seen, hooks = [], []
+            for layer in unwrap(gpt).decoder.layers:
+                for norm, linear in ((layer.input_layernorm, layer.self_attention.linear_qkv),
+                                     (layer.pre_mlp_layernorm, layer.mlp.linear_fc1)):
+                    want = norms == "batch_invariant" and linear.gemm_mode == "fp8"
+                    hooks.append(norm.register_forward_hook(functools.partial(_note_forms, seen, want)))
+            try:
+                got = _trainer_logprobs(gpt, seqs)
+            finally:
+                for h in hooks:
+                    h.remove()
+            assert seen and all(w == h for w, h in seen), (norms, seen)
+            assert any(w for w, _ in seen) == (norms == "batch_invariant"), seen
             same[norms], total = 0, 0
             for i, s in enumerate(samples):
                 decode = torch.tensor(s.logprobs, dtype=torch.float32)

@@ -24,7 +24,7 @@ from jetrl_megatron.megatron.numerics import (
     get_bf16_residual_bda,
     rope_cos_sin_cache,
 )
-from jetrl_megatron.megatron.spec import gpt_block_spec, gpt_layer_spec
+from jetrl_megatron.megatron.spec import gpt_block_spec, gpt_layer_spec, layer_gemm_modes
 from jetrl_megatron.model.shapes import get_model_shape
 from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.vllm_cuda import ops as vllm_cuda_ops
@@ -90,6 +90,32 @@ def test_spec_follows_vllms_qwen3_op_sequence(layers):
         assert attn.core_attention.keywords["attn_impl"] == "vllm_cuda"
         assert attn.core_attention.keywords["elementwise"] is ctx.elementwise
     assert _norm_kind(gpt_block_spec(ctx, lean_swiglu=True).layer_norm, ctx) == "fused"
+
+
+def test_norms_feeding_fp8_linears_hand_their_fp8_forms_on():
+    """The batch-invariant norms whose output an FP8 linear consumes (the input norm -> QKV, the pre-MLP norm -> FC1)
+    write that output's FP8 forms too; the q/k norms (attention), the final norm (BF16 lm_head), BF16 linears, vLLM's
+    own norms and the reference quantizer do not."""
+    shape = get_model_shape("tiny")
+    recipe = Fp8Recipe(mode="jetrl")
+    ctx = Fp8ModelContext.create(shape, recipe, range(0, 4), "vllm_cuda")
+    fed = 0
+    for g in range(4):
+        modes = layer_gemm_modes(shape, recipe, g)
+        sub = gpt_layer_spec(ctx, g, lean_swiglu=True).submodules
+        attn = sub.self_attention.submodules
+        for norm, linear in ((sub.input_layernorm, "linear_qkv"), (sub.pre_mlp_layernorm, "linear_fc1")):
+            assert norm.params.get("fp8_input") is (recipe if modes[linear] == "fp8" else None), (g, linear)
+            fed += modes[linear] == "fp8"
+        assert "fp8_input" not in attn.q_layernorm.params and "fp8_input" not in attn.k_layernorm.params
+    assert fed > 0
+    assert "fp8_input" not in gpt_block_spec(ctx, lean_swiglu=True).layer_norm.params
+    for other in (Fp8ModelContext.create(shape, Fp8Recipe(mode="bf16"), range(4), "vllm_cuda"),
+                  Fp8ModelContext.create(shape, recipe, range(4), "vllm_cuda", cuda_norms="vllm"),
+                  Fp8ModelContext.create(shape, recipe, range(4), "vllm_cuda", reference_quant=True)):
+        for g in range(4):
+            sub = gpt_layer_spec(other, g, lean_swiglu=True).submodules
+            assert "fp8_input" not in sub.input_layernorm.params and "fp8_input" not in sub.pre_mlp_layernorm.params
 
 
 def test_cpu_contexts_keep_the_fp32_residual_stream():

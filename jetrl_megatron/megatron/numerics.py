@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from jetrl_megatron.recipe import ATTN_IMPLS, ELEMENTWISE_IMPLS
+from jetrl_megatron.recipe import ATTN_IMPLS, ELEMENTWISE_IMPLS, Fp8Recipe
 from jetrl_megatron.vllm_cpu import ops as vllm_cpu_ops
 from jetrl_megatron.vllm_cuda import ops as vllm_cuda_ops
 
@@ -259,11 +259,13 @@ def _rms_fwd_vllm_cuda_fused(x: Tensor, w: Tensor, eps: float, out_dtype: torch.
     return vllm_cuda_ops.fused_rms_norm_of_sum(x, w, eps).to(out_dtype), _rstd(x, eps)
 
 
-def _rms_fwd_batch_invariant(x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _rms_fwd_batch_invariant(x: Tensor, w: Tensor, eps: float, out_dtype: torch.dtype,
+                             quant: Fp8Recipe | None = None) -> tuple[Tensor, Tensor]:
     """The batch-invariant RMSNorm GPU engines run with ``cuda_norms: batch_invariant`` (rollout/invariant_norm.py
     calls this same Triton kernel on each norm's BF16 input: layer 0's embedding, the q/k heads, and the BF16 residual
-    sum of every fused norm, which is ``x`` here); 1/rms in the twin's (..., 1) layout."""
-    y, rstd = _triton_module().rms_norm_fwd(x, w, eps, x.dtype)
+    sum of every fused norm, which is ``x`` here); 1/rms in the twin's (..., 1) layout. ``quant``: the output also
+    carries its 1x128 FP8 forms for the FP8 linear that consumes it (the bytes its own quantization would give)."""
+    y, rstd = _triton_module().rms_norm_fwd(x, w, eps, x.dtype, quant)
     return y.to(out_dtype), rstd.view(*x.shape[:-1], 1)
 
 
@@ -424,13 +426,19 @@ class RolloutRMSNorm(torch.nn.Module):
     """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, vllm_cuda: str | None = None,
-                 elementwise: ElementwiseKernels | None = None) -> None:
+                 elementwise: ElementwiseKernels | None = None, fp8_input: Fp8Recipe | None = None) -> None:
         super().__init__()
         if vllm_cuda is not None and vllm_cuda not in VLLM_CUDA_NORMS:
             raise ValueError(f"vllm_cuda must be one of {sorted(VLLM_CUDA_NORMS)} or None, got {vllm_cuda!r}")
         self.eps = float(eps)
         self.out_dtype = config.params_dtype
         self.vllm_cuda = vllm_cuda
+        # the batch-invariant kernel writing its output's FP8 forms too, for the FP8 linear this norm feeds (the
+        # engine's norm does the same: fewer quantization passes, the same bytes)
+        self.cuda_kernels = None if vllm_cuda is None else VLLM_CUDA_NORMS[vllm_cuda]
+        if vllm_cuda == "batch_invariant" and fp8_input is not None:
+            self.cuda_kernels = OpKernels("batch_invariant",
+                                          functools.partial(_rms_fwd_batch_invariant, quant=fp8_input), _rms_bwd_twin)
         self.elementwise = elementwise or ElementwiseKernels()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         # Megatron reduces the grads of replicated params marked sequence_parallel across the TP group.
@@ -438,7 +446,7 @@ class RolloutRMSNorm(torch.nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.vllm_cuda is not None and x.is_cuda and x.dtype == torch.bfloat16:
-            k = self.elementwise.with_triton_backward(VLLM_CUDA_NORMS[self.vllm_cuda], "rms_norm", x)
+            k = self.elementwise.with_triton_backward(self.cuda_kernels, "rms_norm", x)
             return _RMSNormFn.apply(x, self.weight, self.eps, self.out_dtype, k)
         return self.elementwise.dispatch("rms_norm", _RMSNormFn, (x, self.weight, self.eps, self.out_dtype),
                                          (x, self.weight, self.out_dtype))

@@ -77,7 +77,7 @@ def gpt_layer_spec(ctx: Fp8ModelContext, global_layer: int, *, lean_swiglu: bool
 
     qk_norm = norm_spec(ctx, "plain") if shape.qk_norm else IdentityOp
     # GPU vLLM: layer 0's input norm is the plain kernel on the embedding; every later norm is fused with the add
-    input_norm = norm_spec(ctx, "plain" if global_layer == 0 else "fused")
+    input_norm = norm_spec(ctx, "plain" if global_layer == 0 else "fused", feeds_fp8=modes["linear_qkv"] == "fp8")
     bda = get_bf16_residual_bda if ctx.vllm_cuda_kernels else fp32_residual_bda(ctx.elementwise)
     swiglu = (ModuleSpec(module=SwiGLU, params={"vllm_cuda": ctx.vllm_cuda_kernels, "elementwise": ctx.elementwise,
                                                 "fuse_fc1_grad_quant": ctx.fuse_swiglu_grad_quant})
@@ -102,7 +102,7 @@ def gpt_layer_spec(ctx: Fp8ModelContext, global_layer: int, *, lean_swiglu: bool
                 ),
             ),
             self_attn_bda=bda,
-            pre_mlp_layernorm=norm_spec(ctx, "fused"),
+            pre_mlp_layernorm=norm_spec(ctx, "fused", feeds_fp8=modes["linear_fc1"] == "fp8"),
             mlp=ModuleSpec(
                 module=MLP,
                 submodules=MLPSubmodules(
@@ -124,13 +124,16 @@ def gpt_block_spec(ctx: Fp8ModelContext, *, lean_swiglu: bool = False) -> Transf
     )
 
 
-def norm_spec(ctx: Fp8ModelContext, vllm_cuda_kind: str) -> ModuleSpec:
+def norm_spec(ctx: Fp8ModelContext, vllm_cuda_kind: str, feeds_fp8: bool = False) -> ModuleSpec:
     """A rollout-matched RMSNorm with the model's element-wise kernels; where the trainer is GPU vLLM's forward, the
     kernel that norm runs in the engine: the batch-invariant one (``ctx.cuda_norms``) or vLLM's own (``plain`` or
-    ``fused``)."""
+    ``fused``). ``feeds_fp8``: its output is an FP8 linear's input; the batch-invariant kernel then writes the FP8
+    forms too (not with ``reference_quant``, whose point is the reference quantizer)."""
     params: dict = {"elementwise": ctx.elementwise}
     if ctx.vllm_cuda_kernels:
         params["vllm_cuda"] = "batch_invariant" if ctx.cuda_norms == "batch_invariant" else vllm_cuda_kind
+        if params["vllm_cuda"] == "batch_invariant" and feeds_fp8 and not ctx.reference_quant:
+            params["fp8_input"] = ctx.recipe
     return ModuleSpec(module=RolloutRMSNorm, params=params)
 
 
