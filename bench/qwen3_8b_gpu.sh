@@ -109,10 +109,12 @@ case $mode in
     grep -E "^step|rollout engine|Error|error:|Killed|CUDA out" "$dir/run.log" | tail -12
     (cd "$dir/.." && tar czf "$out/grpo8b_len${len}_$arm.tgz" --exclude='model_init_engine*' "$(basename "$dir")")
     [ "${LAYER:-0}" = 1 ] && layer_cost ;;
-  vtests)  # issue 26's GPU tests alone: vLLM's own CUDA ops, trainer == engine decode/prefill, the decode-matched trainer
+  vtests)  # issue 26's GPU tests alone: vLLM's own CUDA ops, trainer == engine decode/prefill, the decode-matched trainer,
+    # the batch-invariant norms (one launch, FP8 forms); VTESTS=-k-expression narrows them
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
-    timeout "${RUN_LIMIT:-240}" python3 -m pytest -v -s -p no:cacheprovider -m gpu -rs --durations=10 \
-      tests/test_vllm_cuda_gpu.py > "$out/vllm_cuda_tests.log" 2>&1
+    timeout "${RUN_LIMIT:-300}" python3 -m pytest -v -s -p no:cacheprovider -m gpu -rs --durations=10 \
+      ${VTESTS:+-k "$VTESTS"} tests/test_rollout_invariant_norm.py tests/test_vllm_cuda_gpu.py \
+      > "$out/vllm_cuda_tests.log" 2>&1
     echo "vllm_cuda tests rc $?"; grep -E "PASSED|FAILED|SKIPPED|ERROR|bit-identical|passed|failed|Error" \
       "$out/vllm_cuda_tests.log" | tail -20 ;;
   decode)
