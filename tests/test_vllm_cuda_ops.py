@@ -92,30 +92,29 @@ def test_spec_follows_vllms_qwen3_op_sequence(layers):
     assert _norm_kind(gpt_block_spec(ctx, lean_swiglu=True).layer_norm, ctx) == "fused"
 
 
-def test_norms_feeding_fp8_linears_hand_their_fp8_forms_on():
-    """The batch-invariant norms whose output an FP8 linear consumes (the input norm -> QKV, the pre-MLP norm -> FC1)
-    write that output's FP8 forms too; the q/k norms (attention), the final norm (BF16 lm_head), BF16 linears, vLLM's
-    own norms and the reference quantizer do not."""
+def test_hidden_sized_norms_write_fp8_forms_where_the_engine_does():
+    """Where the engine serves the jetrl_fp8 plugin (an FP8 rollout, no stress format, no reference quantizer), its
+    hidden-sized batch-invariant norms write their output's FP8 forms, and the trainer's input, pre-MLP and final
+    norms run that same kernel variant (its sum of squares adds in another order than the plain one's), whatever
+    their consumer; the per-head q/k norms never; nothing with vLLM's own norms or a BF16 rollout."""
     shape = get_model_shape("tiny")
-    recipe = Fp8Recipe(mode="jetrl")
-    ctx = Fp8ModelContext.create(shape, recipe, range(0, 4), "vllm_cuda")
-    fed = 0
-    for g in range(4):
-        modes = layer_gemm_modes(shape, recipe, g)
-        sub = gpt_layer_spec(ctx, g, lean_swiglu=True).submodules
-        attn = sub.self_attention.submodules
-        for norm, linear in ((sub.input_layernorm, "linear_qkv"), (sub.pre_mlp_layernorm, "linear_fc1")):
-            assert norm.params.get("fp8_input") is (recipe if modes[linear] == "fp8" else None), (g, linear)
-            fed += modes[linear] == "fp8"
-        assert "fp8_input" not in attn.q_layernorm.params and "fp8_input" not in attn.k_layernorm.params
-    assert fed > 0
-    assert "fp8_input" not in gpt_block_spec(ctx, lean_swiglu=True).layer_norm.params
+    for recipe in (Fp8Recipe(mode="jetrl"), Fp8Recipe(mode="bf16_train_fp8_rollout")):
+        ctx = Fp8ModelContext.create(shape, recipe, range(0, 4), "vllm_cuda")
+        for g in range(4):
+            sub = gpt_layer_spec(ctx, g, lean_swiglu=True).submodules
+            attn = sub.self_attention.submodules
+            assert sub.input_layernorm.params["fp8_input"] is recipe and sub.pre_mlp_layernorm.params["fp8_input"] \
+                is recipe, (recipe.mode, g, layer_gemm_modes(shape, recipe, g))
+            assert "fp8_input" not in attn.q_layernorm.params and "fp8_input" not in attn.k_layernorm.params
+        assert gpt_block_spec(ctx, lean_swiglu=True).layer_norm.params["fp8_input"] is recipe
+    jetrl = Fp8Recipe(mode="jetrl")
     for other in (Fp8ModelContext.create(shape, Fp8Recipe(mode="bf16"), range(4), "vllm_cuda"),
-                  Fp8ModelContext.create(shape, recipe, range(4), "vllm_cuda", cuda_norms="vllm"),
-                  Fp8ModelContext.create(shape, recipe, range(4), "vllm_cuda", reference_quant=True)):
+                  Fp8ModelContext.create(shape, jetrl, range(4), "vllm_cuda", cuda_norms="vllm"),
+                  Fp8ModelContext.create(shape, jetrl, range(4), "vllm_cuda", reference_quant=True)):
         for g in range(4):
             sub = gpt_layer_spec(other, g, lean_swiglu=True).submodules
             assert "fp8_input" not in sub.input_layernorm.params and "fp8_input" not in sub.pre_mlp_layernorm.params
+        assert "fp8_input" not in gpt_block_spec(other, lean_swiglu=True).layer_norm.params
 
 
 def test_cpu_contexts_keep_the_fp32_residual_stream():

@@ -77,7 +77,7 @@ def gpt_layer_spec(ctx: Fp8ModelContext, global_layer: int, *, lean_swiglu: bool
 
     qk_norm = norm_spec(ctx, "plain") if shape.qk_norm else IdentityOp
     # GPU vLLM: layer 0's input norm is the plain kernel on the embedding; every later norm is fused with the add
-    input_norm = norm_spec(ctx, "plain" if global_layer == 0 else "fused", feeds_fp8=modes["linear_qkv"] == "fp8")
+    input_norm = norm_spec(ctx, "plain" if global_layer == 0 else "fused", hidden_sized=True)
     bda = get_bf16_residual_bda if ctx.vllm_cuda_kernels else fp32_residual_bda(ctx.elementwise)
     swiglu = (ModuleSpec(module=SwiGLU, params={"vllm_cuda": ctx.vllm_cuda_kernels, "elementwise": ctx.elementwise,
                                                 "fuse_fc1_grad_quant": ctx.fuse_swiglu_grad_quant})
@@ -102,7 +102,7 @@ def gpt_layer_spec(ctx: Fp8ModelContext, global_layer: int, *, lean_swiglu: bool
                 ),
             ),
             self_attn_bda=bda,
-            pre_mlp_layernorm=norm_spec(ctx, "fused", feeds_fp8=modes["linear_fc1"] == "fp8"),
+            pre_mlp_layernorm=norm_spec(ctx, "fused", hidden_sized=True),
             mlp=ModuleSpec(
                 module=MLP,
                 submodules=MLPSubmodules(
@@ -120,21 +120,32 @@ def gpt_block_spec(ctx: Fp8ModelContext, *, lean_swiglu: bool = False) -> Transf
     """Block spec of the chunk holding ``ctx.layers``; final norm = rollout-matched RMSNorm."""
     return TransformerBlockSubmodules(
         layer_specs=[gpt_layer_spec(ctx, g, lean_swiglu=lean_swiglu) for g in ctx.layers],
-        layer_norm=norm_spec(ctx, "fused"),
+        layer_norm=norm_spec(ctx, "fused", hidden_sized=True),
     )
 
 
-def norm_spec(ctx: Fp8ModelContext, vllm_cuda_kind: str, feeds_fp8: bool = False) -> ModuleSpec:
+def norm_spec(ctx: Fp8ModelContext, vllm_cuda_kind: str, hidden_sized: bool = False) -> ModuleSpec:
     """A rollout-matched RMSNorm with the model's element-wise kernels; where the trainer is GPU vLLM's forward, the
     kernel that norm runs in the engine: the batch-invariant one (``ctx.cuda_norms``) or vLLM's own (``plain`` or
-    ``fused``). ``feeds_fp8``: its output is an FP8 linear's input; the batch-invariant kernel then writes the FP8
-    forms too (not with ``reference_quant``, whose point is the reference quantizer)."""
+    ``fused``).
+
+    ``hidden_sized`` (the input, pre-MLP and final norms): where the engine serves the ``jetrl_fp8`` plugin, its
+    hidden-sized norms write their output's FP8 forms for the next linear (rollout/invariant_norm.py), and so does the
+    trainer's norm here, whether or not its own consumer is an FP8 linear. Why not only where it is: the kernel variant
+    that also stores FP8 codes compiles to another register layout (16 elements per thread instead of 8, seen in the
+    sm_90 IR), so its sum of squares adds in another order; trainer and engine must run the same variant per norm."""
     params: dict = {"elementwise": ctx.elementwise}
     if ctx.vllm_cuda_kernels:
         params["vllm_cuda"] = "batch_invariant" if ctx.cuda_norms == "batch_invariant" else vllm_cuda_kind
-        if params["vllm_cuda"] == "batch_invariant" and feeds_fp8 and not ctx.reference_quant:
+        if params["vllm_cuda"] == "batch_invariant" and hidden_sized and engine_writes_fp8_forms(ctx):
             params["fp8_input"] = ctx.recipe
     return ModuleSpec(module=RolloutRMSNorm, params=params)
+
+
+def engine_writes_fp8_forms(ctx: Fp8ModelContext) -> bool:
+    """Whether this model's GPU engine serves the ``jetrl_fp8`` plugin with the Triton quantizer (an FP8 rollout, no
+    stress format, no ``reference_quant``): then its hidden-sized batch-invariant norms write FP8 forms."""
+    return ctx.recipe.rollout_fp8 and ctx.stress is None and not ctx.reference_quant
 
 
 def gpt_model_spec(ctx: Fp8ModelContext, *, lean_swiglu: bool = False) -> ModuleSpec:

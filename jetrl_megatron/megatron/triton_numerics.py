@@ -161,13 +161,12 @@ if triton is not None:
             y = _round_bf16(y, EMU_BF16)
         tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         tl.store(RSTD + rows, rstd, mask=rmask)
-        if QUANT:
-            GROUPS: tl.constexpr = BLOCK_N // 128
-            yg = tl.reshape(y, (BLOCK_M, GROUPS, 128))
-            sc = fp8_kernels._scale_from_amax(fp8_kernels._nan_aware_amax(yg, 2), amax_eps, POW2)  # (BLOCK_M, GROUPS)
+        if QUANT:  # (BLOCK_N a power of two >= 128 here: the host enables it for N % 128 == 0 only)
+            yg = tl.reshape(y, (BLOCK_M, BLOCK_N // 128, 128))
+            sc = fp8_kernels._scale_from_amax(fp8_kernels._nan_aware_amax(yg, 2), amax_eps, POW2)  # (BLOCK_M, groups)
             qg = fp8_kernels._to_fp8(tl.div_rn(yg, sc[:, :, None]), CAST)
             tl.store(Q + r64 * stride_y + cols[None, :], tl.reshape(qg, (BLOCK_M, BLOCK_N)), mask=mask)
-            gs = tl.arange(0, GROUPS)
+            gs = tl.arange(0, BLOCK_N // 128)
             tl.store(QS + rows.to(tl.int64)[:, None] + gs[None, :].to(tl.int64) * stride_qs, sc,
                      mask=rmask[:, None] & (gs[None, :] * 128 < N))
 

@@ -79,8 +79,10 @@ def _asked_by_current_engine() -> bool:
 
 def fp8_input_recipe(norm_size: int) -> Fp8Recipe | None:
     """The recipe whose 1x128 FP8 forms a norm of ``norm_size`` should attach to its output: the engine serves the
-    ``jetrl_fp8`` plugin and the norm is hidden-sized (its output feeds the QKV / gate-up FP8 linears; the per-head
-    q/k norms feed attention). None otherwise."""
+    ``jetrl_fp8`` plugin with its Triton quantizer and the norm is hidden-sized (its output feeds the QKV / gate-up
+    FP8 linears; the per-head q/k norms feed attention). Every hidden-sized norm, the final one and those before BF16
+    linears too: the trainer's norms follow this same rule (megatron/spec.py ``norm_spec``), because the kernel
+    variant that writes the forms adds its sum of squares in another order. None otherwise."""
     vllm_config = _current_vllm_config()
     quant_config = getattr(vllm_config, "quant_config", None)
     hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
