@@ -70,8 +70,8 @@ def test_cpu_engine_that_asks_gets_the_layers_and_keeps_vllm_cpu_outputs(tmp_pat
 
 
 def _reduce_layout(n: int, has_res: bool, quant: bool, group_one: bool) -> str:
-    """The register layout of the norm kernel's sum of squares, compiled for sm_90 (no GPU needed), with the
-    16-divisibility Triton's launcher specializes aligned pointers and strides to."""
+    """The register layout of the norm kernel's sum of squares, compiled for sm_90 (no GPU needed) with the launch
+    options the project uses and the 16-divisibility Triton's launcher specializes aligned pointers and strides to."""
     import re
 
     import triton
@@ -94,9 +94,11 @@ def _reduce_layout(n: int, has_res: bool, quant: bool, group_one: bool) -> str:
     aligned = [k for k in ("X", "R", "S", "W", "Y", "RSTD", "Q", "QS", "N", "stride_xo", "stride_xi", "stride_r",
                            "stride_y") if sig[k] != "constexpr"]
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in aligned}
-    ir = triton.compile(ASTSource(fn=tn._rms_fwd_kernel, signature=sig, constexprs=const, attrs=attrs),
-                        target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": warps, "enable_fp_fusion": False}).asm["ttgir"]
+    asm = triton.compile(ASTSource(fn=tn._rms_fwd_kernel, signature=sig, constexprs=const, attrs=attrs),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **tn._launch_opts()}).asm
+    # the twin's roundings: every multiply and add rounded on its own (triton_numerics' launch options), no FMA
+    assert "fma." not in asm["ptx"], "the norm kernel's PTX contracts a multiply-add"
+    ir = asm["ttgir"]
     layouts = dict(re.findall(r"(#blocked\d*) = (#ttg\.blocked<[^>]*>)", ir))
     sums = re.findall(rf"\}}\) : \(tensor<{bm}x{bn}xf32, (#blocked\d*)>\) -> tensor<{bm}xf32", ir)
     assert len(sums) == 1, sums  # the one row reduction over the hidden size
@@ -108,8 +110,9 @@ def test_the_variants_one_norm_runs_on_either_side_add_in_one_order(n):
     """Exactness needs one addition order for a row's sum of squares in the trainer's norm and the engine's: the
     trainer runs plain rows, the engine the residual add in the same launch and per-head rows read in place. Their
     compiled sm_90 kernels (Triton's CUDA backend compiles without a GPU) hold the sum in one register layout, with
-    and without the FP8 forms. (The forms variant itself may use another layout than the plain one -- it does with
-    Triton 3.9, 16 elements per thread instead of 8 -- so trainer and engine choose it by one rule: spec.norm_spec.)"""
+    and without the FP8 forms, and none contracts a multiply-add into an FMA (the twin rounds each on its own). (The
+    forms variant itself may use another layout than the plain one -- it does with Triton 3.9, 16 elements per thread
+    instead of 8 -- so trainer and engine choose it by one rule: spec.norm_spec.)"""
     pytest.importorskip("triton")
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
