@@ -433,8 +433,8 @@ class RolloutRMSNorm(torch.nn.Module):
         self.eps = float(eps)
         self.out_dtype = config.params_dtype
         self.vllm_cuda = vllm_cuda
-        # the batch-invariant kernel writing its output's FP8 forms too, for the FP8 linear this norm feeds (the
-        # engine's norm does the same: fewer quantization passes, the same bytes)
+        # fp8_input (spec.norm_spec: every hidden-sized norm where the engine's do the same): the batch-invariant
+        # kernel also writes its output's FP8 forms, for an FP8 linear consuming it (fewer passes, the same bytes)
         self.cuda_kernels = None if vllm_cuda is None else VLLM_CUDA_NORMS[vllm_cuda]
         if vllm_cuda == "batch_invariant" and fp8_input is not None:
             self.cuda_kernels = OpKernels("batch_invariant",
