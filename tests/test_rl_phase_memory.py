@@ -61,3 +61,62 @@ def test_gpu_phase_peak_sees_a_freed_transient():
     for phase in ("update", "refit"):
         parts = sum(m[f"memory/gpu_{p}_gib_{phase}"] for p in ("torch_allocated", "torch_cached", "outside_torch"))
         assert parts <= m[f"memory/gpu_peak_gib_{phase}"] + 1e-6, (phase, m)
+
+
+class _Engine:
+    """Records the loop's calls to the colocated engine (sleep/wake), in order with the cache releases."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def sleep(self, level: int) -> bool:
+        self.calls.append("sleep")
+        return True
+
+    def wake_up(self) -> None:
+        self.calls.append("wake_up")
+
+
+def _train_phase(calls: list[str]):
+    from types import SimpleNamespace
+
+    from jetrl_megatron.rl.loop import TrainPhase
+
+    cfg = SimpleNamespace(policy=SimpleNamespace(generation=SimpleNamespace(colocated=SimpleNamespace(enabled=True))))
+    ro = SimpleNamespace(engine=_Engine(calls), release_grads=False)
+    return TrainPhase(cfg, SimpleNamespace(model=None), ro)
+
+
+def test_the_update_returns_its_cached_blocks_before_the_engine_wakes(monkeypatch):
+    """The order the 8B round asked for: the engine's transients go back when it sleeps, the update's before it
+    wakes for the refit (a refit phase that began holding them counted 22.5 GiB of cache on 2026-12-05)."""
+    from jetrl_megatron.rl import loop
+
+    calls: list[str] = []
+    monkeypatch.setattr(loop, "release_cached_gpu_memory", lambda: calls.append("release"))
+    with _train_phase(calls) as phase:
+        calls.append("logprob")
+        with phase.grad_buffers_held():
+            calls.append("update")
+        phase.wake_up()
+    assert calls == ["sleep", "release", "logprob", "update", "release", "wake_up"], calls
+
+
+@pytest.mark.gpu
+def test_the_refit_phase_does_not_hold_the_updates_freed_blocks():
+    """A 2 GiB transient of the update, freed (cached by torch), is not in the refit phase's peak or its cache."""
+    meter = PhaseMemory(torch.device("cuda"))
+    torch.cuda.empty_cache()
+    with _train_phase([]) as phase:
+        meter.begin()
+        with phase.grad_buffers_held():
+            x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+            x.fill_(1)
+            del x
+        meter.end("update")
+        meter.begin()
+        phase.wake_up()
+        meter.end("refit")
+    m = meter.metrics()
+    assert m["memory/gpu_torch_cached_gib_refit"] < 0.1, m
+    assert m["memory/gpu_peak_gib_refit"] < m["memory/gpu_peak_gib_update"] - 1.9, m

@@ -209,7 +209,8 @@ def grpo_step(cfg: RunConfig, trainer: Trainer, ro: Rollout, step: int, logger: 
 def release_cached_gpu_memory() -> None:
     """Return cached, unused GPU blocks at a phase change (as NeMo-RL does around generation): after the refit, the
     trainer's, which the awake engine could use and the rollout phase's peak would otherwise count; when the engine
-    goes to sleep, the engine's own transient buffers, which the trainer's phases would otherwise count."""
+    goes to sleep, the engine's own transient buffers, which the trainer's phases would otherwise count; after the
+    update, the update's, which would otherwise sit beside the waking engine's weights and KV cache."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -251,7 +252,8 @@ class TrainPhase:
     """The trainer's part of a step, from the end of the rollout to the refit. Colocated, vLLM sleeps through it (on
     CUDA its KV cache is freed) until ``wake_up`` (the refit needs it awake; on leaving, it is awake); the DDP grad
     buffers, when released between updates (``Rollout.release_grads``), are held only inside ``grad_buffers_held``
-    (the update), not during the logprob pass or the refit."""
+    (the update), not during the logprob pass or the refit; torch's cached blocks are returned as each of these
+    begins."""
 
     def __init__(self, cfg: RunConfig, trainer: Trainer, ro: Rollout) -> None:
         self.cfg, self.trainer, self.ro = cfg, trainer, ro
@@ -281,6 +283,9 @@ class TrainPhase:
         yield
         if self.ro.release_grads:
             release_grad_buffers(self.trainer.model)  # before vLLM wakes up
+        # and the update's freed blocks (activations, the released buffers) with them, before the refit phase: the
+        # 8B jetrl arm's refit phase began holding 22.5 GiB of them on 2026-12-05, beside the waking engine
+        release_cached_gpu_memory()
 
 
 def step_telemetry(batch: RolloutBatch, meter: StepMeter, report: Any, source: RefitSource) -> dict[str, float]:
