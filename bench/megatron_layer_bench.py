@@ -17,12 +17,16 @@ median shows the host. ``--host-profile`` adds a cProfile of one step's host sid
 quantization of fc1's dY (Fp8ModelContext.fuse_swiglu_grad_quant, megatron/swiglu_fp8.py; implies the SwiGLU
 module); a fused arm also reports whether its MLP block's gradients (input, fc1, fc2) are bit-identical to its unfused
 twin's (they must be).
+``--cuda-graph`` also times every arm with the layer's forward and backward each captured as one CUDA graph
+(``torch.cuda.make_graphed_callables`` on the same layer and weights): what launch gaps and host issue cost, the wall
+time beyond the kernel sum (issue 29 item 3). It reports whether the graphed forward output equals the eager one bit
+for bit (it must: same kernels, same inputs); an arm that cannot be captured reports why and keeps its eager numbers.
 ``--profile`` prints, per arm, the top CUDA kernels of one fwd+bwd by total time (torch.profiler) and the time per
 kernel group (GEMM, attention, FP8 quantization, our Triton element-wise kernels, other = torch element-wise/copies).
 
     python bench/megatron_layer_bench.py [--seq 8192] [--iters 20] [--backends auto,triton] [--out DIR]
         [--attn-impl bf16|bf16_gqa] [--lean-swiglu] [--e2e] [--elementwise torch,triton] [--profile [--top 25]]
-        [--fuse-swiglu-grad-quant off,on] [--cuda-norms batch_invariant|vllm]
+        [--fuse-swiglu-grad-quant off,on] [--cuda-norms batch_invariant|vllm] [--cuda-graph]
     python bench/megatron_layer_bench.py --tiny --seq 64 --iters 2 --warmup 1   # CPU smoke run (TRITON_INTERPRET=1
                                                                                 # makes the triton arms use Triton)
 """
@@ -128,6 +132,35 @@ def host_and_pipelined(fn, device, iters: int) -> tuple[float, float]:
         fn()
     _sync(device)
     return statistics.median(host), (time.perf_counter() - t) * 1e3 / iters
+
+
+class _LayerOutput(torch.nn.Module):
+    """The layer as a one-tensor-in, one-tensor-out module (what make_graphed_callables captures); owns the layer's
+    parameters, so their gradients flow through the graphed backward."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, attention_mask=None)[0]
+
+
+def graphed_layer_step(layer, x: torch.Tensor, gout: torch.Tensor, warmup: int):
+    """(step, forward) of ``layer`` with its forward and backward each replayed as one CUDA graph.
+
+    Captured once here (after ``warmup`` eager iterations on a side stream, which also JIT-compiles any GEMM and
+    fills the FP8 weight's derived layouts); a replay reads the weights and the FP8 cache where they live, so a cache
+    refreshed in place is seen, while its derived layouts (the DGrad transpose) are the ones built at capture."""
+    graphed = torch.cuda.make_graphed_callables(_LayerOutput(layer), (x,), num_warmup_iters=max(warmup, 3))
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        out = graphed(x)
+        out.backward(gout.to(out.dtype))
+
+    return step, graphed
 
 
 def host_profile(fn, top: int) -> str:
@@ -256,6 +289,21 @@ def e2e_smoke() -> dict:
     return {"e2e_lp_shape": list(lp0.shape), "e2e_losses": losses, "e2e_refreshes": opt.stats.refreshes}
 
 
+def graph_timings(layer, x, gout, eager_out: torch.Tensor, args) -> dict:
+    """The ``graph_*`` columns of one arm (see ``graphed_layer_step``); a capture that fails is reported, not raised:
+    the arm's eager numbers stand and the table says why its graphed ones are missing."""
+    try:
+        step, graphed = graphed_layer_step(layer, x, gout, args.warmup)
+        with torch.no_grad():
+            same = torch.equal(graphed(x).float(), eager_out)
+        t = timeit(step, torch.device("cuda"), args.warmup, args.iters)
+        _, pipe = host_and_pipelined(step, torch.device("cuda"), args.iters)
+    except Exception as e:  # noqa: BLE001 -- any capture error is a result of this column
+        torch.cuda.synchronize()
+        return {"graph_error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
+    return {"graph_layer_ms": t, "graph_pipelined_ms": pipe, "graph_fwd_bit_identical": same}
+
+
 def _write_atomic(path: str, text: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
@@ -284,6 +332,8 @@ def main() -> None:
     ap.add_argument("--fuse-swiglu-grad-quant", default="off",
                     help="comma list of off/on: jetrl arms without / with the SwiGLU backward fused with fc1's dY "
                          "FP8 quantization (on implies the SwiGLU module)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="also time each arm with the layer's fwd and bwd captured as CUDA graphs (needs CUDA)")
     ap.add_argument("--regroup-modes", default=None,
                     help="comma list of fp8.kernels transposed-store modes (REGROUP_TRANS_MODE) for the jetrl rows; "
                          "default: the module's")
@@ -298,6 +348,8 @@ def main() -> None:
             ap.error(f"--elementwise: {e!r} is not one of {numerics.ELEMENTWISE_IMPLS}")
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if args.cuda_graph and device.type != "cuda":
+        ap.error("--cuda-graph needs CUDA (this machine has no GPU)")
     init_parallel(1, 1)
     base = get_model_shape("tiny" if args.tiny else "qwen3-8b")
     shape = dataclasses.replace(base, num_layers=1, max_position_embeddings=max(args.seq, 128))
@@ -354,6 +406,8 @@ def main() -> None:
         t_mlp = timeit(mlp_step, device, args.warmup, args.iters)
         t_host, t_pipe = host_and_pipelined(layer_step, device, args.iters)
         t_refresh = timeit(refresh, device, 2, 5) if mode == "jetrl" else 0.0
+        graph = graph_timings(layer, x, gout, outputs[(ew, mode, backend, rmode, fuse)], args) if args.cuda_graph \
+            else {}
         saved = saved_bytes(lambda layer=layer: layer(x, attention_mask=None)[0], layer.persistent_storages())
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -367,7 +421,7 @@ def main() -> None:
                          fuse_swiglu_grad_quant=fuse,
                          layer_ms=t_layer, host_issue_ms=t_host, pipelined_ms=t_pipe,
                          mlp_ms=t_mlp, refresh_ms=t_refresh, saved_MiB=saved / 2**20,
-                         held_after_fwd_MiB=held / 2**20))
+                         held_after_fwd_MiB=held / 2**20, **graph))
         if args.host_profile:
             _sync(device)
             host_texts.append(f"### host profile: {mode} / {backend} / elementwise {ew}\n\n```\n"
@@ -399,6 +453,8 @@ def main() -> None:
         r["pipelined_speedup"] = b["pipelined_ms"] / r["pipelined_ms"]
         r["mlp_speedup"] = b["mlp_ms"] / r["mlp_ms"]
         r["saved_ratio"] = r["saved_MiB"] / b["saved_MiB"]
+        if r.get("graph_layer_ms") and b.get("graph_layer_ms"):
+            r["graph_speedup"] = b["graph_layer_ms"] / r["graph_layer_ms"]
 
     info = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                 seq=s, shape=dataclasses.asdict(shape) | {"extra_hf": None})
@@ -440,6 +496,19 @@ def main() -> None:
                      f"| {r['mlp_ms']:.2f} | {r['mlp_speedup']:.3f}x | {r['refresh_ms']:.2f} | {r['saved_MiB']:.1f} "
                      f"| {r['saved_ratio']:.3f} | {r['held_after_fwd_MiB']:.1f} | {r['out_rel_err_vs_bf16']:.4f} "
                      f"| {dtw} | {fu} |")
+    if args.cuda_graph:
+        lines += ["", "| mode | gemm_backend | elementwise | eager fwd+bwd ms | graphed fwd+bwd ms | graphed / eager "
+                  "| speedup vs bf16 graphed | graphed back-to-back ms | graphed fwd == eager fwd |",
+                  "|" + "---|" * 9]
+        for r in rows:
+            if r.get("graph_error"):
+                lines.append(f"| {r['mode']} | {r['backend']} | {r['elementwise']} | {r['layer_ms']:.2f} "
+                             f"| capture failed: {r['graph_error']} | - | - | - | - |")
+                continue
+            sp = f"{r['graph_speedup']:.3f}x" if r.get("graph_speedup") else "-"
+            lines.append(f"| {r['mode']} | {r['backend']} | {r['elementwise']} | {r['layer_ms']:.2f} "
+                         f"| {r['graph_layer_ms']:.2f} | {r['graph_layer_ms'] / r['layer_ms']:.3f} | {sp} "
+                         f"| {r['graph_pipelined_ms']:.2f} | {'yes' if r['graph_fwd_bit_identical'] else 'NO'} |")
     table = "\n".join(lines)
     prof_text = "\n\n".join([format_profile(p["arm"], p) for p in profiles] + host_texts)
     print(json.dumps(info))

@@ -55,12 +55,17 @@ class Fp8ModelContext:
     # the SwiGLU backward fused with the FP8 quantization of fc1's dY (megatron/swiglu_fp8.py: same bytes, one
     # kernel instead of swiglu_bwd + quant_dual); off until measured faster on the GPU (docs/kernels.md)
     fuse_swiglu_grad_quant: bool = False
+    # the SwiGLU forward also writes its output's 1x128 FP8 forms for fc2 (triton_numerics.swiglu_fwd: same bytes,
+    # no separate quantization pass); with the vllm_cuda kernels it then runs the Triton SwiGLU instead of vLLM's
+    # silu_and_mul, which keeps exactness only where the two give the same bytes (a GPU test checks every BF16 gate
+    # value); off until measured faster and equal on the GPU (docs/kernels.md)
+    swiglu_fp8_forms: bool = False
 
     @classmethod
     def create(cls, shape: ModelShape, recipe: Fp8Recipe, layers: range, attn_impl: str | None = None, *,
                elementwise: str = "auto", reference_quant: bool = False, attn_match: str = "prefill",
                cuda_norms: str = "batch_invariant", stress: StressFormat | None = None,
-               fuse_swiglu_grad_quant: bool = False) -> Fp8ModelContext:
+               fuse_swiglu_grad_quant: bool = False, swiglu_fp8_forms: bool = False) -> Fp8ModelContext:
         """A context with an empty cache; ``attn_impl`` None = the default for this device."""
         if attn_match not in ATTN_MATCHES:
             raise ValueError(f"attn_match must be one of {ATTN_MATCHES}, got {attn_match!r}")
@@ -69,7 +74,7 @@ class Fp8ModelContext:
         return cls(shape, recipe, layers, attn_impl or default_attn_impl(),
                    Fp8WeightCache(recipe, reference_quant=reference_quant), ElementwiseKernels(elementwise),
                    bool(reference_quant), attn_match, cuda_norms, stress=stress,
-                   fuse_swiglu_grad_quant=bool(fuse_swiglu_grad_quant))
+                   fuse_swiglu_grad_quant=bool(fuse_swiglu_grad_quant), swiglu_fp8_forms=bool(swiglu_fp8_forms))
 
     @property
     def vllm_cpu_kernels(self) -> bool:

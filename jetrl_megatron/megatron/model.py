@@ -115,7 +115,7 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
               cuda_norms: str = "batch_invariant", lean_swiglu: bool | None = None, seed: int = 1234,
               init_std: float = 0.02,
               stress: StressFormat | None = None, fuse_swiglu_grad_quant: bool = False,
-              **config_overrides: Any) -> GPTModel:
+              swiglu_fp8_forms: bool = False, **config_overrides: Any) -> GPTModel:
     """This rank's model (its TP shard of its PP stage) with Jet-RL linears, numerics and a filled FP8 cache.
 
     pre_process / post_process default to whether this rank is the first / last pipeline stage. The model is
@@ -135,7 +135,8 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
     autograd SwiGLU, BF16 mode); ``None`` = on with CUDA, off on CPU (where Megatron's own BF16 ``silu(g) * u`` is
     already vLLM's op). fuse_swiglu_grad_quant: that SwiGLU module's backward also writes fc1's dY in FP8 (one
     Triton kernel, same bytes; Fp8ModelContext.fuse_swiglu_grad_quant), off by default (GPU speed unmeasured);
-    needs lean_swiglu.
+    needs lean_swiglu. swiglu_fp8_forms: that module's forward also writes fc2's FP8 input (one Triton kernel,
+    same bytes; Fp8ModelContext.swiglu_fp8_forms), off by default (GPU speed unmeasured); needs lean_swiglu.
     """
     if lean_swiglu is None:
         lean_swiglu = torch.cuda.is_available()
@@ -155,9 +156,10 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
     context = Fp8ModelContext.create(shape, recipe, layers, attn_impl, elementwise=elementwise,
                                      reference_quant=reference_quant, attn_match=attn_match,
                                      cuda_norms=cuda_norms, stress=stress,
-                                     fuse_swiglu_grad_quant=fuse_swiglu_grad_quant)
-    if fuse_swiglu_grad_quant and not lean_swiglu:
-        raise ValueError("fuse_swiglu_grad_quant needs lean_swiglu (the fused backward is the SwiGLU module's)")
+                                     fuse_swiglu_grad_quant=fuse_swiglu_grad_quant, swiglu_fp8_forms=swiglu_fp8_forms)
+    for key, on in (("fuse_swiglu_grad_quant", fuse_swiglu_grad_quant), ("swiglu_fp8_forms", swiglu_fp8_forms)):
+        if on and not lean_swiglu:
+            raise ValueError(f"{key} needs lean_swiglu (the fused kernel is the SwiGLU module's)")
     if context.vllm_cuda_kernels and not lean_swiglu:
         raise ValueError("attn_impl='vllm_cuda' needs lean_swiglu (the SwiGLU module runs vLLM's silu_and_mul)")
     if lean_swiglu:

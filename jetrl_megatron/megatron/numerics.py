@@ -458,23 +458,44 @@ class SwiGLU(torch.nn.Module):
     ``fuse_fc1_grad_quant`` (the model context's ``fuse_swiglu_grad_quant``; off by default, GPU speed unmeasured):
     where fc1 is an FP8 linear that feeds this module directly and the Triton kernels serve these tensors, the
     backward is swiglu_fp8's fused kernel, which also writes fc1's dY in both FP8 forms so fc1 skips its quant_dual.
-    The same bytes either way (tests/test_megatron_swiglu_fp8.py); the forward is unchanged."""
+    The same bytes either way (tests/test_megatron_swiglu_fp8.py).
+
+    ``fp8_output`` (a recipe: the model context's ``swiglu_fp8_forms``, for an FP8 fc2; off by default): where the
+    Triton kernels serve x, the forward is the Triton SwiGLU that also writes its output's 1x128 FP8 forms, which fc2
+    takes instead of quantizing again (the same bytes: tests/test_megatron_swiglu_fwd_forms.py). With ``vllm_cuda``
+    that kernel replaces vLLM's silu_and_mul: exact only where the two agree bit for bit (the GPU test there)."""
 
     def __init__(self, config=None, vllm_cuda: bool = False, elementwise: ElementwiseKernels | None = None,
-                 fuse_fc1_grad_quant: bool = False) -> None:
+                 fuse_fc1_grad_quant: bool = False, fp8_output: Fp8Recipe | None = None) -> None:
         super().__init__()
         self.vllm_cuda = vllm_cuda  # GPU vLLM's silu_and_mul kernel for CUDA BF16 input
         self.elementwise = elementwise or ElementwiseKernels()
         self.fuse_fc1_grad_quant = bool(fuse_fc1_grad_quant)
+        self.fp8_output = fp8_output
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.vllm_cuda and x.is_cuda and x.dtype == torch.bfloat16:
-            y = _SwiGLUFn.apply(x, self.elementwise.with_triton_backward(VLLM_CUDA_SWIGLU, "swiglu", x))
-        else:
-            y = self.elementwise.dispatch("swiglu", _SwiGLUFn, (x,), (x,))
+        y = self._with_fp8_forms(x)
+        if y is None:
+            y = self._without_forms(x)
         if self.fuse_fc1_grad_quant:
             self._fuse_backward_into_fc1(x, y)
         return y
+
+    def _without_forms(self, x: Tensor) -> Tensor:
+        if self.vllm_cuda and x.is_cuda and x.dtype == torch.bfloat16:
+            return _SwiGLUFn.apply(x, self.elementwise.with_triton_backward(VLLM_CUDA_SWIGLU, "swiglu", x))
+        return self.elementwise.dispatch("swiglu", _SwiGLUFn, (x,), (x,))
+
+    def _with_fp8_forms(self, x: Tensor) -> Tensor | None:
+        """The Triton SwiGLU writing fc2's FP8 forms, where ``fp8_output`` asks and Triton serves x; else None (and
+        in ``auto`` mode after a kernel failure, which switches this model to the twins)."""
+        if self.fp8_output is None:
+            return None
+        tn = self.elementwise.triton_for(x)
+        if tn is None or not tn.swiglu_supported(x):
+            return None
+        k = OpKernels("triton_fp8_forms", functools.partial(tn.swiglu_fwd, quant=self.fp8_output), tn.swiglu_bwd)
+        return self.elementwise.run_triton("swiglu", _SwiGLUFn.apply, x, k)
 
     def _fuse_backward_into_fc1(self, x: Tensor, y: Tensor) -> None:
         """Mark y's node to run the fused backward when fc1 (x's producer) can take its dY prequantized."""

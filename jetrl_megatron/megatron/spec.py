@@ -79,8 +79,13 @@ def gpt_layer_spec(ctx: Fp8ModelContext, global_layer: int, *, lean_swiglu: bool
     # GPU vLLM: layer 0's input norm is the plain kernel on the embedding; every later norm is fused with the add
     input_norm = norm_spec(ctx, "plain" if global_layer == 0 else "fused", hidden_sized=True)
     bda = get_bf16_residual_bda if ctx.vllm_cuda_kernels else fp32_residual_bda(ctx.elementwise)
+    # the SwiGLU output's FP8 forms: only for an FP8 fc2 that quantizes with the kernels (reference_quant's point is
+    # to run the reference quantizer)
+    fc2_forms = ctx.recipe if (ctx.swiglu_fp8_forms and modes["linear_fc2"] == "fp8" and not ctx.reference_quant) \
+        else None
     swiglu = (ModuleSpec(module=SwiGLU, params={"vllm_cuda": ctx.vllm_cuda_kernels, "elementwise": ctx.elementwise,
-                                                "fuse_fc1_grad_quant": ctx.fuse_swiglu_grad_quant})
+                                                "fuse_fc1_grad_quant": ctx.fuse_swiglu_grad_quant,
+                                                "fp8_output": fc2_forms})
               if lean_swiglu else None)
     rope = {"theta": shape.rope_theta, "max_positions": shape.max_position_embeddings,
             "scaling": shape.rope_scaling}

@@ -125,6 +125,23 @@ if triton is not None:
         else:
             return libdevice.rsqrt(x)
 
+    @triton.jit
+    def _row_group_forms(y, Q, QS, rows, rmask, col0, stride_q, stride_qs, N, amax_eps,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POW2: tl.constexpr, CAST: tl.constexpr):
+        """The 1x128 FP8 forms of the FP32 tile ``y`` (rows ``rows`` x BLOCK_N columns from ``col0``, a multiple of
+        128; BLOCK_N a power of two >= 128): codes into Q (rows of stride_q), scales into QS (column-major, column
+        stride stride_qs), with fp8/kernels.py's scale rule and cast: ``quant_act``'s bytes for the values y holds."""
+        cols = col0 + tl.arange(0, BLOCK_N)
+        mask = rmask[:, None] & (cols < N)[None, :]
+        yg = tl.reshape(y, (BLOCK_M, BLOCK_N // 128, 128))
+        sc = fp8_kernels._scale_from_amax(fp8_kernels._nan_aware_amax(yg, 2), amax_eps, POW2)  # (BLOCK_M, groups)
+        qg = fp8_kernels._to_fp8(tl.div_rn(yg, sc[:, :, None]), CAST)
+        tl.store(Q + rows.to(tl.int64)[:, None] * stride_q + cols[None, :], tl.reshape(qg, (BLOCK_M, BLOCK_N)),
+                 mask=mask)
+        gs = col0 // 128 + tl.arange(0, BLOCK_N // 128)
+        tl.store(QS + rows.to(tl.int64)[:, None] + gs[None, :].to(tl.int64) * stride_qs, sc,
+                 mask=rmask[:, None] & (gs[None, :] * 128 < N))
+
     # ------------------------------------------------------------------------------------------------ RMSNorm
     @triton.jit
     def _rms_fwd_kernel(X, R, S, W, Y, RSTD, Q, QS, n_rows, N, group, stride_xo, stride_xi, stride_r, stride_y,
@@ -162,13 +179,8 @@ if triton is not None:
         tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         tl.store(RSTD + rows, rstd, mask=rmask)
         if QUANT:  # (BLOCK_N a power of two >= 128 here: the host enables it for N % 128 == 0 only)
-            yg = tl.reshape(y, (BLOCK_M, BLOCK_N // 128, 128))
-            sc = fp8_kernels._scale_from_amax(fp8_kernels._nan_aware_amax(yg, 2), amax_eps, POW2)  # (BLOCK_M, groups)
-            qg = fp8_kernels._to_fp8(tl.div_rn(yg, sc[:, :, None]), CAST)
-            tl.store(Q + r64 * stride_y + cols[None, :], tl.reshape(qg, (BLOCK_M, BLOCK_N)), mask=mask)
-            gs = tl.arange(0, BLOCK_N // 128)
-            tl.store(QS + rows.to(tl.int64)[:, None] + gs[None, :].to(tl.int64) * stride_qs, sc,
-                     mask=rmask[:, None] & (gs[None, :] * 128 < N))
+            _row_group_forms(y, Q, QS, rows, rmask, 0, stride_y, stride_qs, N, amax_eps, BLOCK_M, BLOCK_N, POW2,
+                             CAST)
 
     @triton.jit
     def _rms_bwd_kernel(X, W, RSTD, DY, DX, DWP, n_rows, N, stride_x, stride_dy, stride_dx, inv_n,
@@ -215,12 +227,18 @@ if triton is not None:
         return r64, cols, mask, g, u
 
     @triton.jit
-    def _swiglu_fwd_kernel(X, Y, n_rows, F, stride_x, stride_y,
-                           BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, EMU_BF16: tl.constexpr):
+    def _swiglu_fwd_kernel(X, Y, Q, QS, n_rows, F, stride_x, stride_y, stride_qs, amax_eps,
+                           BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, EMU_BF16: tl.constexpr,
+                           QUANT: tl.constexpr, POW2: tl.constexpr, CAST: tl.constexpr):
+        """QUANT: also the output's 1x128 FP8 forms (``_row_group_forms``; codes in rows of stride_y)."""
         r64, cols, mask, g, u = _swiglu_tile(X, n_rows, F, stride_x, BLOCK_M, BLOCK_F)
         s = _round_bf16(tl.math.div_rn(g, 1.0 + _exp(-g, EMU_BF16)), EMU_BF16)  # F.silu on BF16
         y = _round_bf16(s * u, EMU_BF16)  # BF16 * BF16
         tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        if QUANT:  # (BLOCK_F a power of two >= 128 here: the host enables it for F % 128 == 0 only)
+            rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+            _row_group_forms(y, Q, QS, rows, rows < n_rows, tl.program_id(1) * BLOCK_F, stride_y, stride_qs, F,
+                             amax_eps, BLOCK_M, BLOCK_F, POW2, CAST)
 
     @triton.jit
     def _swiglu_bwd_kernel(X, DY, DX, n_rows, F, stride_x, stride_dy, stride_dx,
@@ -413,15 +431,29 @@ def _swiglu_grid(rows: int, f: int) -> tuple[tuple[int, int], int, int]:
     return (triton.cdiv(rows, bm), triton.cdiv(f, bf)), bm, bf
 
 
-def swiglu_fwd(x: Tensor) -> Tensor:
-    """bf16(bf16(silu(gate)) * up) for x = [gate | up] on the last dim (BF16)."""
+def swiglu_fwd(x: Tensor, quant: Fp8Recipe | None = None) -> Tensor:
+    """bf16(bf16(silu(gate)) * up) for x = [gate | up] on the last dim (BF16). ``quant`` (a recipe; F a multiple
+    of 128): the output also carries its 1x128 FP8 forms for the FP8 linear that consumes it (the MLP's fc2), the
+    bytes ``quant_act`` of the output would give, written in the same pass (fp8/linear.py ``attach_input_forms``)."""
     f = x.shape[-1] // 2
     x2 = _rows(x, 2 * f)
-    y = torch.empty((x2.shape[0], f), dtype=x.dtype, device=x.device)
-    grid, bm, bf = _swiglu_grid(x2.shape[0], f)
-    _swiglu_fwd_kernel[grid](x2, y, x2.shape[0], f, x2.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_F=bf,
-                             EMU_BF16=interpreting(), num_warps=4, **_launch_opts())
-    return y.view(*x.shape[:-1], f)
+    rows = x2.shape[0]
+    y = torch.empty((rows, f), dtype=x.dtype, device=x.device)
+    quant = quant if quant is not None and f % 128 == 0 and rows > 0 else None
+    if quant is not None:
+        q, qs = fp8_kernels._codes_buffer((rows, f), x.device), fp8_kernels._col_major(rows, f // 128, x.device)
+    else:
+        q = qs = y  # unused (QUANT off)
+    grid, bm, bf = _swiglu_grid(rows, f)
+    _swiglu_fwd_kernel[grid](x2, y, q, qs, rows, f, x2.stride(0), y.stride(0),
+                             qs.stride(1) if quant is not None else 0, quant.amax_eps if quant is not None else 0.0,
+                             BLOCK_M=bm, BLOCK_F=bf, EMU_BF16=interpreting(), QUANT=quant is not None,
+                             POW2=quant is not None and quant.scale_fmt == "pow2", CAST=not interpreting(),
+                             num_warps=4, **_launch_opts())
+    y = y.view(*x.shape[:-1], f)
+    if quant is not None:
+        attach_input_forms(y, fp8_kernels._finish_codes(q), qs, quant)
+    return y
 
 
 def swiglu_bwd(x: Tensor, dy: Tensor) -> Tensor:
