@@ -15,8 +15,9 @@ back to back (no sync between them, as the layers of a model run): when the host
 median shows the host. ``--host-profile`` adds a cProfile of one step's host side per arm.
 ``--fuse-swiglu-grad-quant off,on`` runs every jetrl arm without and with the SwiGLU backward fused with the FP8
 quantization of fc1's dY (Fp8ModelContext.fuse_swiglu_grad_quant, megatron/swiglu_fp8.py; implies the SwiGLU
-module); a fused arm also reports whether its MLP block's gradients (input, fc1, fc2) are bit-identical to its unfused
-twin's (they must be).
+module); ``--swiglu-fp8-forms off,on`` likewise with the SwiGLU forward writing fc2's FP8 input
+(Fp8ModelContext.swiglu_fp8_forms); every combination asked for runs. A fused arm also reports whether its MLP
+block's gradients (input, fc1, fc2) are bit-identical to its unfused twin's (they must be).
 ``--cuda-graph`` also times every arm with the layer's forward and backward each captured as one CUDA graph
 (``torch.cuda.make_graphed_callables`` on the same layer and weights): what launch gaps and host issue cost, the wall
 time beyond the kernel sum (issue 29 item 3). It reports whether the graphed forward output equals the eager one bit
@@ -26,7 +27,7 @@ kernel group (GEMM, attention, FP8 quantization, our Triton element-wise kernels
 
     python bench/megatron_layer_bench.py [--seq 8192] [--iters 20] [--backends auto,triton] [--out DIR]
         [--attn-impl bf16|bf16_gqa] [--lean-swiglu] [--e2e] [--elementwise torch,triton] [--profile [--top 25]]
-        [--fuse-swiglu-grad-quant off,on] [--cuda-norms batch_invariant|vllm] [--cuda-graph]
+        [--fuse-swiglu-grad-quant off,on] [--swiglu-fp8-forms off,on] [--cuda-norms batch_invariant|vllm] [--cuda-graph]
     python bench/megatron_layer_bench.py --tiny --seq 64 --iters 2 --warmup 1   # CPU smoke run (TRITON_INTERPRET=1
                                                                                 # makes the triton arms use Triton)
 """
@@ -60,13 +61,14 @@ except ImportError:  # no Triton: the reference quantizers run, there is no laun
     fp8_kernels = None
 
 
-def build_layer(shape, recipe, device, attn_impl=None, lean_swiglu=False, elementwise="auto", fuse=False,
+def build_layer(shape, recipe, device, attn_impl=None, lean_swiglu=False, elementwise="auto", fuse=(False, False),
                 cuda_norms="batch_invariant"):
+    """``fuse``: (the SwiGLU backward fused with fc1's dY quantization, the SwiGLU forward writing fc2's input)."""
     from megatron.core.transformer.spec_utils import build_module
 
     config = megatron_config(shape, recipe, use_te_activation_func=lean_swiglu)
     ctx = Fp8ModelContext.create(shape, recipe, range(1), attn_impl, elementwise=elementwise,
-                                 fuse_swiglu_grad_quant=fuse, cuda_norms=cuda_norms)
+                                 fuse_swiglu_grad_quant=fuse[0], swiglu_fp8_forms=fuse[1], cuda_norms=cuda_norms)
     layer = build_module(gpt_layer_spec(ctx, 0, lean_swiglu=lean_swiglu), config=config, layer_number=1)
     layer = layer.to(device)
     cache = ctx.cache
@@ -304,6 +306,10 @@ def graph_timings(layer, x, gout, eager_out: torch.Tensor, args) -> dict:
     return {"graph_layer_ms": t, "graph_pipelined_ms": pipe, "graph_fwd_bit_identical": same}
 
 
+def fusion_label(fuse: tuple[bool, bool]) -> str:
+    return "+".join(name for name, on in zip(("bwd", "fwd"), fuse, strict=True) if on) or "-"
+
+
 def _write_atomic(path: str, text: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
@@ -334,15 +340,22 @@ def main() -> None:
                          "FP8 quantization (on implies the SwiGLU module)")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="also time each arm with the layer's fwd and bwd captured as CUDA graphs (needs CUDA)")
+    ap.add_argument("--swiglu-fp8-forms", default="off",
+                    help="comma list of off/on: jetrl arms without / with the SwiGLU forward writing fc2's FP8 input "
+                         "(on implies the SwiGLU module)")
     ap.add_argument("--regroup-modes", default=None,
                     help="comma list of fp8.kernels transposed-store modes (REGROUP_TRANS_MODE) for the jetrl rows; "
                          "default: the module's")
     args = ap.parse_args()
     impls = [e.strip() for e in args.elementwise.split(",") if e.strip()]
-    fuses = [v.strip() for v in args.fuse_swiglu_grad_quant.split(",") if v.strip()]
-    if not fuses or any(v not in ("off", "on") for v in fuses):
-        ap.error(f"--fuse-swiglu-grad-quant: a comma list of off/on, got {args.fuse_swiglu_grad_quant!r}")
-    fuses = [v == "on" for v in fuses]
+    def on_off(flag: str, value: str) -> list[bool]:
+        vals = [v.strip() for v in value.split(",") if v.strip()]
+        if not vals or any(v not in ("off", "on") for v in vals):
+            ap.error(f"{flag}: a comma list of off/on, got {value!r}")
+        return [v == "on" for v in vals]
+
+    fuses = [(b, f) for b in on_off("--fuse-swiglu-grad-quant", args.fuse_swiglu_grad_quant)
+             for f in on_off("--swiglu-fp8-forms", args.swiglu_fp8_forms)]
     for e in impls:
         if e not in numerics.ELEMENTWISE_IMPLS:
             ap.error(f"--elementwise: {e!r} is not one of {numerics.ELEMENTWISE_IMPLS}")
@@ -363,7 +376,7 @@ def main() -> None:
     rows, outputs, ref_state, profiles, host_texts = [], {}, None, [], []
     default_rmode = fp8_kernels.REGROUP_TRANS_MODE if fp8_kernels else None
     rmodes = [int(v) for v in args.regroup_modes.split(",")] if args.regroup_modes else [default_rmode]
-    arms = [(e, "bf16", "auto", None, False) for e in impls]
+    arms = [(e, "bf16", "auto", None, (False, False)) for e in impls]
     arms += [(e, "jetrl", b, rm, fu) for e in impls for b in args.backends.split(",") for rm in rmodes
              for fu in fuses]
     arms.sort(key=lambda a: impls.index(a[0]))
@@ -374,7 +387,7 @@ def main() -> None:
             fp8_kernels.REGROUP_TRANS_MODE = default_rmode if rmode is None else rmode
         recipe = Fp8Recipe(mode=mode, gemm_backend=backend)
         seed_everything(0)
-        lean = args.lean_swiglu or ew == "triton" or fuse
+        lean = args.lean_swiglu or ew == "triton" or any(fuse)
         layer, refresh = build_layer(shape, recipe, device, args.attn_impl, lean, ew, fuse, args.cuda_norms)
         if ref_state is None:
             ref_state = {k: v.detach().clone() for k, v in layer.named_parameters()}
@@ -397,7 +410,7 @@ def main() -> None:
 
         with torch.no_grad():
             outputs[(ew, mode, backend, rmode, fuse)] = layer(x, attention_mask=None)[0].float()
-        if mode == "jetrl" and True in fuses and False in fuses:  # the MLP block: deterministic kernels only
+        if mode == "jetrl" and (False, False) in fuses and len(fuses) > 1:  # the MLP block: deterministic kernels
             xn.grad = None
             mlp_step()
             grads[(ew, mode, backend, rmode, fuse)] = [g.clone() for g in (xn.grad, *(p.grad for p in
@@ -418,7 +431,7 @@ def main() -> None:
         else:
             held = 0
         rows.append(dict(elementwise=ew, swiglu_module=lean, mode=mode, backend=backend, regroup_mode=rmode,
-                         fuse_swiglu_grad_quant=fuse,
+                         swiglu_fusion=fuse,
                          layer_ms=t_layer, host_issue_ms=t_host, pipelined_ms=t_pipe,
                          mlp_ms=t_mlp, refresh_ms=t_refresh, saved_MiB=saved / 2**20,
                          held_after_fwd_MiB=held / 2**20, **graph))
@@ -430,21 +443,21 @@ def main() -> None:
         if args.profile:
             prof = profile_step(layer_step, device, args.top) | {"device": device.type}
             label = (f"{mode} / {backend} / elementwise {ew}" + ("" if rmode is None else f" / regroup mode {rmode}")
-                     + (" / fused SwiGLU grad quant" if fuse else ""))
+                     + ("" if not any(fuse) else f" / fused SwiGLU {fusion_label(fuse)}"))
             profiles.append({"arm": label, **prof})
         gqa_used &= all(m._gqa_kernels_ok for m in layer.modules() if isinstance(m, numerics.RolloutCoreAttention))
         del layer
 
-    ref = outputs[(impls[0], "bf16", "auto", None, False)]
+    ref = outputs[(impls[0], "bf16", "auto", None, (False, False))]
     for r in rows:
-        key = (r["elementwise"], r["mode"], r["backend"], r["regroup_mode"], r["fuse_swiglu_grad_quant"])
+        key = (r["elementwise"], r["mode"], r["backend"], r["regroup_mode"], r["swiglu_fusion"])
         o = outputs[key]
         r["out_rel_err_vs_bf16"] = ((o - ref).norm() / ref.norm()).item()
-        unfused = grads.get((*key[:4], False))
-        r["mlp_grads_bit_identical_vs_unfused"] = (None if not key[4] or unfused is None else
+        unfused = grads.get((*key[:4], (False, False)))
+        r["mlp_grads_bit_identical_vs_unfused"] = (None if not any(key[4]) or unfused is None else
                                                all(torch.equal(a, b) for a, b in zip(grads[key], unfused,
                                                                                      strict=True)))
-        twin_key = ("torch", r["mode"], r["backend"], r["regroup_mode"], r["fuse_swiglu_grad_quant"])
+        twin_key = ("torch", r["mode"], r["backend"], r["regroup_mode"], r["swiglu_fusion"])
         twin = None if r["elementwise"] == "torch" else outputs.get(twin_key)
         r["out_rel_diff_vs_torch_ew"] = None if twin is None else ((o - twin).norm() / twin.norm()).item()
     b = rows[0]
@@ -470,6 +483,7 @@ def main() -> None:
     info["attn_impl"] = args.attn_impl or numerics.default_attn_impl()
     info["lean_swiglu"] = args.lean_swiglu
     info["fuse_swiglu_grad_quant"] = args.fuse_swiglu_grad_quant
+    info["swiglu_fp8_forms"] = args.swiglu_fp8_forms
     info["cuda_norms"] = args.cuda_norms
     info["elementwise"] = impls
     if "triton" in impls and device.type != "cuda":
@@ -483,14 +497,15 @@ def main() -> None:
     head = ("| mode | gemm_backend | elementwise | regroup mode | layer fwd+bwd ms | speedup | host issue ms "
             "| back-to-back ms | speedup | MLP fwd+bwd ms | speedup | FP8 refresh ms/step | saved for bwd MiB "
             "| ratio | held after fwd MiB | out rel err vs bf16 | out rel diff vs torch elementwise "
-            "| fused SwiGLU grad quant (MLP grads = unfused) |")
+            "| fused SwiGLU: bwd = fc1 dY quant, fwd = fc2 input (MLP grads = unfused) |")
     lines = [head, "|" + "---|" * 18]
     for r in rows:
         ew = r["elementwise"] + (" (SwiGLU module)" if r["swiglu_module"] else "")
         dtw = "-" if r["out_rel_diff_vs_torch_ew"] is None else f"{r['out_rel_diff_vs_torch_ew']:.2e}"
         rm = "-" if r["regroup_mode"] is None else r["regroup_mode"]
         same = r["mlp_grads_bit_identical_vs_unfused"]
-        fu = ("on" + ("" if same is None else f" ({'yes' if same else 'NO'})")) if r["fuse_swiglu_grad_quant"] else "-"
+        fu = (fusion_label(r["swiglu_fusion"]) + ("" if same is None else f" ({'yes' if same else 'NO'})")
+              if any(r["swiglu_fusion"]) else "-")
         lines.append(f"| {r['mode']} | {r['backend']} | {ew} | {rm} | {r['layer_ms']:.2f} | {r['layer_speedup']:.3f}x "
                      f"| {r['host_issue_ms']:.2f} | {r['pipelined_ms']:.2f} | {r['pipelined_speedup']:.3f}x "
                      f"| {r['mlp_ms']:.2f} | {r['mlp_speedup']:.3f}x | {r['refresh_ms']:.2f} | {r['saved_MiB']:.1f} "

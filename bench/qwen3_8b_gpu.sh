@@ -24,8 +24,10 @@
 #           the batch-invariant norms and with vLLM's own (ARMS to choose), every arm in a fresh process
 #   exact150m  count_150m_gpu from random init, the three arms side by side at LENS (default 256 1024 4096) new tokens
 #           by ignore_eos, 2 GRPO steps each: issue 26's mismatch-by-position rows at the small shape
-#   fuse    the fused SwiGLU backward + fc1 dY FP8 quantization (Fp8ModelContext.fuse_swiglu_grad_quant): its GPU tests,
-#           bench/kernels_bench.py's swiglu section, the Qwen3-8B layer fwd+bwd with the fusion off and on
+#   fuse    the SwiGLU fusions (Fp8ModelContext.fuse_swiglu_grad_quant: backward + fc1 dY FP8 quantization;
+#           swiglu_fp8_forms: forward + fc2 input, and whether it equals vLLM's silu_and_mul): their GPU tests,
+#           bench/kernels_bench.py's swiglu section, the Qwen3-8B layer fwd+bwd with each fusion off and on
+#           (GRAPH=1: also each arm with the layer captured as CUDA graphs, issue 29 item 3)
 set -uo pipefail
 mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse}
 out=${2:?OUT_DIR}
@@ -153,13 +155,15 @@ case $mode in
       -o -name '*.log' -o -name 'config.yaml' \) -print0 | tar czf "$out/exact150m.tgz" --null -T -) ;;
   fuse)  # issue 29 item 2: the fused SwiGLU backward + fc1 dY FP8 quantization, its GPU tests, kernel and layer cost
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_megatron_swiglu_fp8.py \
-      > "$out/swiglu_tests.log" 2>&1; echo "swiglu tests rc $?"; grep -E "passed|failed|FAILED|SKIPPED" "$out/swiglu_tests.log" | tail -6
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_megatron_swiglu_fp8.py \
+      tests/test_megatron_swiglu_fwd_forms.py > "$out/swiglu_tests.log" 2>&1
+    echo "swiglu tests rc $?"; grep -E "passed|failed|FAILED|SKIPPED" "$out/swiglu_tests.log" | tail -6
     BENCH_SECTIONS=env,ceil,swiglu timeout 150 python3 bench/kernels_bench.py > "$out/kernels_swiglu.log" 2>&1
     echo "kernels bench rc $?"; tail -25 "$out/kernels_swiglu.log"
-    timeout 200 python3 bench/megatron_layer_bench.py --seq 8192 --iters 20 --warmup 5 --backends auto --lean-swiglu \
-      --elementwise triton --fuse-swiglu-grad-quant off,on --out "$out/layer_fuse.json" > "$out/layer_fuse.log" 2>&1
-    echo "layer bench rc $?"; grep -iE " ms|ratio|x bf16|identical" "$out/layer_fuse.log" | tail -12 ;;
+    timeout 300 python3 bench/megatron_layer_bench.py --seq 8192 --iters 20 --warmup 5 --backends auto --lean-swiglu \
+      --elementwise triton --fuse-swiglu-grad-quant off,on --swiglu-fp8-forms off,on ${GRAPH:+--cuda-graph} \
+      --out "$out/layer_fuse.json" > "$out/layer_fuse.log" 2>&1
+    echo "layer bench rc $?"; grep "^|" "$out/layer_fuse.log" | tail -16 ;;
   *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse OUT_DIR" >&2; exit 2 ;;
 esac
 # PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz, and

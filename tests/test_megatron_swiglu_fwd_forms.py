@@ -1,0 +1,332 @@
+"""The SwiGLU forward that also writes fc2's FP8 input (triton_numerics.swiglu_fwd(quant=...), the model context's
+``swiglu_fp8_forms``) and its wiring.
+
+Kernel: its output is the plain kernel's, byte for byte; its codes and scales are ``quantize_1x128`` of that output
+(the torch reference; NaN codes up to sign, the project's kernel contract) in ``quant_act``'s layout (column-major
+scales), for FP32 and pow2 scales, ragged token counts, an F whose groups do not fill the kernel's power-of-two
+block (384) or span two column programs (1152), zero rows, huge values, NaN and a strided input. The FP8 linear takes the forms (no quantization call)
+and gives the result it gives without them.
+
+Wiring: an fc1 -> SwiGLU -> fc2 block and a Megatron-Core layer from our spec give bit-identical outputs and
+gradients with the option on and off (also with the fused SwiGLU backward), with one quantization pass fewer per
+layer; the spec hands the forms only to an FP8 fc2 quantizing with the kernels; CPU tensors without the interpreter
+keep the torch twin.
+
+CPU: under TRITON_INTERPRET=1, in a subprocess. GPU (``gpu``): the kernel at Qwen3-8B / 32B sizes against
+``kernels.quant_act``, and against vLLM's ``silu_and_mul`` on every BF16 gate value (the condition for using it in
+place of vLLM's op with the ``vllm_cuda`` kernels).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from interpreter_child import run_module_under_interpreter
+from torch import Tensor
+
+BF16 = torch.bfloat16
+FORMS = "_jetrl_fp8_input_forms"
+
+
+def same(a: Tensor, b: Tensor) -> bool:
+    """Byte-equal FP8 codes; equal floats with NaN == NaN."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype == torch.float8_e4m3fn:
+        return bool((a.view(torch.uint8) == b.contiguous().view(torch.uint8)).all())
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def same_up_to_nan_sign(a: Tensor, b: Tensor) -> bool:
+    an, bn = a.float().isnan(), b.float().isnan()
+    return bool((an == bn).all()) and same(a.float()[~an], b.float()[~bn])
+
+
+def swiglu_input(m: int, f: int, device: str, seed: int, *, strided: bool = False) -> Tensor:
+    """[gate | up] (m, 2F) BF16: magnitudes over 8 decades per row, a zero row, a row of huge values, one NaN."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 2 * f, generator=g) * torch.logspace(-4, 4, m)[torch.randperm(m, generator=g)][:, None]
+    if m > 3:
+        x[1] = 0.0
+        x[2] *= 1e30
+        x[3, f // 3] = float("nan")
+    if strided:
+        wide = torch.randn(m, 2 * f + 128, generator=g)
+        wide[:, 64:64 + 2 * f] = x
+        return wide.to(BF16).to(device)[:, 64:64 + 2 * f]
+    return x.to(BF16).to(device)
+
+
+def check_kernel(m: int, f: int, device: str, seed: int = 0, *, strided: bool = False) -> dict:
+    from jetrl_megatron.fp8.quant import quantize_1x128
+    from jetrl_megatron.megatron import triton_numerics as tn
+    from jetrl_megatron.recipe import Fp8Recipe
+
+    x = swiglu_input(m, f, device, seed, strided=strided)
+    plain = tn.swiglu_fwd(x)
+    assert not hasattr(plain, FORMS)
+    for recipe in (Fp8Recipe(), Fp8Recipe(scale_fmt="pow2")):
+        y = tn.swiglu_fwd(x, quant=recipe)
+        tag = f"m={m} f={f} strided={strided} {recipe.scale_fmt}"
+        assert same(y, plain), f"{tag}: the output changed with the forms"
+        forms = getattr(y, FORMS)
+        q_ref, s_ref = quantize_1x128(plain.float(), recipe)  # the torch reference on the plain kernel's bytes
+        assert same_up_to_nan_sign(forms.q, q_ref), f"{tag}: codes differ from quantize_1x128 of the output"
+        assert same(forms.s, s_ref), f"{tag}: scales differ from quantize_1x128 of the output"
+        assert forms.s.stride() == (1, m), f"{tag}: scales not column-major ({forms.s.stride()})"
+        if device == "cuda":  # and the very bytes of the quantizer the linear would run otherwise
+            from jetrl_megatron.fp8 import kernels
+
+            q_k, s_k = kernels.quant_act(plain, recipe)
+            assert same(forms.q, q_k) and same(forms.s, s_k), f"{tag}: differs from kernels.quant_act"
+    return {"case": f"m={m} f={f} strided={strided}", "forms == quantize_1x128(output)": True}
+
+
+def check_linear_takes_them(device: str) -> dict:
+    """fc2 takes the forms (no quant_act call) with the result it gives without them; a changed tensor or another
+    scale rule is quantized again."""
+    from jetrl_megatron.fp8 import linear as fl
+    from jetrl_megatron.fp8 import quant_dispatch
+    from jetrl_megatron.fp8.quant import quantize_128x128
+    from jetrl_megatron.megatron import triton_numerics as tn
+    from jetrl_megatron.recipe import Fp8Recipe
+
+    calls = []
+    real = quant_dispatch.quant_act
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    quant_dispatch.quant_act = counting
+    try:
+        x = swiglu_input(37, 256, device, 3)
+        for recipe in (Fp8Recipe(), Fp8Recipe(scale_fmt="pow2")):
+            y = tn.swiglu_fwd(x, quant=recipe)
+            wq, ws = quantize_128x128((torch.randn(128, 256) * 0.1).to(BF16).to(device), recipe)
+            calls.clear()
+            got = fl.fp8_linear_forward(y, wq, ws, recipe=recipe)
+            assert not calls, "the linear quantized its input again"
+            assert same(got, fl.fp8_linear_forward(y.clone(), wq, ws, recipe=recipe)) and len(calls) == 1
+            calls.clear()
+            fl.fp8_linear_forward(y, wq, ws, recipe=Fp8Recipe(scale_fmt="pow2" if recipe.scale_fmt == "fp32"
+                                                               else "fp32"))
+            assert calls, "another scale rule must be quantized again"
+            y.mul_(2)
+            calls.clear()
+            assert same(fl.fp8_linear_forward(y, wq, ws, recipe=recipe),
+                        fl.fp8_linear_forward(y.clone(), wq, ws, recipe=recipe)) and len(calls) == 2
+    finally:
+        quant_dispatch.quant_act = real
+    return {"case": "fc2 takes the forms", "ok": True}
+
+
+def mlp_block(device: str, m: int, forms: bool, fuse_bwd: bool) -> tuple[list[Tensor], int]:
+    """fc1 (FP8) -> SwiGLU module (Triton kernels) -> fc2 (FP8), fwd+bwd: output, gradients, quant_act calls."""
+    from jetrl_megatron.fp8 import linear as L
+    from jetrl_megatron.fp8 import quant_dispatch
+    from jetrl_megatron.megatron import numerics as N
+    from jetrl_megatron.recipe import Fp8Recipe
+
+    h, f = 128, 384
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(m, h, generator=g).to(BF16).to(device).requires_grad_()
+    w1 = (torch.randn(2 * f, h, generator=g) * 0.1).to(BF16).to(device).requires_grad_()
+    w2 = (torch.randn(h, f, generator=g) * 0.1).to(BF16).to(device).requires_grad_()
+    gout = torch.randn(m, h, generator=g).to(BF16).to(device)
+    n = [0]
+    real = quant_dispatch.quant_act
+
+    def counting(*a, **k):
+        n[0] += 1
+        return real(*a, **k)
+
+    recipe = Fp8Recipe(mode="jetrl")
+    quant_dispatch.quant_act = counting
+    try:
+        act = N.SwiGLU(elementwise=N.ElementwiseKernels("triton"), fuse_fc1_grad_quant=fuse_bwd,
+                       fp8_output=recipe if forms else None)(L.fp8_linear(x, w1, None, recipe))
+        assert act.grad_fn.kernels.impl == ("triton_fp8_forms" if forms else "triton"), act.grad_fn.kernels
+        out = L.fp8_linear(act, w2, None, recipe)
+        out.backward(gout)
+    finally:
+        quant_dispatch.quant_act = real
+    return [out.detach(), x.grad, w1.grad, w2.grad], n[0]
+
+
+def check_mlp_block(device: str) -> dict:
+    for m in (200, 37):
+        for fuse_bwd in (False, True):
+            off, n_off = mlp_block(device, m, False, fuse_bwd)
+            on, n_on = mlp_block(device, m, True, fuse_bwd)
+            assert n_on == n_off - 1, f"m={m}: quant_act calls {n_off} -> {n_on}, expected one fewer (fc2's input)"
+            for name, a, b in zip(("out", "dx", "dw1", "dw2"), on, off, strict=True):
+                assert same(a, b), f"mlp block m={m} fused bwd={fuse_bwd}: {name} differs with the SwiGLU forms"
+    return {"case": "fc1 -> SwiGLU -> fc2, forms on/off", "bit-identical": True}
+
+
+def check_megatron_layer(device: str, seq: int, batch: int = 2) -> dict:
+    """A Megatron-Core TransformerLayer from our spec (tiny Qwen3 shape, jetrl, Triton element-wise kernels): output
+    and gradients bit-identical with ``swiglu_fp8_forms`` on and off, one quant_act call fewer per forward.
+    Off, on, off: tensors two unfused runs do not reproduce (on GPU the attention backward's order may vary) are not
+    compared; on CPU all must reproduce, elsewhere the output and the MLP's gradients."""
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron_helpers import one_layer_case
+
+    from jetrl_megatron.fp8 import quant_dispatch
+    from jetrl_megatron.megatron.context import Fp8ModelContext
+    from jetrl_megatron.megatron.model import megatron_config, seed_everything
+    from jetrl_megatron.megatron.spec import gpt_layer_spec
+    from jetrl_megatron.recipe import Fp8Recipe
+
+    shape, x0, gout = one_layer_case(seq, batch, device, seed=5)
+    recipe = Fp8Recipe(mode="jetrl")
+    res, calls = {}, {}
+    real = quant_dispatch.quant_act
+    for run, forms in enumerate((False, True, False)):
+        seed_everything(0)
+        config = megatron_config(shape, recipe, use_te_activation_func=True)
+        attn = "fp32" if device == "cpu" else "bf16"
+        ctx = Fp8ModelContext.create(shape, recipe, range(1), attn, elementwise="triton", swiglu_fp8_forms=forms)
+        layer = build_module(gpt_layer_spec(ctx, 0, lean_swiglu=True), config=config, layer_number=1).to(device)
+        ctx.cache.refresh((f"{name}.weight", m.weight) for name, m in layer.named_modules()
+                          if getattr(m, "gemm_mode", None) == "fp8")
+        n = [0]
+
+        def counting(*a, n=n, **k):
+            n[0] += 1
+            return real(*a, **k)
+
+        quant_dispatch.quant_act = counting
+        try:
+            x = x0.clone().requires_grad_()
+            out, _ = layer(x, attention_mask=None)
+            out.backward(gout)
+        finally:
+            quant_dispatch.quant_act = real
+        calls[run] = n[0]
+        res[run] = {"out": out.detach(), "d_x": x.grad} | {f"d_{k}": p.grad for k, p in layer.named_parameters()}
+    assert calls[0] == calls[2] and calls[1] == calls[0] - 1, f"quant_act calls off/on/off: {calls}"
+    checked = [name for name, ref in res[0].items() if ref is not None and same(ref, res[2][name])]
+    must = [name for name in res[0] if device == "cpu" or name == "out" or name.startswith("d_mlp.")]
+    assert set(must) <= set(checked), f"runs without the forms not reproducible: {sorted(set(must) - set(checked))}"
+    for name in checked:
+        assert same(res[1][name], res[0][name]), f"layer {name}: differs with the SwiGLU forms"
+    return {"case": f"megatron layer seq={seq} batch={batch} forms on/off", "tensors bit-identical": len(checked),
+            "of": len(res[0])}
+
+
+# ----------------------------------------------------------------------------------------------------- tests
+def test_swiglu_forms_under_interpreter():
+    run_module_under_interpreter(__file__, "the SwiGLU forward's FP8 forms broke their contract", timeout=600)
+
+
+def test_off_by_default_and_given_only_to_an_fp8_fc2_quantizing_with_the_kernels():
+    pytest.importorskip("megatron.core")
+    from jetrl_megatron.megatron import numerics as N
+    from jetrl_megatron.megatron.context import Fp8ModelContext
+    from jetrl_megatron.megatron.spec import gpt_layer_spec
+    from jetrl_megatron.model.shapes import get_model_shape
+    from jetrl_megatron.recipe import Fp8Recipe
+
+    assert Fp8ModelContext.__dataclass_fields__["swiglu_fp8_forms"].default is False
+    assert N.SwiGLU().fp8_output is None
+    shape = get_model_shape("tiny")
+
+    def fc2_forms(recipe, **kw):
+        ctx = Fp8ModelContext.create(shape, recipe, range(shape.num_layers), "fp32", **kw)
+        return [gpt_layer_spec(ctx, i, lean_swiglu=True).submodules.mlp.submodules.activation_func.params[
+            "fp8_output"] for i in range(shape.num_layers)]
+
+    jetrl = Fp8Recipe(mode="jetrl")
+    assert fc2_forms(jetrl) == [None] * shape.num_layers  # off by default
+    on = fc2_forms(jetrl, swiglu_fp8_forms=True)
+    fp8_layers = [jetrl.module_is_fp8(f"decoder.layers.{i}.mlp.linear_fc2.weight", i, shape.num_layers)
+                  for i in range(shape.num_layers)]
+    assert [r is jetrl for r in on] == fp8_layers and any(fp8_layers)
+    assert fc2_forms(Fp8Recipe(mode="bf16"), swiglu_fp8_forms=True) == [None] * shape.num_layers
+    assert fc2_forms(jetrl, swiglu_fp8_forms=True, reference_quant=True) == [None] * shape.num_layers
+
+
+def test_build_gpt_refuses_the_forms_without_the_swiglu_module(mp):
+    from jetrl_megatron.megatron.model import build_gpt
+    from jetrl_megatron.model.shapes import get_model_shape
+    from jetrl_megatron.recipe import Fp8Recipe
+
+    with pytest.raises(ValueError, match="swiglu_fp8_forms needs lean_swiglu"):
+        build_gpt(get_model_shape("tiny"), Fp8Recipe(mode="jetrl"), lean_swiglu=False, swiglu_fp8_forms=True)
+
+
+def test_cpu_tensors_without_interpreter_keep_the_torch_twin(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from jetrl_megatron.megatron import numerics as N
+    from jetrl_megatron.recipe import Fp8Recipe
+
+    x = swiglu_input(5, 128, "cpu", 0)
+    y = N.SwiGLU(fp8_output=Fp8Recipe())(x)
+    assert y.grad_fn is None or y.grad_fn.kernels.impl == "torch"
+    assert not hasattr(y, FORMS) and same(y, N.SwiGLU()(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_swiglu_forms_gpu_real_sizes():
+    """Qwen3-8B's F (12288) at 8k tokens, 32B's per-TP2 F (12800), decode-sized and ragged calls."""
+    for m, f, strided in ((8192, 12288, False), (1000, 12800, True), (1, 12288, False), (127, 384, False)):
+        print(check_kernel(m, f, "cuda", strided=strided))
+    print(check_linear_takes_them("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_swiglu_forms_wiring_gpu(request):
+    pytest.importorskip("megatron.core")
+    print(check_mlp_block("cuda"))
+    request.getfixturevalue("mp")
+    print(check_megatron_layer("cuda", seq=1024))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_swiglu_equals_vllm_silu_and_mul_on_every_bf16_gate():
+    """The condition for ``swiglu_fp8_forms`` with the ``vllm_cuda`` kernels: the Triton SwiGLU gives vLLM's
+    ``silu_and_mul`` bytes. silu depends on the gate alone, so every one of the 65,536 BF16 gate values is tried,
+    against an up of 1 (silu's own rounding) and against random ups over many decades (the product's rounding)."""
+    pytest.importorskip("vllm")
+    from jetrl_megatron.megatron import triton_numerics as tn
+    from jetrl_megatron.vllm_cuda import ops as vllm_cuda_ops
+
+    gate = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(BF16).view(512, 128).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ups = [torch.ones_like(gate)] + [(torch.randn(gate.shape, generator=g, device="cuda") * 10.0 ** e).to(BF16)
+                                     for e in (-3, 0, 3)]
+    for i, up in enumerate(ups):
+        x = torch.cat([gate, up], dim=1)
+        ours, theirs = tn.swiglu_fwd(x), vllm_cuda_ops.silu_and_mul(x)
+        equal = (ours == theirs) | (ours.isnan() & theirs.isnan())
+        where = (~equal).nonzero()[:5].tolist()
+        assert bool(equal.all()), (f"up #{i}: {(~equal).sum().item()} of {equal.numel()} differ, e.g. at {where}: "
+                                   f"gate {[gate[r, c].item() for r, c in where]}")
+
+
+def _interpreter_main() -> None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from jetrl_megatron.megatron import triton_numerics as tn
+
+    assert tn.interpreting()
+    for m, f, strided in ((130, 384, False), (7, 128, True), (1, 256, False), (64, 128, False), (5, 1152, False)):
+        print(check_kernel(m, f, "cpu", strided=strided))
+    print(check_linear_takes_them("cpu"))
+    print(check_mlp_block("cpu"))
+    from jetrl_megatron.megatron import cpu
+
+    cpu.init_parallel(1, 1)
+    print(check_megatron_layer("cpu", seq=12))
+    print("INTERP-OK")
+
+
+if __name__ == "__main__":
+    _interpreter_main()
