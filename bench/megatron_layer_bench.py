@@ -3,6 +3,7 @@
 The layer is built from our GPT layer spec (Megatron-Core TransformerLayer + SelfAttention + MLP with
 Fp8Column/RowParallelLinear and the rollout-matched norms/RoPE/attention), TP=1, micro-batch 1. Both modes get the
 same weights and inputs. Reported per mode: median fwd+bwd time of the whole layer and of its MLP block, the
+layer's forward alone under no_grad (what the trainer's logprob and reference passes run every step), the
 per-step FP8 weight-cache refresh (once per optimizer step, not per micro-batch), the bytes saved for backward
 (unique storages seen by saved_tensors_hooks during one forward) and the allocation still held after the forward.
 
@@ -403,6 +404,10 @@ def main() -> None:
             out, _ = layer(x, attention_mask=None)
             out.backward(gout.to(out.dtype))  # FP32 residual stream; BF16 with vllm_cuda
 
+        def fwd_step(layer=layer):  # the trainer's logprob / reference passes: forward under no_grad
+            with torch.no_grad():
+                layer(x, attention_mask=None)
+
         def mlp_step(layer=layer):
             layer.zero_grad(set_to_none=True)
             out, _ = layer.mlp(xn)
@@ -417,6 +422,7 @@ def main() -> None:
                                                                                    layer.mlp.parameters()))]
         t_layer = timeit(layer_step, device, args.warmup, args.iters)
         t_mlp = timeit(mlp_step, device, args.warmup, args.iters)
+        t_fwd = timeit(fwd_step, device, args.warmup, args.iters)
         t_host, t_pipe = host_and_pipelined(layer_step, device, args.iters)
         t_refresh = timeit(refresh, device, 2, 5) if mode == "jetrl" else 0.0
         graph = graph_timings(layer, x, gout, outputs[(ew, mode, backend, rmode, fuse)], args) if args.cuda_graph \
@@ -433,7 +439,7 @@ def main() -> None:
         rows.append(dict(elementwise=ew, swiglu_module=lean, mode=mode, backend=backend, regroup_mode=rmode,
                          swiglu_fusion=fuse,
                          layer_ms=t_layer, host_issue_ms=t_host, pipelined_ms=t_pipe,
-                         mlp_ms=t_mlp, refresh_ms=t_refresh, saved_MiB=saved / 2**20,
+                         mlp_ms=t_mlp, fwd_ms=t_fwd, refresh_ms=t_refresh, saved_MiB=saved / 2**20,
                          held_after_fwd_MiB=held / 2**20, **graph))
         if args.host_profile:
             _sync(device)
@@ -465,6 +471,7 @@ def main() -> None:
         r["layer_speedup"] = b["layer_ms"] / r["layer_ms"]
         r["pipelined_speedup"] = b["pipelined_ms"] / r["pipelined_ms"]
         r["mlp_speedup"] = b["mlp_ms"] / r["mlp_ms"]
+        r["fwd_speedup"] = b["fwd_ms"] / r["fwd_ms"]
         r["saved_ratio"] = r["saved_MiB"] / b["saved_MiB"]
         if r.get("graph_layer_ms") and b.get("graph_layer_ms"):
             r["graph_speedup"] = b["graph_layer_ms"] / r["graph_layer_ms"]
@@ -495,10 +502,11 @@ def main() -> None:
     if args.e2e:
         info.update(e2e_smoke())
     head = ("| mode | gemm_backend | elementwise | regroup mode | layer fwd+bwd ms | speedup | host issue ms "
-            "| back-to-back ms | speedup | MLP fwd+bwd ms | speedup | FP8 refresh ms/step | saved for bwd MiB "
+            "| back-to-back ms | speedup | MLP fwd+bwd ms | speedup | fwd only ms | speedup | FP8 refresh ms/step "
+            "| saved for bwd MiB "
             "| ratio | held after fwd MiB | out rel err vs bf16 | out rel diff vs torch elementwise "
             "| fused SwiGLU: bwd = fc1 dY quant, fwd = fc2 input (MLP grads = unfused) |")
-    lines = [head, "|" + "---|" * 18]
+    lines = [head, "|" + "---|" * 20]
     for r in rows:
         ew = r["elementwise"] + (" (SwiGLU module)" if r["swiglu_module"] else "")
         dtw = "-" if r["out_rel_diff_vs_torch_ew"] is None else f"{r['out_rel_diff_vs_torch_ew']:.2e}"
@@ -508,7 +516,8 @@ def main() -> None:
               if any(r["swiglu_fusion"]) else "-")
         lines.append(f"| {r['mode']} | {r['backend']} | {ew} | {rm} | {r['layer_ms']:.2f} | {r['layer_speedup']:.3f}x "
                      f"| {r['host_issue_ms']:.2f} | {r['pipelined_ms']:.2f} | {r['pipelined_speedup']:.3f}x "
-                     f"| {r['mlp_ms']:.2f} | {r['mlp_speedup']:.3f}x | {r['refresh_ms']:.2f} | {r['saved_MiB']:.1f} "
+                     f"| {r['mlp_ms']:.2f} | {r['mlp_speedup']:.3f}x | {r['fwd_ms']:.2f} | {r['fwd_speedup']:.3f}x "
+                     f"| {r['refresh_ms']:.2f} | {r['saved_MiB']:.1f} "
                      f"| {r['saved_ratio']:.3f} | {r['held_after_fwd_MiB']:.1f} | {r['out_rel_err_vs_bf16']:.4f} "
                      f"| {dtw} | {fu} |")
     if args.cuda_graph:
