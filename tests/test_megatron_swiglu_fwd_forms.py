@@ -4,8 +4,8 @@
 Kernel: its output is the plain kernel's, byte for byte; its codes and scales are ``quantize_1x128`` of that output
 (the torch reference; NaN codes up to sign, the project's kernel contract) in ``quant_act``'s layout (column-major
 scales), for FP32 and pow2 scales, ragged token counts, an F whose groups do not fill the kernel's power-of-two
-block (384) or span two column programs (1152), zero rows, huge values, NaN and a strided input. The FP8 linear takes the forms (no quantization call)
-and gives the result it gives without them.
+block (384) or span two column programs (1152), zero rows, huge values, NaN and a strided input. The FP8 linear
+takes the forms (no quantization call) and gives the result it gives without them.
 
 Wiring: an fc1 -> SwiGLU -> fc2 block and a Megatron-Core layer from our spec give bit-identical outputs and
 gradients with the option on and off (also with the fused SwiGLU backward), with one quantization pass fewer per
@@ -256,8 +256,13 @@ def test_build_gpt_refuses_the_forms_without_the_swiglu_module(mp):
     from jetrl_megatron.model.shapes import get_model_shape
     from jetrl_megatron.recipe import Fp8Recipe
 
-    with pytest.raises(ValueError, match="swiglu_fp8_forms needs lean_swiglu"):
-        build_gpt(get_model_shape("tiny"), Fp8Recipe(mode="jetrl"), lean_swiglu=False, swiglu_fp8_forms=True)
+    shape, jetrl = get_model_shape("tiny"), Fp8Recipe(mode="jetrl")
+    for key in ("swiglu_fp8_forms", "fuse_swiglu_grad_quant"):
+        with pytest.raises(ValueError, match=f"{key} needs lean_swiglu"):
+            build_gpt(shape, jetrl, lean_swiglu=False, **{key: True})
+    if not torch.cuda.is_available():  # the default lean_swiglu: no SwiGLU module on CPU, the switches are dropped
+        ctx = build_gpt(shape, jetrl, swiglu_fp8_forms=True, fuse_swiglu_grad_quant=True).fp8_context
+        assert (ctx.swiglu_fp8_forms, ctx.fuse_swiglu_grad_quant) == (False, False)
 
 
 def test_cpu_tensors_without_interpreter_keep_the_torch_twin(monkeypatch):

@@ -134,12 +134,18 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
     tokens) and runs the Triton SwiGLU kernels on CUDA (H200: MLP fwd+bwd 11.20 ms vs 12.08 ms with Megatron's
     autograd SwiGLU, BF16 mode); ``None`` = on with CUDA, off on CPU (where Megatron's own BF16 ``silu(g) * u`` is
     already vLLM's op). fuse_swiglu_grad_quant: that SwiGLU module's backward also writes fc1's dY in FP8 (one
-    Triton kernel, same bytes; Fp8ModelContext.fuse_swiglu_grad_quant), off by default (GPU speed unmeasured);
-    needs lean_swiglu. swiglu_fp8_forms: that module's forward also writes fc2's FP8 input (one Triton kernel,
-    same bytes; Fp8ModelContext.swiglu_fp8_forms), off by default (GPU speed unmeasured); needs lean_swiglu.
+    Triton kernel, same bytes; Fp8ModelContext.fuse_swiglu_grad_quant), off by default (GPU speed unmeasured).
+    swiglu_fp8_forms: that module's forward also writes fc2's FP8 input (one Triton kernel, same bytes;
+    Fp8ModelContext.swiglu_fp8_forms), off by default (GPU speed unmeasured). Both act on CUDA tensors only: with
+    the default lean_swiglu they are dropped on CPU (no module there); with lean_swiglu=False they are refused.
     """
+    for key, on in (("fuse_swiglu_grad_quant", fuse_swiglu_grad_quant), ("swiglu_fp8_forms", swiglu_fp8_forms)):
+        if on and lean_swiglu is False:
+            raise ValueError(f"{key} needs lean_swiglu (the fused kernel is the SwiGLU module's)")
     if lean_swiglu is None:
         lean_swiglu = torch.cuda.is_available()
+    fuse_swiglu_grad_quant, swiglu_fp8_forms = (bool(fuse_swiglu_grad_quant and lean_swiglu),
+                                                bool(swiglu_fp8_forms and lean_swiglu))
     enable_cpu_mode()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -157,9 +163,6 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
                                      reference_quant=reference_quant, attn_match=attn_match,
                                      cuda_norms=cuda_norms, stress=stress,
                                      fuse_swiglu_grad_quant=fuse_swiglu_grad_quant, swiglu_fp8_forms=swiglu_fp8_forms)
-    for key, on in (("fuse_swiglu_grad_quant", fuse_swiglu_grad_quant), ("swiglu_fp8_forms", swiglu_fp8_forms)):
-        if on and not lean_swiglu:
-            raise ValueError(f"{key} needs lean_swiglu (the fused kernel is the SwiGLU module's)")
     if context.vllm_cuda_kernels and not lean_swiglu:
         raise ValueError("attn_impl='vllm_cuda' needs lean_swiglu (the SwiGLU module runs vLLM's silu_and_mul)")
     if lean_swiglu:

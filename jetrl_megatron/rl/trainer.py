@@ -101,7 +101,8 @@ def model_numerics(cfg: RunConfig) -> dict[str, Any]:
     return {"attn_impl": trainer_attn_impl(cfg), "elementwise": cfg.switches.elementwise,
             "reference_quant": cfg.switches.reference_quant, "attn_match": cfg.policy.jet_rl.attn_match,
             "cuda_norms": cfg.policy.jet_rl.cuda_norms,
-            "stress": trainer_stress(cfg)}
+            "fuse_swiglu_grad_quant": cfg.policy.jet_rl.fuse_swiglu_grad_quant,
+            "swiglu_fp8_forms": cfg.policy.jet_rl.swiglu_fp8_forms, "stress": trainer_stress(cfg)}
 
 
 class ModelSourceError(UserError, FileNotFoundError):

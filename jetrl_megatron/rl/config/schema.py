@@ -279,6 +279,11 @@ class JetRlCfg:
     # whatever the batch, in both: a token's bytes no longer depend on its decode step's batch size) | vllm (vLLM's
     # own norm kernels: exact only where the decode batches share the prefill's kernel configuration)
     cuda_norms: str = key("batch_invariant", allowed=("batch_invariant", "vllm"))
+    # SwiGLU fusions of the GPU trainer (same bytes either way; off until measured faster: docs/kernels.md): its
+    # backward writes fc1's dY in FP8, its forward writes fc2's FP8 input (with attn_impl vllm_cuda the latter runs
+    # the project's SwiGLU kernel in place of vLLM's silu_and_mul: exact where the two agree, a GPU test checks it)
+    fuse_swiglu_grad_quant: bool = False
+    swiglu_fp8_forms: bool = False
     fp8_reference_quant: bool = False  # quantize CUDA tensors with the torch reference instead of Triton
     verify_served_fp8: bool | None = None  # compare vLLM's FP8 weights with the trainer's each step (None: CPU)
     batch_invariant: bool = key(False, recipe="batch_invariant")
