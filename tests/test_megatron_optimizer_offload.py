@@ -35,8 +35,9 @@ from jetrl_megatron.megatron.cpu import spawn
 pytestmark = pytest.mark.slow
 
 LR, WD, BETAS, EPS = 3e-3, 0.1, (0.9, 0.999), 1e-8
-VARIANTS = {  # name: (offload fraction or None, clip_grad); DP=2 runs the first three
+VARIANTS = {  # name: (offload fraction or None, clip_grad); DP=2 runs DP2_VARIANTS; *_ovl: the overlapped host step
     "base": (None, 0.0), "off05": (0.5, 0.0), "base_clip": (None, 1.0), "off1_clip": (1.0, 1.0), "off1": (1.0, 0.0),
+    "off05_ovl": (0.5, 0.0),
 }
 DP2_VARIANTS = ("base", "off05", "base_clip", "off1_clip")
 
@@ -45,14 +46,15 @@ def _loss(lp, mb):
     return -lp.mean(), {}
 
 
-def _build(shape, sd, frac: float | None, clip: float):
+def _build(shape, sd, frac: float | None, clip: float, overlap: bool = False):
     from jetrl_megatron.megatron.policy import build_policy
     from jetrl_megatron.recipe import Fp8Recipe
 
     opt = {"lr": LR, "weight_decay": WD, "clip_grad": clip, "adam_beta1": BETAS[0], "adam_beta2": BETAS[1],
            "adam_eps": EPS}
     if frac is not None:
-        opt |= {"optimizer_cpu_offload": True, "optimizer_offload_fraction": frac}
+        opt |= {"optimizer_cpu_offload": True, "optimizer_offload_fraction": frac,
+                "overlap_cpu_optimizer_d2h_h2d": overlap}
     policy = build_policy(shape, Fp8Recipe(mode="jetrl"), weights=sd, grad_reduce_in_fp32=False,
                           use_distributed_optimizer=True, optimizer=opt)
     return policy.model, policy.optimizer
@@ -93,12 +95,12 @@ def _run(rank: int, world_size: int, out_dir: str) -> None:
     for name, (frac, clip) in VARIANTS.items():
         if world_size > 1 and name not in DP2_VARIANTS:
             continue
-        ddp, opt = _build(shape, sd, frac, clip)
+        ddp, opt = _build(shape, sd, frac, clip, overlap=name.endswith("_ovl"))
         rec.setdefault("init", model_params(ddp))
         r: dict = {"offloaded": opt.offloaded, "steps": []}
         if frac is not None:
             r["placement"] = _placement(opt)
-        steps = 2 if name == "off05" else 1
+        steps = 2 if name.startswith("off05") else 1
         for i in range(steps):
             r["steps"].append(_step(ddp, opt, batch, grads=name.startswith("base")))
             if name == "off05" and i == 0:
@@ -190,6 +192,21 @@ def test_offloaded_step_equals_the_plain_step(ranks, off, base, bound):
         worst, frac = _ulp_diff(_reference_adamw(rec["init"], a["grads"], clip), b["params"], rec["init"])
         print(f"{off} vs independent AdamW: max {worst:.2f} BF16 ulp, {frac:.2e} of elements differ")
         assert worst <= 1.0 and frac <= 1e-3, (worst, frac)
+
+
+@pytest.mark.parametrize("ranks", [1], ids=["dp1"], indirect=True)
+def test_overlapped_host_step_equals_the_serial_one(ranks):
+    """Megatron's overlap_cpu_optimizer_d2h_h2d: one host AdamW per parameter (the copies of the next parameters
+    overlap the step of this one); two steps give the serial host step's weights, norms and FP8 cache bit for bit
+    (run at DP=1)."""
+    rec = ranks[0]
+    ovl, serial = rec["off05_ovl"], rec["off05"]
+    assert ovl["placement"]["host"] == serial["placement"]["host"]
+    assert serial["placement"]["host_opts"] == 1 and ovl["placement"]["host_opts"] > 1, ovl["placement"]
+    for a, b in zip(serial["steps"], ovl["steps"], strict=True):
+        assert a["ok"] and b["ok"] and b["cache_ok"]
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
 
 
 def test_fp8_cache_refreshed_from_the_offloaded_step_and_replicas_agree(ranks):

@@ -41,6 +41,10 @@ class OptimizerSettings:
         "host, in (0, 1] (Megatron's meaning); NeMo-RL v0.7.0 accepts only 1.0, because its worker moves the GPU part "
         "to the host around generation; here the GPU part stays resident, so a split works. No effect without "
         "offload")
+    overlap_cpu_optimizer_d2h_h2d: bool = key(
+        False, note="with optimizer_cpu_offload: one host AdamW per parameter, each stepping as soon as its own "
+        "gradient has reached the host while the next ones are still copied, and its new weights copied back while "
+        "the next ones step (Megatron's meaning; the same update bit for bit). No effect without offload")
 
     @property
     def host_fraction(self) -> float:

@@ -140,7 +140,8 @@ def _megatron_adam(model: ReleasableGradDDP, settings: OptimizerSettings, *,
             raise ValueError("policy.megatron_cfg.optimizer.optimizer_offload_fraction must be in (0, 1] with "
                              f"optimizer_cpu_offload=true, got {s.optimizer_offload_fraction}")
         cfg = OptimizerConfig(**common, use_distributed_optimizer=True, optimizer_cpu_offload=True,
-                              optimizer_offload_fraction=s.optimizer_offload_fraction, **optimizer_config)
+                              optimizer_offload_fraction=s.optimizer_offload_fraction,
+                              overlap_cpu_optimizer_d2h_h2d=s.overlap_cpu_optimizer_d2h_h2d, **optimizer_config)
         # The precision-aware path, set after construction: OptimizerConfig's check of it asks TransformerEngine's
         # version even with CPU offload (which does not use TransformerEngine) and fails on None without it. These
         # are the values its __post_init__ gives with offload on and no TransformerEngine 2.1.
