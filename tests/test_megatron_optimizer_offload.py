@@ -292,3 +292,31 @@ def test_plan_counts_gpu_and_host_memory_of_the_offload():
     assert ok and "host 118.2 GiB per node of 128 GiB: fits\n" in text + "\n" and "TIGHT" not in text, text
     text, ok = plan_report(off, 139.0, show_config=False, host_mem_gib=125.0)  # the jetrl arm: 13.2 GiB left
     assert "TIGHT" not in text, text
+
+
+def test_plan_names_the_offload_fractions_that_fit():
+    """`jetrl plan`'s offload line: the smallest fraction on the 0.05 grid whose own estimate fits the GPU with the
+    stated spare (the next smaller does not), and the largest that fits the host; on an 80 GiB GPU none fits both."""
+    import copy
+
+    from jetrl_megatron.rl.config import load_config
+    from jetrl_megatron.rl.tools import run_plan as rp
+
+    cfg = load_config("qwen3_8b_1gpu")
+    shape, layout = rp.model_shape(cfg), rp.parallel_layout(cfg)
+
+    def plan(f):
+        trial = copy.deepcopy(cfg)
+        trial.policy.megatron_cfg.optimizer.optimizer_offload_fraction = f
+        return rp.memory_estimate(trial, shape, layout, 139.0)
+
+    lo, hi = rp.offload_fraction_choice(cfg, shape, layout, 139.0, 125.0)
+    assert lo is not None and hi is not None and lo < hi, (lo, hi)
+    assert rp.gpu_peak(plan(lo)) + rp.GPU_UNCOUNTED_GIB <= 139.0 < rp.gpu_peak(plan(lo - 0.05)) + rp.GPU_UNCOUNTED_GIB
+    spare = rp.HOST_UNCOUNTED_GIB_PER_PROCESS + rp.HOST_SYSTEM_RESERVE_GIB
+    assert plan(hi)["host_per_node"] + spare <= 125.0
+    assert hi == 1.0 or plan(hi + 0.05)["host_per_node"] + spare > 125.0
+    text, ok = rp.plan_report(cfg, 139.0, show_config=False, host_mem_gib=125.0)
+    assert ok and f"optimizer_offload_fraction: {lo:g} up to {hi:g} fits this GPU" in text
+    text, ok = rp.plan_report(cfg, 80.0, show_config=False, host_mem_gib=125.0)
+    assert not ok and "no value fits both" in text
