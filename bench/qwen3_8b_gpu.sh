@@ -1,7 +1,7 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse|round OUT_DIR
 #   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
 #           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
 #   stage1, stage2  copy .vc/p1, .vc/p2 (one 44 MiB part per call: a call takes at most 64 MiB with the tree)
@@ -28,8 +28,9 @@
 #           swiglu_fp8_forms: forward + fc2 input, and whether it equals vLLM's silu_and_mul): their GPU tests,
 #           bench/kernels_bench.py's swiglu section, the Qwen3-8B layer fwd+bwd with each fusion off and on
 #           (GRAPH=1: also each arm with the layer captured as CUDA graphs, issue 29 item 3)
+#   round   ROUND="mode ..." runs those modes one after another in this call (each into OUT_DIR/<mode>)
 set -uo pipefail
-mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse}
+mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse|round}
 out=${2:?OUT_DIR}
 mkdir -p /tmp/vc "$out"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -164,7 +165,14 @@ case $mode in
       --elementwise triton --fuse-swiglu-grad-quant off,on --swiglu-fp8-forms off,on ${GRAPH:+--cuda-graph} \
       --out "$out/layer_fuse.json" > "$out/layer_fuse.log" 2>&1
     echo "layer bench rc $?"; grep "^|" "$out/layer_fuse.log" | tail -16 ;;
-  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse OUT_DIR" >&2; exit 2 ;;
+  round)  # several modes in one device call, in order, each into its own folder: ROUND="vtests fuse"; a mode's own
+    # variables (ARM, LEN, RUN_LIMIT, ...) apply to every mode of the round, so keep their sum of limits under a call's
+    for m in ${ROUND:?ROUND=\"mode mode ...\"}; do
+      [ "$m" = round ] && { echo "round: a round cannot hold itself" >&2; exit 2; }
+      echo "== round: $m ($(date +%T))"; PACK_DG=0 bash "$0" "$m" "$out/$m"
+    done ;;
+  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse|round OUT_DIR" >&2
+     exit 2 ;;
 esac
 # PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz, and
 # Triton's as .dgc/triton_cache.tgz when it packs under 12 MiB (a call brings back at most 16 MiB per file)
