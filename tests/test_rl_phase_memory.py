@@ -77,12 +77,13 @@ class _Engine:
         self.calls.append("wake_up")
 
 
-def _train_phase(calls: list[str]):
+def _train_phase(calls: list[str], colocated: bool = True):
     from types import SimpleNamespace
 
     from jetrl_megatron.rl.loop import TrainPhase
 
-    cfg = SimpleNamespace(policy=SimpleNamespace(generation=SimpleNamespace(colocated=SimpleNamespace(enabled=True))))
+    cfg = SimpleNamespace(policy=SimpleNamespace(generation=SimpleNamespace(
+        colocated=SimpleNamespace(enabled=colocated))))
     ro = SimpleNamespace(engine=_Engine(calls), release_grads=False)
     return TrainPhase(cfg, SimpleNamespace(model=None), ro)
 
@@ -100,6 +101,11 @@ def test_the_update_returns_its_cached_blocks_before_the_engine_wakes(monkeypatc
             calls.append("update")
         phase.wake_up()
     assert calls == ["sleep", "release", "logprob", "update", "release", "wake_up"], calls
+    calls.clear()  # not colocated: no engine sleeps or wakes, the update keeps its cache for the next step
+    with _train_phase(calls, colocated=False) as phase:
+        with phase.grad_buffers_held():
+            calls.append("update")
+    assert calls == ["release", "update"], calls
 
 
 @pytest.mark.gpu

@@ -283,9 +283,10 @@ class TrainPhase:
         yield
         if self.ro.release_grads:
             release_grad_buffers(self.trainer.model)  # before vLLM wakes up
-        # and the update's freed blocks (activations, the released buffers) with them, before the refit phase: the
-        # 8B jetrl arm's refit phase began holding 22.5 GiB of them on 2026-12-05, beside the waking engine
-        release_cached_gpu_memory()
+        if self.asleep:  # colocated: the update's freed blocks (activations, the released buffers) go back before
+            # the engine wakes for the refit; the 8B jetrl arm's refit phase began holding 22.5 GiB of them on
+            # 2026-12-05, beside the waking engine (not colocated: nothing else needs them, the next step reuses them)
+            release_cached_gpu_memory()
 
 
 def step_telemetry(batch: RolloutBatch, meter: StepMeter, report: Any, source: RefitSource) -> dict[str, float]:
