@@ -252,7 +252,7 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
       or exactly vllm_kwargs.kv_cache_memory_bytes of KV plus its weights when that key is set;
       the batch needs 2 x layers x kv_heads/rollout_TP x head_dim x 2 B per token for all sequences of one engine;
     - refit and rollout phases: the engine awake (its weights + KV budget) next to the trainer's resident state; the
-      loop returns torch's cached blocks after the update, after the refit and at the engine's sleep
+      loop returns torch's cached blocks after the update (colocated), the refit and at the engine's sleep
       (``release_cached_gpu_memory``), so none are counted (a phase's own fragmentation is not: the run's
       ``memory/gpu_torch_cached_gib_<phase>``).
     Not counted (measure them: the run's ``memory/gpu_outside_torch_gib_<phase>``): the CUDA context, vLLM's buffers
