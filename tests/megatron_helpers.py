@@ -1,4 +1,5 @@
-"""Helpers shared by the Megatron tests (no tests here): tiny HF checkpoints and an independent reference forward.
+"""Helpers shared by the Megatron tests (no tests here): tiny HF checkpoints, an independent reference forward, byte
+comparisons, and one layer run with a model-context switch off, on, off (the fusions' bit-identity checks).
 
 The reference forward is written from the rollout numerics conventions (docs/precision.md) on HF-named tensors,
 using only the foundation's FP8 functions — no code from jetrl_megatron.megatron — so the Megatron model is checked
@@ -191,3 +192,72 @@ def one_layer_case(seq: int, batch: int, device, seed: int) -> tuple[ModelShape,
     x0 = torch.randn(seq, batch, shape.hidden_size, generator=g).to(device)
     gout = torch.randn(seq, batch, shape.hidden_size, generator=g).to(device)
     return shape, x0, gout
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte-equal FP8 codes; equal floats with NaN == NaN (shapes and dtypes equal too)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype == torch.float8_e4m3fn:
+        return bool((a.view(torch.uint8) == b.contiguous().view(torch.uint8)).all())
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def same_up_to_nan_sign(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """As :func:`same`, but a NaN FP8 code equals any NaN code: the project's kernel-vs-torch-reference contract
+    (tests/test_fp8_kernels_gpu.py), since the sign of a NaN quotient is not specified."""
+    if a.dtype != torch.float8_e4m3fn or a.shape != b.shape:
+        return same(a, b)
+    an, bn = a.float().isnan(), b.float().isnan()
+    return bool((an == bn).all()) and same(a.float()[~an], b.float()[~bn])
+
+
+def layer_off_on_off(device, seq: int, batch: int, option: str, counted: dict[str, tuple[object, str]]
+                     ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, int]], list[str]]:
+    """One Megatron-Core TransformerLayer from our spec (tiny Qwen3 shape, jetrl, Triton element-wise kernels), fwd+bwd
+    three times with the model-context switch ``option`` off, on, off; ``counted`` names functions (module, attribute)
+    whose calls each run counts. Returns (tensors per run: output and every gradient; call counts per run; the tensor
+    names the two off runs reproduce bit for bit, which on/off comparisons may use: on GPU the attention backward's
+    order may vary, so there only the output and the MLP's gradients must reproduce, on CPU every tensor)."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from jetrl_megatron.megatron.context import Fp8ModelContext
+    from jetrl_megatron.megatron.model import megatron_config, seed_everything
+    from jetrl_megatron.megatron.spec import gpt_layer_spec
+    from jetrl_megatron.recipe import Fp8Recipe
+
+    shape, x0, gout = one_layer_case(seq, batch, device, seed=5)
+    recipe = Fp8Recipe(mode="jetrl")
+    res, calls = {}, {}
+    originals = {key: getattr(mod, attr) for key, (mod, attr) in counted.items()}
+    for run, on in enumerate((False, True, False)):
+        seed_everything(0)
+        config = megatron_config(shape, recipe, use_te_activation_func=True)
+        attn = "fp32" if str(device) == "cpu" else "bf16"
+        ctx = Fp8ModelContext.create(shape, recipe, range(1), attn, elementwise="triton", **{option: on})
+        layer = build_module(gpt_layer_spec(ctx, 0, lean_swiglu=True), config=config, layer_number=1).to(device)
+        ctx.cache.refresh((f"{name}.weight", m.weight) for name, m in layer.named_modules()
+                          if getattr(m, "gemm_mode", None) == "fp8")
+        n = dict.fromkeys(counted, 0)
+
+        def counting(key, fn, n=n):
+            def run_counted(*args, **kwargs):
+                n[key] += 1
+                return fn(*args, **kwargs)
+            return run_counted
+
+        for key, (mod, attr) in counted.items():
+            setattr(mod, attr, counting(key, originals[key]))
+        try:
+            x = x0.clone().requires_grad_()
+            out, _ = layer(x, attention_mask=None)
+            out.backward(gout)
+        finally:
+            for key, (mod, attr) in counted.items():
+                setattr(mod, attr, originals[key])
+        calls[run] = n
+        res[run] = {"out": out.detach(), "d_x": x.grad} | {f"d_{k}": p.grad for k, p in layer.named_parameters()}
+    checked = [name for name, ref in res[0].items() if ref is not None and same(ref, res[2][name])]
+    must = [name for name in res[0] if str(device) == "cpu" or name == "out" or name.startswith("d_mlp.")]
+    assert set(must) <= set(checked), f"runs with {option} off not reproducible: {sorted(set(must) - set(checked))}"
+    return res, calls, checked

@@ -25,24 +25,11 @@ import sys
 import pytest
 import torch
 from interpreter_child import run_module_under_interpreter
+from megatron_helpers import same, same_up_to_nan_sign
 from torch import Tensor
 
 BF16 = torch.bfloat16
 FORMS = "_jetrl_fp8_input_forms"
-
-
-def same(a: Tensor, b: Tensor) -> bool:
-    """Byte-equal FP8 codes; equal floats with NaN == NaN."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype == torch.float8_e4m3fn:
-        return bool((a.view(torch.uint8) == b.contiguous().view(torch.uint8)).all())
-    return bool(((a == b) | (a.isnan() & b.isnan())).all())
-
-
-def same_up_to_nan_sign(a: Tensor, b: Tensor) -> bool:
-    an, bn = a.float().isnan(), b.float().isnan()
-    return bool((an == bn).all()) and same(a.float()[~an], b.float()[~bn])
 
 
 def swiglu_input(m: int, f: int, device: str, seed: int, *, strided: bool = False) -> Tensor:
@@ -169,50 +156,16 @@ def check_mlp_block(device: str) -> dict:
 
 
 def check_megatron_layer(device: str, seq: int, batch: int = 2) -> dict:
-    """A Megatron-Core TransformerLayer from our spec (tiny Qwen3 shape, jetrl, Triton element-wise kernels): output
-    and gradients bit-identical with ``swiglu_fp8_forms`` on and off, one quant_act call fewer per forward.
-    Off, on, off: tensors two unfused runs do not reproduce (on GPU the attention backward's order may vary) are not
-    compared; on CPU all must reproduce, elsewhere the output and the MLP's gradients."""
-    from megatron.core.transformer.spec_utils import build_module
-    from megatron_helpers import one_layer_case
+    """A Megatron-Core TransformerLayer from our spec: output and gradients bit-identical with ``swiglu_fp8_forms``
+    on and off, one quant_act call fewer per forward."""
+    from megatron_helpers import layer_off_on_off
 
     from jetrl_megatron.fp8 import quant_dispatch
-    from jetrl_megatron.megatron.context import Fp8ModelContext
-    from jetrl_megatron.megatron.model import megatron_config, seed_everything
-    from jetrl_megatron.megatron.spec import gpt_layer_spec
-    from jetrl_megatron.recipe import Fp8Recipe
 
-    shape, x0, gout = one_layer_case(seq, batch, device, seed=5)
-    recipe = Fp8Recipe(mode="jetrl")
-    res, calls = {}, {}
-    real = quant_dispatch.quant_act
-    for run, forms in enumerate((False, True, False)):
-        seed_everything(0)
-        config = megatron_config(shape, recipe, use_te_activation_func=True)
-        attn = "fp32" if device == "cpu" else "bf16"
-        ctx = Fp8ModelContext.create(shape, recipe, range(1), attn, elementwise="triton", swiglu_fp8_forms=forms)
-        layer = build_module(gpt_layer_spec(ctx, 0, lean_swiglu=True), config=config, layer_number=1).to(device)
-        ctx.cache.refresh((f"{name}.weight", m.weight) for name, m in layer.named_modules()
-                          if getattr(m, "gemm_mode", None) == "fp8")
-        n = [0]
-
-        def counting(*a, n=n, **k):
-            n[0] += 1
-            return real(*a, **k)
-
-        quant_dispatch.quant_act = counting
-        try:
-            x = x0.clone().requires_grad_()
-            out, _ = layer(x, attention_mask=None)
-            out.backward(gout)
-        finally:
-            quant_dispatch.quant_act = real
-        calls[run] = n[0]
-        res[run] = {"out": out.detach(), "d_x": x.grad} | {f"d_{k}": p.grad for k, p in layer.named_parameters()}
-    assert calls[0] == calls[2] and calls[1] == calls[0] - 1, f"quant_act calls off/on/off: {calls}"
-    checked = [name for name, ref in res[0].items() if ref is not None and same(ref, res[2][name])]
-    must = [name for name in res[0] if device == "cpu" or name == "out" or name.startswith("d_mlp.")]
-    assert set(must) <= set(checked), f"runs without the forms not reproducible: {sorted(set(must) - set(checked))}"
+    res, calls, checked = layer_off_on_off(device, seq, batch, "swiglu_fp8_forms",
+                                           {"quant_act": (quant_dispatch, "quant_act")})
+    n = [c["quant_act"] for c in calls.values()]
+    assert n[0] == n[2] and n[1] == n[0] - 1, f"quant_act calls off/on/off: {n}"
     for name in checked:
         assert same(res[1][name], res[0][name]), f"layer {name}: differs with the SwiGLU forms"
     return {"case": f"megatron layer seq={seq} batch={batch} forms on/off", "tensors bit-identical": len(checked),
