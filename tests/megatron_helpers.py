@@ -213,12 +213,12 @@ def same_up_to_nan_sign(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def layer_off_on_off(device, seq: int, batch: int, option: str, counted: dict[str, tuple[object, str]]
-                     ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, int]], list[str]]:
+                     ) -> tuple[dict[int, dict[str, int]], dict]:
     """One Megatron-Core TransformerLayer from our spec (tiny Qwen3 shape, jetrl, Triton element-wise kernels), fwd+bwd
     three times with the model-context switch ``option`` off, on, off; ``counted`` names functions (module, attribute)
-    whose calls each run counts. Returns (tensors per run: output and every gradient; call counts per run; the tensor
-    names the two off runs reproduce bit for bit, which on/off comparisons may use: on GPU the attention backward's
-    order may vary, so there only the output and the MLP's gradients must reproduce, on CPU every tensor)."""
+    whose calls each run counts. Asserts that the run with ``option`` on gives every tensor (output, gradients) the
+    off runs reproduce bit for bit: on GPU the attention backward's order may vary, so there only the output and the
+    MLP's gradients must reproduce, on CPU every tensor. Returns (call counts per run, a summary)."""
     from megatron.core.transformer.spec_utils import build_module
 
     from jetrl_megatron.megatron.context import Fp8ModelContext
@@ -260,4 +260,8 @@ def layer_off_on_off(device, seq: int, batch: int, option: str, counted: dict[st
     checked = [name for name, ref in res[0].items() if ref is not None and same(ref, res[2][name])]
     must = [name for name in res[0] if str(device) == "cpu" or name == "out" or name.startswith("d_mlp.")]
     assert set(must) <= set(checked), f"runs with {option} off not reproducible: {sorted(set(must) - set(checked))}"
-    return res, calls, checked
+    assert "d_mlp.linear_fc1.weight" in checked, sorted(res[0])
+    for name in checked:
+        assert same(res[1][name], res[0][name]), f"layer {name}: differs with {option} on"
+    return calls, {"case": f"megatron layer seq={seq} batch={batch} {option} on/off",
+                   "tensors bit-identical": len(checked), "of": len(res[0])}

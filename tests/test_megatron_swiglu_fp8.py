@@ -159,16 +159,12 @@ def check_megatron_layer(device: str, seq: int, batch: int = 2) -> dict:
     from jetrl_megatron.fp8 import quant_dispatch
     from jetrl_megatron.megatron import swiglu_fp8 as S
 
-    res, calls, checked = layer_off_on_off(device, seq, batch, "fuse_swiglu_grad_quant",
-                                           {"fused": (S, "swiglu_bwd_quant_dual"),
-                                            "quant_dual": (quant_dispatch, "quant_dual")})
+    calls, summary = layer_off_on_off(device, seq, batch, "fuse_swiglu_grad_quant",
+                                      {"fused": (S, "swiglu_bwd_quant_dual"),
+                                       "quant_dual": (quant_dispatch, "quant_dual")})
     assert calls[0] == calls[2] == {"fused": 0, "quant_dual": 4}, calls
     assert calls[1] == {"fused": 1, "quant_dual": 3}, f"fused path not taken in the layer: {calls}"
-    assert "d_mlp.linear_fc1.weight" in checked, sorted(res[0])
-    for name in checked:
-        assert same(res[1][name], res[0][name]), f"layer {name}: differs with the fused SwiGLU backward"
-    return {"case": f"megatron layer seq={seq} batch={batch} fused on/off", "tensors bit-identical": len(checked),
-            "of": len(res[0])}
+    return summary
 
 
 # ----------------------------------------------------------------------------------------------------- tests

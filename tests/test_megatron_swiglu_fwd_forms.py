@@ -162,14 +162,11 @@ def check_megatron_layer(device: str, seq: int, batch: int = 2) -> dict:
 
     from jetrl_megatron.fp8 import quant_dispatch
 
-    res, calls, checked = layer_off_on_off(device, seq, batch, "swiglu_fp8_forms",
-                                           {"quant_act": (quant_dispatch, "quant_act")})
+    calls, summary = layer_off_on_off(device, seq, batch, "swiglu_fp8_forms",
+                                      {"quant_act": (quant_dispatch, "quant_act")})
     n = [c["quant_act"] for c in calls.values()]
     assert n[0] == n[2] and n[1] == n[0] - 1, f"quant_act calls off/on/off: {n}"
-    for name in checked:
-        assert same(res[1][name], res[0][name]), f"layer {name}: differs with the SwiGLU forms"
-    return {"case": f"megatron layer seq={seq} batch={batch} forms on/off", "tensors bit-identical": len(checked),
-            "of": len(res[0])}
+    return summary
 
 
 # ----------------------------------------------------------------------------------------------------- tests
