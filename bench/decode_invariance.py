@@ -13,6 +13,7 @@ Per op, the fraction of rows bit-identical between the decode-shaped call and th
   (`policy.jet_rl.cuda_norms`), SiLU-and-mul (FFN size): a row at M = 1..255 vs at M = 4096;
 * the FP8 linear (the plugin's `fp8_linear_forward`, each backend and `auto` with the jetrl recipe) at M vs 4096;
 * the BF16 linears (the bf16 arm's engine: torch `F.linear`) and the BF16 lm_head GEMM (vocab x hidden) at M vs 4096;
+* the project's Triton SwiGLU (``swiglu_fp8_forms``) against vLLM's ``silu_and_mul`` on every BF16 gate value;
 * FlashAttention 3 over the paged KV cache: vLLM's decode call (one query per sequence, `max_seqlen_q` 1,
   `seqused_k` = position + 1, the scheduler metadata for that batch, `num_splits` 1 or FA3's heuristic 0) vs the
   prefill call over the whole sequences, at several positions, per head configuration (the model's, and GQA 2).
@@ -147,6 +148,28 @@ def attention(heads_q: int, heads_kv: int, head_dim: int, g, seqs: int, length: 
     return out
 
 
+def project_swiglu_vs_vllm(g) -> dict:
+    """The project's Triton SwiGLU (``policy.jet_rl.swiglu_fp8_forms``: engine and trainer both run it) against
+    vLLM's own ``silu_and_mul``: on every one of the 65,536 BF16 gate values (silu depends on the gate alone), with an
+    up of 1 and random ups over six decades. Not an exactness condition (both sides run the same kernel with the
+    switch), but whether the switch changes the rollout's numbers at all."""
+    from jetrl_megatron.megatron import triton_numerics as tn
+
+    gate = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(512, 128).cuda()
+    ups = [torch.ones_like(gate)] + [(torch.randn(gate.shape, generator=g, device="cuda") * 10.0 ** e).to(
+        torch.bfloat16) for e in (-3, 0, 3)]
+    rows = []
+    for i, up in enumerate(ups):
+        x = torch.cat([gate, up], dim=1)
+        ours, theirs = tn.swiglu_fwd(x), ops.silu_and_mul(x)
+        equal = (ours == theirs) | (ours.isnan() & theirs.isnan())
+        finite = ours.isfinite() & theirs.isfinite()
+        rows.append({"up": "1" if i == 0 else f"randn x 1e{(-3, 0, 3)[i - 1]}",
+                     "identical": float(equal.float().mean()),
+                     "max_abs": float((ours.float() - theirs.float())[finite].abs().max())})
+    return {"rows": rows}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3-8b")
@@ -162,7 +185,8 @@ def main() -> int:
     positions = sorted({p for p in (0, 15, 16, 63, 64, 100, 127, 128, 175, 176, 255, 256, 511, 512, args.length - 1)
                         if p < args.length})
     report = {"preset": args.preset, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-              "elementwise": elementwise(shape, g), "linears": linears(shape, g, args.backends), "attention": []}
+              "elementwise": elementwise(shape, g), "project_swiglu_vs_vllm": project_swiglu_vs_vllm(g),
+              "linears": linears(shape, g, args.backends), "attention": []}
     for hq, hkv in sorted({(shape.num_attention_heads, shape.num_kv_heads), (16, 8)}):
         report["attention"] += attention(hq, hkv, shape.head_dim, g, args.seqs, args.length, positions, (1, 0))
     if args.out:
@@ -178,6 +202,9 @@ def main() -> int:
             picked = row.get("picked", {}).get(m, "")
             print(f"| {row['linear']} {row['backend']}{' -> ' + picked if picked else ''} | {m} | "
                   f"{r['identical']:.3f} | {r['max_abs']:.3g} |")
+    print("\n| the project's SwiGLU vs vLLM's silu_and_mul, every BF16 gate, up | identical | max abs |\n|---|---|---|")
+    for r in report["project_swiglu_vs_vllm"]["rows"]:
+        print(f"| {r['up']} | {r['identical']:.6f} | {r['max_abs']:.3g} |")
     print("\n| attention heads q/kv | num_splits | position | identical | max abs |\n|---|---|---|---|---|")
     for r in report["attention"]:
         print(f"| {r['heads'][0]}/{r['heads'][1]} | {r['num_splits']} | {r['position']} | {r['identical']:.3f} | "

@@ -13,8 +13,7 @@ layer; the spec hands the forms only to an FP8 fc2 quantizing with the kernels; 
 keep the torch twin.
 
 CPU: under TRITON_INTERPRET=1, in a subprocess. GPU (``gpu``): the kernel at Qwen3-8B / 32B sizes against
-``kernels.quant_act``, and against vLLM's ``silu_and_mul`` on every BF16 gate value (the condition for using it in
-place of vLLM's op with the ``vllm_cuda`` kernels).
+``kernels.quant_act``; engine and trainer with the switch: tests/test_vllm_cuda_gpu.py (the 8B-width norms test).
 """
 
 from __future__ import annotations
@@ -175,6 +174,8 @@ def test_swiglu_forms_under_interpreter():
 
 
 def test_off_by_default_and_given_only_to_an_fp8_fc2_quantizing_with_the_kernels():
+    """The switch makes every layer's SwiGLU run the project's kernel (what the engine then runs: every arm, whatever
+    fc2 is), and hands the recipe for FP8 forms only to an FP8 fc2 that quantizes with the kernels."""
     pytest.importorskip("megatron.core")
     from jetrl_megatron.megatron import numerics as N
     from jetrl_megatron.megatron.context import Fp8ModelContext
@@ -183,22 +184,32 @@ def test_off_by_default_and_given_only_to_an_fp8_fc2_quantizing_with_the_kernels
     from jetrl_megatron.recipe import Fp8Recipe
 
     assert Fp8ModelContext.__dataclass_fields__["swiglu_fp8_forms"].default is False
-    assert N.SwiGLU().fp8_output is None
+    assert N.SwiGLU().fp8_output is None and N.SwiGLU().project_kernel is False
+    assert N.SwiGLU(fp8_output=Fp8Recipe()).project_kernel is True  # forms only come from the project's kernel
     shape = get_model_shape("tiny")
+    n = shape.num_layers
 
-    def fc2_forms(recipe, **kw):
-        ctx = Fp8ModelContext.create(shape, recipe, range(shape.num_layers), "fp32", **kw)
-        return [gpt_layer_spec(ctx, i, lean_swiglu=True).submodules.mlp.submodules.activation_func.params[
-            "fp8_output"] for i in range(shape.num_layers)]
+    def swiglu_params(recipe, **kw):
+        ctx = Fp8ModelContext.create(shape, recipe, range(n), "fp32", **kw)
+        return [gpt_layer_spec(ctx, i, lean_swiglu=True).submodules.mlp.submodules.activation_func.params
+                for i in range(n)]
+
+    def forms(params):
+        return [p["fp8_output"] for p in params]
+
+    def project(params):
+        return [p["project_kernel"] for p in params]
 
     jetrl = Fp8Recipe(mode="jetrl")
-    assert fc2_forms(jetrl) == [None] * shape.num_layers  # off by default
-    on = fc2_forms(jetrl, swiglu_fp8_forms=True)
-    fp8_layers = [jetrl.module_is_fp8(f"decoder.layers.{i}.mlp.linear_fc2.weight", i, shape.num_layers)
-                  for i in range(shape.num_layers)]
-    assert [r is jetrl for r in on] == fp8_layers and any(fp8_layers)
-    assert fc2_forms(Fp8Recipe(mode="bf16"), swiglu_fp8_forms=True) == [None] * shape.num_layers
-    assert fc2_forms(jetrl, swiglu_fp8_forms=True, reference_quant=True) == [None] * shape.num_layers
+    off = swiglu_params(jetrl)
+    assert forms(off) == [None] * n and project(off) == [False] * n  # off by default
+    on = swiglu_params(jetrl, swiglu_fp8_forms=True)
+    fp8_layers = [jetrl.module_is_fp8(f"decoder.layers.{i}.mlp.linear_fc2.weight", i, n) for i in range(n)]
+    assert [r is jetrl for r in forms(on)] == fp8_layers and any(fp8_layers) and project(on) == [True] * n
+    bf16 = swiglu_params(Fp8Recipe(mode="bf16"), swiglu_fp8_forms=True)
+    assert forms(bf16) == [None] * n and project(bf16) == [True] * n
+    ref = swiglu_params(jetrl, swiglu_fp8_forms=True, reference_quant=True)
+    assert forms(ref) == [None] * n and project(ref) == [True] * n
 
 
 def test_build_gpt_refuses_the_forms_without_the_swiglu_module(mp):
@@ -242,29 +253,6 @@ def test_swiglu_forms_wiring_gpu(request):
     print(check_mlp_block("cuda"))
     request.getfixturevalue("mp")
     print(check_megatron_layer("cuda", seq=1024))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_triton_swiglu_equals_vllm_silu_and_mul_on_every_bf16_gate():
-    """The condition for ``swiglu_fp8_forms`` with the ``vllm_cuda`` kernels: the Triton SwiGLU gives vLLM's
-    ``silu_and_mul`` bytes. silu depends on the gate alone, so every one of the 65,536 BF16 gate values is tried,
-    against an up of 1 (silu's own rounding) and against random ups over many decades (the product's rounding)."""
-    pytest.importorskip("vllm")
-    from jetrl_megatron.megatron import triton_numerics as tn
-    from jetrl_megatron.vllm_cuda import ops as vllm_cuda_ops
-
-    gate = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(BF16).view(512, 128).cuda()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ups = [torch.ones_like(gate)] + [(torch.randn(gate.shape, generator=g, device="cuda") * 10.0 ** e).to(BF16)
-                                     for e in (-3, 0, 3)]
-    for i, up in enumerate(ups):
-        x = torch.cat([gate, up], dim=1)
-        ours, theirs = tn.swiglu_fwd(x), vllm_cuda_ops.silu_and_mul(x)
-        equal = (ours == theirs) | (ours.isnan() & theirs.isnan())
-        where = (~equal).nonzero()[:5].tolist()
-        assert bool(equal.all()), (f"up #{i}: {(~equal).sum().item()} of {equal.numel()} differ, e.g. at {where}: "
-                                   f"gate {[gate[r, c].item() for r, c in where]}")
 
 
 def _interpreter_main() -> None:

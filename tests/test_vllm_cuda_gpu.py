@@ -282,8 +282,10 @@ def test_batch_invariant_norms_make_the_trainer_equal_vllm_decode_at_hidden_4096
     decode step (the running batch, padded to a CUDA-graph size) than in a prefill (bench/RESULTS.md, op by op), so a
     trainer equal to vLLM's prefill is not equal to what sampled the tokens. With ``cuda_norms: batch_invariant`` the
     engine's norms and the trainer's are one batch-invariant kernel: the trainer's logprobs of the sampled tokens are
-    the engine's decode logprobs bit for bit (CUDA graphs FULL_DECODE_ONLY, vLLM's defaults otherwise). The same with
-    vLLM's own norms is printed beside it (not asserted: it is a property of vLLM's kernels)."""
+    the engine's decode logprobs bit for bit (CUDA graphs FULL_DECODE_ONLY, vLLM's defaults otherwise); also with
+    ``swiglu_fp8_forms``, where engine and trainer run the project's SwiGLU kernel and hand its FP8 forms to the down
+    projection. The same with vLLM's own norms is printed beside it (not asserted: it is a property of vLLM's
+    kernels)."""
     _ops()
     import dataclasses
 
@@ -302,18 +304,20 @@ def test_batch_invariant_norms_make_the_trainer_equal_vllm_decode_at_hidden_4096
     cpu.init_parallel(1, 1)
     sd = random_hf_state_dict(shape, seed=0, logit_std=1.0)
     same, total = {}, 0
-    for norms in ("batch_invariant", "vllm"):
-        gpt = build_gpt(shape, recipe, cuda_norms=norms)
-        assert fp8_context(gpt).cuda_norms == norms
+    for norms, swiglu in (("batch_invariant", False), ("batch_invariant", True), ("vllm", False)):
+        tag = norms + ("+swiglu_fp8_forms" if swiglu else "")
+        gpt = build_gpt(shape, recipe, cuda_norms=norms, swiglu_fp8_forms=swiglu)
+        assert (fp8_context(gpt).cuda_norms, fp8_context(gpt).swiglu_fp8_forms) == (norms, swiglu)
         load_hf_checkpoint(gpt, sd)
         local = {k: v.cpu().clone() for k, v in rollout_weights(gpt).items()}
-        model_dir = write_model_dir(tmp_path / norms, hf_config_for(shape, recipe),
+        model_dir = write_model_dir(tmp_path / tag, hf_config_for(shape, recipe),
                                     dict(iter_canonical(MegatronShards(shape, 1, 1, None, {(0, 0, 0): local}))))
         engine = RolloutEngine(RolloutConfig(
             model_dir=str(model_dir), recipe=recipe, gpu_memory_utilization=0.3, max_num_seqs=64,
             max_model_len=1024, enforce_eager=False, fp8_gemm_warmup=False, cuda_norms=norms,
-            llm_kwargs={"enable_prefix_caching": False,
-                        "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}))
+            swiglu_fp8_forms=swiglu, llm_kwargs={"enable_prefix_caching": False,
+                                                 "compilation_config": {"mode": 0,
+                                                                        "cudagraph_mode": "FULL_DECODE_ONLY"}}))
         try:
             layers = 2 * 4 + 1  # per layer input, post-attention, q and k norms; the final norm
             # the hidden-sized ones hand their output's FP8 forms to the plugin's linears (the trainer quantizes
@@ -321,6 +325,8 @@ def test_batch_invariant_norms_make_the_trainer_equal_vllm_decode_at_hidden_4096
             assert engine.norms == ({"batch_invariant": layers, "vllm": 0, "fp8_input": 2 * 2 + 1}
                                     if norms == "batch_invariant"
                                     else {"batch_invariant": 0, "vllm": layers, "fp8_input": 0}), engine.norms
+            assert engine.swiglu == ({"project": 2, "vllm": 0, "fp8_output": 2} if swiglu
+                                     else {"project": 0, "vllm": 2, "fp8_output": 0}), engine.swiglu
             samples = engine.generate(_prompts(48, shape.vocab_size, seed=3), n=1, max_tokens=300, seed=3,
                                       ignore_eos=True)
             seqs = [s.prompt_token_ids + s.token_ids for s in samples]
@@ -331,21 +337,22 @@ def test_batch_invariant_norms_make_the_trainer_equal_vllm_decode_at_hidden_4096
             for layer in unwrap(gpt).decoder.layers:
                 for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
                     hooks.append(norm.register_forward_hook(functools.partial(_note_forms, seen, want)))
+                hooks.append(layer.mlp.activation_func.register_forward_hook(
+                    functools.partial(_note_forms, seen, swiglu)))  # the SwiGLU's forms for the down projection
             try:
                 got = _trainer_logprobs(gpt, seqs)
             finally:
                 for h in hooks:
                     h.remove()
-            assert seen and all(w == h for w, h in seen), (norms, seen)
-            same[norms], total = 0, 0
+            assert seen and all(w == h for w, h in seen), (tag, seen)
+            same[tag], total = 0, 0
             for i, s in enumerate(samples):
                 decode = torch.tensor(s.logprobs, dtype=torch.float32)
                 total += decode.numel()
-                same[norms] += int((got[i][len(s.prompt_token_ids) - 1:] == decode).sum())
+                same[tag] += int((got[i][len(s.prompt_token_ids) - 1:] == decode).sum())
         finally:
             engine.shutdown()
             del gpt
             torch.cuda.empty_cache()
-    print(f"\nsampled tokens bit-identical at hidden 4096: batch-invariant norms {same['batch_invariant']}/{total}, "
-          f"vLLM's own norms {same['vllm']}/{total}")
-    assert same["batch_invariant"] == total, same
+    print(f"\nsampled tokens bit-identical at hidden 4096 (of {total}): {same}")
+    assert same["batch_invariant"] == same["batch_invariant+swiglu_fp8_forms"] == total, same

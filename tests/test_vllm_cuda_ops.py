@@ -86,7 +86,7 @@ def test_spec_follows_vllms_qwen3_op_sequence(layers):
         assert sub.self_attn_bda is sub.mlp_bda is get_bf16_residual_bda
         assert sub.mlp.submodules.activation_func.params == {"vllm_cuda": True, "elementwise": ctx.elementwise,
                                                             "fuse_fc1_grad_quant": False,  # fusions off by default
-                                                            "fp8_output": None}
+                                                            "project_kernel": False, "fp8_output": None}
         assert isinstance(attn.core_attention, functools.partial)
         assert attn.core_attention.keywords["attn_impl"] == "vllm_cuda"
         assert attn.core_attention.keywords["elementwise"] is ctx.elementwise

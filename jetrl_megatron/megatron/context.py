@@ -55,10 +55,10 @@ class Fp8ModelContext:
     # the SwiGLU backward fused with the FP8 quantization of fc1's dY (megatron/swiglu_fp8.py: same bytes, one
     # kernel instead of swiglu_bwd + quant_dual); off until measured faster on the GPU (docs/kernels.md)
     fuse_swiglu_grad_quant: bool = False
-    # the SwiGLU forward also writes its output's 1x128 FP8 forms for fc2 (triton_numerics.swiglu_fwd: same bytes,
-    # no separate quantization pass); with the vllm_cuda kernels it then runs the Triton SwiGLU instead of vLLM's
-    # silu_and_mul, which keeps exactness only where the two give the same bytes (a GPU test checks every BF16 gate
-    # value); off until measured faster and equal on the GPU (docs/kernels.md)
+    # the SwiGLU forward is the project's Triton kernel and writes its output's 1x128 FP8 forms for an FP8 fc2
+    # (triton_numerics.swiglu_fwd: same bytes, no separate quantization pass); with the vllm_cuda kernels GPU engines
+    # asked for the same switch run that kernel too (rollout/swiglu_forms.py); off until measured on the GPU
+    # (docs/kernels.md)
     swiglu_fp8_forms: bool = False
 
     @classmethod

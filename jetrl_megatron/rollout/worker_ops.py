@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from jetrl_megatron.rollout import invariant_norm
+from jetrl_megatron.rollout import invariant_norm, swiglu_forms
 from jetrl_megatron.rollout.refit import byte_checksum
 
 
@@ -120,3 +120,6 @@ class JetRLWorkerExtension:
 
     def jetrl_served_norms(self) -> dict[str, int]:
         return invariant_norm.served_norms(_model(self))
+
+    def jetrl_served_swiglu(self) -> dict[str, int]:
+        return swiglu_forms.served_swiglu(_model(self))

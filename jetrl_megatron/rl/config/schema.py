@@ -279,9 +279,9 @@ class JetRlCfg:
     # whatever the batch, in both: a token's bytes no longer depend on its decode step's batch size) | vllm (vLLM's
     # own norm kernels: exact only where the decode batches share the prefill's kernel configuration)
     cuda_norms: str = key("batch_invariant", allowed=("batch_invariant", "vllm"))
-    # SwiGLU fusions of the GPU trainer (same bytes either way; off until measured faster: docs/kernels.md): its
-    # backward writes fc1's dY in FP8, its forward writes fc2's FP8 input (with attn_impl vllm_cuda the latter runs
-    # the project's SwiGLU kernel in place of vLLM's silu_and_mul: exact where the two agree, a GPU test checks it)
+    # SwiGLU fusions on the GPU (same bytes either way; off until measured faster: docs/kernels.md): the trainer's
+    # backward writes fc1's dY in FP8; trainer and engines run the project's SwiGLU kernel (in place of vLLM's
+    # silu_and_mul, on both sides) and it writes the next FP8 linear's input forms
     fuse_swiglu_grad_quant: bool = False
     swiglu_fp8_forms: bool = False
     fp8_reference_quant: bool = False  # quantize CUDA tensors with the torch reference instead of Triton

@@ -1,0 +1,49 @@
+"""What the engine whose model vLLM is building now asked for, read by the project's out-of-tree vLLM ops.
+
+Why here: the batch-invariant RMSNorm (``invariant_norm``) and the SwiGLU that writes fc2's FP8 input
+(``swiglu_forms``) replace vLLM's op classes process-wide (vLLM's custom-op registry), but each engine decides for
+itself: every instance reads, in its constructor (which vLLM runs inside the model build, with that engine's config
+current), whether its engine set the op's ``hf_overrides`` key and whether it serves the ``jetrl_fp8`` plugin.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jetrl_megatron.fp8.format import QUANT_METHOD
+from jetrl_megatron.recipe import Fp8Recipe
+
+
+def current_vllm_config() -> Any:
+    """The config of the engine whose model vLLM is building now (None outside a model build)."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return get_current_vllm_config()
+    except (ImportError, AssertionError):
+        return None
+
+
+def _hf_config() -> Any:
+    return getattr(getattr(current_vllm_config(), "model_config", None), "hf_config", None)
+
+
+def asked(hf_key: str) -> bool:
+    """Whether the engine being built set ``hf_key`` in its ``hf_overrides`` (False outside a model build)."""
+    return bool(getattr(_hf_config(), hf_key, False))
+
+
+def hidden_size() -> int | None:
+    """The model's hidden size (None outside a model build)."""
+    return getattr(_hf_config(), "hidden_size", None)
+
+
+def fp8_recipe() -> Fp8Recipe | None:
+    """The recipe of the engine being built when it serves the ``jetrl_fp8`` plugin with the Triton quantizer, i.e.
+    when its FP8 linears can take an input's FP8 forms from the op producing it (not with ``fp8_reference_quant``,
+    whose point is to run the reference quantizer). None otherwise."""
+    quant_config = getattr(current_vllm_config(), "quant_config", None)
+    if (quant_config is None or quant_config.get_name() != QUANT_METHOD
+            or getattr(quant_config, "reference_quant", True)):
+        return None
+    return quant_config.recipe
