@@ -17,7 +17,8 @@
 #           FA_SPLITS=N sets vLLM's FA3 KV-split cap for CUDA-graph decode (attention_config, vLLM's default 32);
 #           PROFILE=N profiles step N (profile_stepN.md in the run directory); EXTRA="key=value ..." appends overrides; LAYER=1 then runs check's layer cost benchmark
 #   decode  bench/decode_invariance.py at the Qwen3-8B shape: which of vLLM's ops give a token other bytes in a decode
-#           step than in a prefill (norms, SiLU-and-mul, FP8 linears per backend, BF16 lm_head, FA3 decode vs prefill)
+#           step than in a prefill (norms, SiLU-and-mul, FP8 linears per backend, BF16 lm_head, FA3 decode vs prefill),
+#           and the project's SwiGLU against vLLM's silu_and_mul on every BF16 gate value
 #   probe   bench/vllm_cuda_exact.py at the Qwen3-8B shape (ARMS, default jetrl; auto GEMMs, CUDA graphs, a refit), PROMPTS x LEN,
 #           with FA_SPLITS as above: trainer vs vLLM's decode and prefill, and vLLM's decode vs its own prefill
 #   rollcost  bench/rollout_bench.py compare at Qwen3-8B, 128 x 1024 tokens: stock FP8, the plugin and BF16, each with
@@ -25,7 +26,7 @@
 #   exact150m  count_150m_gpu from random init, the three arms side by side at LENS (default 256 1024 4096) new tokens
 #           by ignore_eos, 2 GRPO steps each: issue 26's mismatch-by-position rows at the small shape
 #   fuse    the SwiGLU fusions (Fp8ModelContext.fuse_swiglu_grad_quant: backward + fc1 dY FP8 quantization;
-#           swiglu_fp8_forms: forward + fc2 input, and whether it equals vLLM's silu_and_mul): their GPU tests,
+#           swiglu_fp8_forms: forward + fc2 input; `decode` compares that kernel with vLLM's silu_and_mul): their tests,
 #           bench/kernels_bench.py's swiglu section, the Qwen3-8B layer fwd+bwd with each fusion off and on
 #           (GRAPH=1: also each arm with the layer captured as CUDA graphs, issue 29 item 3)
 #   round   ROUND="mode ..." runs those modes one after another in this call (each into OUT_DIR/<mode>)
