@@ -21,8 +21,9 @@ module); ``--swiglu-fp8-forms off,on`` likewise with the SwiGLU forward writing 
 block's gradients (input, fc1, fc2) are bit-identical to its unfused twin's (they must be).
 ``--cuda-graph`` also times every arm with the layer's forward and backward each captured as one CUDA graph
 (``torch.cuda.make_graphed_callables`` on the same layer and weights): what launch gaps and host issue cost, the wall
-time beyond the kernel sum (issue 29 item 3). It reports whether the graphed forward output equals the eager one bit
-for bit (it must: same kernels, same inputs); an arm that cannot be captured reports why and keeps its eager numbers.
+time beyond the kernel sum (issue 29 item 3); and the forward alone under no_grad captured as one graph (the
+logprob passes, item 4). It reports whether the graphed forward outputs equal the eager one bit for bit (they must:
+same kernels, same inputs); an arm that cannot be captured reports why and keeps its eager numbers.
 ``--profile`` prints, per arm, the top CUDA kernels of one fwd+bwd by total time (torch.profiler) and the time per
 kernel group (GEMM, attention, FP8 quantization, our Triton element-wise kernels, other = torch element-wise/copies).
 
@@ -292,19 +293,39 @@ def e2e_smoke() -> dict:
     return {"e2e_lp_shape": list(lp0.shape), "e2e_losses": losses, "e2e_refreshes": opt.stats.refreshes}
 
 
+def graphed_forward(layer, x: torch.Tensor, warmup: int):
+    """``layer``'s forward under no_grad (the logprob / reference passes) captured as one CUDA graph: (replay, static
+    output). Warm-up iterations run on a side stream first (JIT compiles, FP8 derived layouts), as torch's
+    make_graphed_callables does."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(max(warmup, 3)):
+            layer(x, attention_mask=None)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        out = layer(x, attention_mask=None)[0]
+    return graph.replay, out
+
+
 def graph_timings(layer, x, gout, eager_out: torch.Tensor, args) -> dict:
-    """The ``graph_*`` columns of one arm (see ``graphed_layer_step``); a capture that fails is reported, not raised:
-    the arm's eager numbers stand and the table says why its graphed ones are missing."""
+    """The ``graph_*`` columns of one arm (see ``graphed_layer_step`` and ``graphed_forward``); a capture that fails
+    is reported, not raised: the arm's eager numbers stand and the table says why its graphed ones are missing."""
     try:
         step, graphed = graphed_layer_step(layer, x, gout, args.warmup)
         with torch.no_grad():
             same = torch.equal(graphed(x).float(), eager_out)
         t = timeit(step, torch.device("cuda"), args.warmup, args.iters)
         _, pipe = host_and_pipelined(step, torch.device("cuda"), args.iters)
+        replay, out = graphed_forward(layer, x, args.warmup)
+        t_fwd = timeit(replay, torch.device("cuda"), args.warmup, args.iters)
+        same_fwd = torch.equal(out.float(), eager_out)
     except Exception as e:  # noqa: BLE001 -- any capture error is a result of this column
         torch.cuda.synchronize()
         return {"graph_error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
-    return {"graph_layer_ms": t, "graph_pipelined_ms": pipe, "graph_fwd_bit_identical": same}
+    return {"graph_layer_ms": t, "graph_pipelined_ms": pipe, "graph_fwd_only_ms": t_fwd,
+            "graph_fwd_bit_identical": same and same_fwd}
 
 
 def fusion_label(fuse: tuple[bool, bool]) -> str:
@@ -475,6 +496,7 @@ def main() -> None:
         r["saved_ratio"] = r["saved_MiB"] / b["saved_MiB"]
         if r.get("graph_layer_ms") and b.get("graph_layer_ms"):
             r["graph_speedup"] = b["graph_layer_ms"] / r["graph_layer_ms"]
+            r["graph_fwd_speedup"] = b["graph_fwd_only_ms"] / r["graph_fwd_only_ms"]
 
     info = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                 seq=s, shape=dataclasses.asdict(shape) | {"extra_hf": None})
@@ -522,17 +544,20 @@ def main() -> None:
                      f"| {dtw} | {fu} |")
     if args.cuda_graph:
         lines += ["", "| mode | gemm_backend | elementwise | eager fwd+bwd ms | graphed fwd+bwd ms | graphed / eager "
-                  "| speedup vs bf16 graphed | graphed back-to-back ms | graphed fwd == eager fwd |",
-                  "|" + "---|" * 9]
+                  "| speedup vs bf16 graphed | graphed back-to-back ms | eager fwd only ms | graphed fwd only ms "
+                  "| fwd-only speedup vs bf16 graphed | graphed fwd == eager fwd |",
+                  "|" + "---|" * 12]
         for r in rows:
             if r.get("graph_error"):
                 lines.append(f"| {r['mode']} | {r['backend']} | {r['elementwise']} | {r['layer_ms']:.2f} "
-                             f"| capture failed: {r['graph_error']} | - | - | - | - |")
+                             f"| capture failed: {r['graph_error']} | - | - | - | {r['fwd_ms']:.2f} | - | - | - |")
                 continue
             sp = f"{r['graph_speedup']:.3f}x" if r.get("graph_speedup") else "-"
+            sp_fwd = f"{r['graph_fwd_speedup']:.3f}x" if r.get("graph_fwd_speedup") else "-"
             lines.append(f"| {r['mode']} | {r['backend']} | {r['elementwise']} | {r['layer_ms']:.2f} "
                          f"| {r['graph_layer_ms']:.2f} | {r['graph_layer_ms'] / r['layer_ms']:.3f} | {sp} "
-                         f"| {r['graph_pipelined_ms']:.2f} | {'yes' if r['graph_fwd_bit_identical'] else 'NO'} |")
+                         f"| {r['graph_pipelined_ms']:.2f} | {r['fwd_ms']:.2f} | {r['graph_fwd_only_ms']:.2f} "
+                         f"| {sp_fwd} | {'yes' if r['graph_fwd_bit_identical'] else 'NO'} |")
     table = "\n".join(lines)
     prof_text = "\n\n".join([format_profile(p["arm"], p) for p in profiles] + host_texts)
     print(json.dumps(info))
