@@ -8,10 +8,14 @@ current), whether its engine set the op's ``hf_overrides`` key and whether it se
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
 from jetrl_megatron.fp8.format import QUANT_METHOD
 from jetrl_megatron.recipe import Fp8Recipe
+
+log = logging.getLogger(__name__)
 
 
 def current_vllm_config() -> Any:
@@ -47,3 +51,20 @@ def fp8_recipe() -> Fp8Recipe | None:
             or getattr(quant_config, "reference_quant", True)):
         return None
     return quant_config.recipe
+
+
+def replace_op(base: type, subclass_of: Callable[[type], type], what: str) -> type | None:
+    """Put ``subclass_of(base)`` (a subclass of vLLM's op class ``base``) into vLLM's out-of-tree op registry under
+    ``base``'s name, so every model vLLM builds from now on gets it where it asked for ``base``. None (and a warning
+    naming ``what`` is unavailable) when another plugin already replaced ``base``. The class keeps vLLM's op name, so
+    vLLM's ``custom_ops`` switches ("+rms_norm" / "-silu_and_mul") still reach these layers."""
+    from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+
+    if base.__name__ in op_registry_oot:
+        log.warning("vLLM's %s is already replaced by %s: %s is not available", base.__name__,
+                    op_registry_oot[base.__name__], what)
+        return None
+    cls = subclass_of(base)
+    CustomOp.register_oot(name=base.__name__)(cls)
+    cls.name = base.name  # register_oot named it after the registry key
+    return cls

@@ -24,8 +24,6 @@ RMSNorm unchanged.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import Tensor
 
@@ -34,12 +32,10 @@ from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.rollout import engine_build
 from jetrl_megatron.vllm_cuda.ops import CUDA_NORMS
 
-log = logging.getLogger(__name__)
-
 # hf_config attribute an engine sets (through LLM(hf_overrides=...)) to get batch-invariant norms
 HF_KEY = "jetrl_batch_invariant_norms"
 
-_registered: list[type] = []
+_registered: list[type | None] = []  # the class, or None where another plugin holds the op
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None, quant: Fp8Recipe | None = None
@@ -73,17 +69,15 @@ def fp8_input_recipe(norm_size: int) -> Fp8Recipe | None:
 def register() -> type | None:
     """Put the batch-invariant ``RMSNorm`` subclass into vLLM's out-of-tree op registry (once per process; the class
     decides per engine). Returns the class, or None when another plugin already replaced vLLM's RMSNorm."""
-    if _registered:
-        return _registered[0]
-    from vllm.model_executor.custom_op import CustomOp, op_registry_oot
-    from vllm.model_executor.layers.layernorm import RMSNorm
+    if not _registered:
+        from vllm.model_executor.layers.layernorm import RMSNorm
 
-    if RMSNorm.__name__ in op_registry_oot:
-        log.warning("vLLM's RMSNorm is already replaced by %s: batch-invariant norms are not available",
-                    op_registry_oot[RMSNorm.__name__])
-        return None
+        _registered.append(engine_build.replace_op(RMSNorm, _batch_invariant_rms_norm, "batch-invariant norms"))
+    return _registered[0]
 
-    class JetRLRMSNorm(RMSNorm):
+
+def _batch_invariant_rms_norm(rms_norm_cls: type) -> type:
+    class JetRLRMSNorm(rms_norm_cls):
         """vLLM's RMSNorm; on CUDA tensors of an engine that asked for it, the batch-invariant kernel."""
 
         def __init__(self, *args, **kwargs) -> None:
@@ -109,11 +103,6 @@ def register() -> type | None:
                 return rms_norm(x, self.weight.data, self.variance_epsilon, residual, self.jetrl_fp8_recipe)
             return super().forward_native(x, residual)
 
-    CustomOp.register_oot(name=RMSNorm.__name__)(JetRLRMSNorm)
-    # register_oot names the class after the registry key; keep vLLM's op name so its custom_ops switches
-    # ("+rms_norm" / "-rms_norm") still reach these layers
-    JetRLRMSNorm.name = RMSNorm.name
-    _registered.append(JetRLRMSNorm)
     return JetRLRMSNorm
 
 

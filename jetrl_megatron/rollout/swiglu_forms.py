@@ -16,20 +16,16 @@ tensor, run vLLM's own op.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import Tensor
 
 from jetrl_megatron.megatron import triton_numerics  # torch + Triton only: no Megatron-Core in the engine
 from jetrl_megatron.rollout import engine_build
 
-log = logging.getLogger(__name__)
-
 # hf_config attribute an engine sets (through LLM(hf_overrides=...)) to run the project's SwiGLU
 HF_KEY = "jetrl_swiglu_fp8_forms"
 
-_registered: list[type] = []
+_registered: list[type | None] = []  # the class, or None where another plugin holds the op
 
 
 def engine_overrides(swiglu_fp8_forms: bool, on_cuda: bool) -> dict[str, bool]:
@@ -41,17 +37,15 @@ def engine_overrides(swiglu_fp8_forms: bool, on_cuda: bool) -> dict[str, bool]:
 def register() -> type | None:
     """Put the ``SiluAndMul`` subclass into vLLM's out-of-tree op registry (once per process; the class decides per
     engine). Returns the class, or None when another plugin already replaced vLLM's SiluAndMul."""
-    if _registered:
-        return _registered[0]
-    from vllm.model_executor.custom_op import CustomOp, op_registry_oot
-    from vllm.model_executor.layers.activation import SiluAndMul
+    if not _registered:
+        from vllm.model_executor.layers.activation import SiluAndMul
 
-    if SiluAndMul.__name__ in op_registry_oot:
-        log.warning("vLLM's SiluAndMul is already replaced by %s: swiglu_fp8_forms is not available",
-                    op_registry_oot[SiluAndMul.__name__])
-        return None
+        _registered.append(engine_build.replace_op(SiluAndMul, _project_silu_and_mul, "swiglu_fp8_forms"))
+    return _registered[0]
 
-    class JetRLSiluAndMul(SiluAndMul):
+
+def _project_silu_and_mul(silu_and_mul_cls: type) -> type:
+    class JetRLSiluAndMul(silu_and_mul_cls):
         """vLLM's SiluAndMul; on CUDA tensors of an engine that asked for it, the project's Triton SwiGLU (writing
         fc2's FP8 forms where the engine serves the ``jetrl_fp8`` plugin)."""
 
@@ -74,11 +68,8 @@ def register() -> type | None:
             # vLLM calls this instead of forward_cuda when its custom ops are disabled (torch.compile modes)
             if self._ours(x):
                 return triton_numerics.swiglu_fwd(x, self.jetrl_fp8_recipe)
-            return SiluAndMul.forward_native(x)
+            return silu_and_mul_cls.forward_native(x)
 
-    CustomOp.register_oot(name=SiluAndMul.__name__)(JetRLSiluAndMul)
-    JetRLSiluAndMul.name = SiluAndMul.name  # vLLM's op name: its custom_ops switches still reach these layers
-    _registered.append(JetRLSiluAndMul)
     return JetRLSiluAndMul
 
 
