@@ -39,7 +39,7 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_US
   TRITON_CACHE_DIR=/tmp/triton_cache PYTHONUNBUFFERED=1
 # JIT caches carried from an earlier session (PACK_DG=1 below writes them): DeepGEMM's and Triton's
 [ -f .dgc/dg_cache.tgz ] && [ ! -d /tmp/dg_cache ] && mkdir -p /tmp/dg_cache && tar xzf .dgc/dg_cache.tgz -C /tmp
-[ -f .dgc/triton_cache.tgz ] && [ ! -d /tmp/triton_cache ] && tar xzf .dgc/triton_cache.tgz -C /tmp
+[ -f .dgc/triton_cache.tar.xz ] && [ ! -d /tmp/triton_cache ] && tar xf .dgc/triton_cache.tar.xz -C /tmp
 wheels() {
   [ -f /tmp/site/.whl_ok ] && return 0
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -176,12 +176,11 @@ case $mode in
      exit 2 ;;
 esac
 # PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz, and
-# Triton's as .dgc/triton_cache.tgz when it packs under 12 MiB (a call brings back at most 16 MiB per file)
+# Triton's kernels (binaries, metadata and launchers only: tools/triton_cache_pack.py) as .dgc/triton_cache.tar.xz
+# when that packs under 12 MiB (a call brings back at most 16 MiB per file)
 if [ "${PACK_DG:-0}" = 1 ] && [ -d /tmp/dg_cache ]; then
   tar czf "$out/dg_cache.tgz" -C /tmp dg_cache; ls -l "$out/dg_cache.tgz"
 fi
 if [ "${PACK_DG:-0}" = 1 ] && [ -d /tmp/triton_cache ]; then
-  tar czf "$out/triton_cache.tgz" -C /tmp triton_cache
-  [ "$(stat -c %s "$out/triton_cache.tgz")" -lt $((12 << 20)) ] || rm -f "$out/triton_cache.tgz"
-  ls -l "$out"/triton_cache.tgz 2>/dev/null || echo "triton cache over 12 MiB packed: not kept"
+  python3 tools/triton_cache_pack.py /tmp/triton_cache "$out/triton_cache.tar.xz" --max-mib 12
 fi
