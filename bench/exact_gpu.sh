@@ -22,7 +22,7 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_US
   TRANSFORMERS_OFFLINE=1 PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} DG_JIT_CACHE_DIR=/tmp/dg_cache
 install() {
   [ -f /tmp/site/.jetrl_ok ] && return 0
-  cp .vc/p2/* /tmp/vc/ && cat /tmp/vc/part0* > /tmp/vllm026.tar && sha256sum -c /tmp/vc/SHA256 && mkdir -p /tmp/w && tar xf /tmp/vllm026.tar -C /tmp/w \
+  cp .vc/p*/* /tmp/vc/ && cat /tmp/vc/part0* > /tmp/vllm026.tar && sha256sum -c /tmp/vc/SHA256 && mkdir -p /tmp/w && tar xf /tmp/vllm026.tar -C /tmp/w \
     && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
        /tmp/w/.whl/*.whl .whl/*.whl && touch /tmp/site/.jetrl_ok
 }

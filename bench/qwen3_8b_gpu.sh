@@ -4,8 +4,10 @@
 # Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse|round OUT_DIR
 #   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
 #           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
-#   stage1, stage2  copy .vc/p1, .vc/p2 (one 44 MiB part per call: a call takes at most 64 MiB with the tree)
-#   the other modes carry the last part (.vc/p3, with SHA256) and install the bundle once per machine
+#   stage1, stage2  copy .vc/p1, .vc/p2 (one 44 MiB part per call: a call takes at most 64 MiB with the tree); the
+#           0.26 bundle without the MoE library (tools/vllm_gpu_bundle.sh) has three parts, so only stage1 is needed
+#   the other modes carry the last part (the one with SHA256: .vc/p2 for that bundle) and install the bundle once per
+#   machine from every part the machine has received
 #   suite   install the vLLM 0.26 bundle; `make test-gpu ENV=system` (the whole GPU suite, one command, in this
 #           machine's Python: it has no internet for the venv)
 #   check   install the vLLM 0.26 bundle; FP8 FProp M-invariance per backend at the Qwen3-8B shapes
@@ -47,7 +49,7 @@ wheels() {
 }
 vllm_bundle() {
   [ -f /tmp/site/.vllm_ok ] && return 0
-  cp .vc/p3/* /tmp/vc/ && cat /tmp/vc/part0* > /tmp/vllm026.tar && sha256sum -c /tmp/vc/SHA256 && mkdir -p /tmp/w \
+  cp .vc/p*/* /tmp/vc/ && cat /tmp/vc/part0* > /tmp/vllm026.tar && sha256sum -c /tmp/vc/SHA256 && mkdir -p /tmp/w \
     && tar xf /tmp/vllm026.tar -C /tmp/w && rm -f /tmp/vllm026.tar /tmp/vc/part0* \
     && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
        /tmp/w/.whl/*.whl && rm -rf /tmp/w && touch /tmp/site/.vllm_ok
@@ -177,10 +179,10 @@ case $mode in
 esac
 # PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz, and
 # Triton's kernels (binaries, metadata and launchers only: tools/triton_cache_pack.py) as .dgc/triton_cache.tar.xz
-# when that packs under 12 MiB (a call brings back at most 16 MiB per file)
+# when that packs under 10 MiB (carried beside the last bundle part and the tree, a call stays under 64 MiB)
 if [ "${PACK_DG:-0}" = 1 ] && [ -d /tmp/dg_cache ]; then
   tar czf "$out/dg_cache.tgz" -C /tmp dg_cache; ls -l "$out/dg_cache.tgz"
 fi
 if [ "${PACK_DG:-0}" = 1 ] && [ -d /tmp/triton_cache ]; then
-  python3 tools/triton_cache_pack.py /tmp/triton_cache "$out/triton_cache.tar.xz" --max-mib 12
+  python3 tools/triton_cache_pack.py /tmp/triton_cache "$out/triton_cache.tar.xz" --max-mib 10
 fi

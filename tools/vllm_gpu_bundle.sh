@@ -43,10 +43,15 @@ P=(--only-binary=:all: --no-deps --python-version 3.12 --implementation cp
    --platform manylinux_2_5_x86_64 -d whl)
 python3 -m pip download -q "${P[@]}" "vllm==$ver" "${extra[@]}"
 # Drop what an H200 dense-model run never loads: the FA2 library (Hopper uses FA3), the Rust server binary,
-# and DeepGEMM builds for other Python versions. Halves the vLLM wheel.
+# DeepGEMM builds for other Python versions, and (MOE=1 keeps it) the MoE kernel library, which vLLM imports only
+# inside contextlib.suppress(ImportError) and calls only from MoE layers (Qwen3 / Llama dense models have none).
+# Without it the 0.26 bundle is three parts instead of four: the last rides with the first call that uses vLLM.
+moe=()
+[ "${MOE:-0}" = 1 ] || moe=('vllm/_moe_C_stable_libtorch.abi3.so' 'vllm/_moe_C.abi3.so')
 zip -q -d whl/vllm-"$ver"-*.whl 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/vllm-rs' \
   'vllm/third_party/deep_gemm/_C.cpython-310-*' 'vllm/third_party/deep_gemm/_C.cpython-311-*' \
-  'vllm/third_party/deep_gemm/_C.cpython-313-*' 'vllm/third_party/deep_gemm/_C.cpython-314-*' >/dev/null 2>&1 || true
+  'vllm/third_party/deep_gemm/_C.cpython-313-*' 'vllm/third_party/deep_gemm/_C.cpython-314-*' "${moe[@]}" \
+  >/dev/null 2>&1 || true
 mv whl .whl && tar cf "vllm$tag.tar" .whl
 sha=$(sha256sum "vllm$tag.tar" | cut -d' ' -f1)
 split -b 44M -d -a 2 "vllm$tag.tar" part
