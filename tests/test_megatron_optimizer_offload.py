@@ -275,6 +275,12 @@ def test_plan_counts_gpu_and_host_memory_of_the_offload():
     assert m1["host_optimizer"] == pytest.approx(12 * params * 0.75)
     assert m1["host_grads_fp32"] == pytest.approx(4 * params * 0.75)
     assert m1["host_pinned_staging"] == pytest.approx(2 * params * 0.75) and m0["host_pinned_staging"] == 0.0
+    # vLLM's level-1 sleep keeps a host copy of the engine's weights; level 2 discards them (the refit rewrites them)
+    level2 = load_config("qwen3_8b_1gpu", ["policy.jet_rl.engine_sleep_level=2"])
+    m2 = memory_estimate(level2, model_shape(level2), parallel_layout(level2), 139.0)
+    assert m1["vllm_weights"] > 0 and m1["host_vllm_sleep"] == pytest.approx(m1["vllm_weights"])
+    assert m2["host_vllm_sleep"] == 0.0
+    assert m2["host_per_node"] == pytest.approx(m1["host_per_node"] - m1["vllm_weights"])
     assert m1["host_per_node"] == pytest.approx(18 * params * 0.75 + m1["vllm_weights"])
     text, ok = plan_report(off, 139.0, show_config=False, host_mem_gib=125.0)
     assert ok and "host 111.8 GiB per node of 125 GiB: fits" in text, text

@@ -70,20 +70,20 @@ class _Engine:
         self.calls = calls
 
     def sleep(self, level: int) -> bool:
-        self.calls.append("sleep")
+        self.calls.append(f"sleep{level}")
         return True
 
     def wake_up(self) -> None:
         self.calls.append("wake_up")
 
 
-def _train_phase(calls: list[str], colocated: bool = True):
+def _train_phase(calls: list[str], colocated: bool = True, sleep_level: int = 1):
     from types import SimpleNamespace
 
     from jetrl_megatron.rl.loop import TrainPhase
 
-    cfg = SimpleNamespace(policy=SimpleNamespace(generation=SimpleNamespace(
-        colocated=SimpleNamespace(enabled=colocated))))
+    cfg = SimpleNamespace(policy=SimpleNamespace(generation=SimpleNamespace(colocated=SimpleNamespace(
+        enabled=colocated)), jet_rl=SimpleNamespace(engine_sleep_level=sleep_level)))
     ro = SimpleNamespace(engine=_Engine(calls), release_grads=False)
     return TrainPhase(cfg, SimpleNamespace(model=None), ro)
 
@@ -100,12 +100,16 @@ def test_the_update_returns_its_cached_blocks_before_the_engine_wakes(monkeypatc
         with phase.grad_buffers_held():
             calls.append("update")
         phase.wake_up()
-    assert calls == ["sleep", "release", "logprob", "update", "release", "wake_up"], calls
+    assert calls == ["sleep1", "release", "logprob", "update", "release", "wake_up"], calls
     calls.clear()  # not colocated: no engine sleeps or wakes, the update keeps its cache for the next step
     with _train_phase(calls, colocated=False) as phase:
         with phase.grad_buffers_held():
             calls.append("update")
     assert calls == ["release", "update"], calls
+    calls.clear()  # policy.jet_rl.engine_sleep_level reaches the engine
+    with _train_phase(calls, sleep_level=2):
+        pass
+    assert calls[0] == "sleep2", calls
 
 
 @pytest.mark.gpu

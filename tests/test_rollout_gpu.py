@@ -3,7 +3,7 @@
 Run on the H200 machine with vLLM 0.26 installed (docs/vllm_gpu.md); skipped without CUDA or without vLLM.
 - sleep(level=1) must release GPU memory (weights offloaded, KV cache freed) and wake_up() must restore the exact
   weights: the same seeded generation afterwards gives the same tokens and logprobs, bit for bit, and a refit after
-  wake_up is served.
+  wake_up is served. After sleep(level=2) (weights discarded) a refit of the same weights must restore every byte.
 - A TP=2 engine (two GPUs) serves the same FP8 model: its prompt logprobs agree with the TP=1 engine's within a
   stated bound (not bit for bit: the row-parallel all-reduce changes the summation order), and a refit reaches
   both ranks (the logprobs move to the new weights' TP=1 values).
@@ -74,6 +74,33 @@ def test_sleep_wake_restores_weights_and_serves_refits(tmp_path):
         engine.refit(load_state_dict(_model(tmp_path, seed=1)))
         new = torch.tensor(engine.score(seqs))
         assert (new - old).abs().mean() > 0.05, "refit after wake_up not served"
+    finally:
+        engine.shutdown()
+
+
+def test_level2_sleep_then_a_refit_serves_the_same_bytes(tmp_path):
+    """``policy.jet_rl.engine_sleep_level: 2``: vLLM discards the weights while the trainer runs (no host backup) and
+    keeps the model's buffers; the in-place refit after wake_up must rewrite every parameter, so the engine then
+    serves exactly what it served before sleeping (a parameter the refit missed would hold garbage). Also: the
+    discarded weights give back more GPU memory than the KV cache alone."""
+    from jetrl_megatron.rollout.model_dir import load_state_dict
+
+    model_dir = _model(tmp_path)
+    engine = _engine(model_dir, sleep=True)
+    try:
+        before = engine.generate(_prompts(), n=2, max_tokens=16, seed=11, ignore_eos=True)
+        seqs = [s.prompt_token_ids + s.token_ids for s in before]
+        scores = engine.score(seqs)
+        free_awake = torch.cuda.mem_get_info()[0]
+        assert engine.sleep(level=2)
+        free_asleep = torch.cuda.mem_get_info()[0]
+        assert free_asleep > free_awake + (64 << 20), (free_awake, free_asleep)
+        assert engine.wake_up()
+        engine.refit(load_state_dict(model_dir))
+        after = engine.generate(_prompts(), n=2, max_tokens=16, seed=11, ignore_eos=True)
+        assert [s.token_ids for s in after] == [s.token_ids for s in before]
+        assert [s.logprobs for s in after] == [s.logprobs for s in before]
+        assert engine.score(seqs) == scores
     finally:
         engine.shutdown()
 

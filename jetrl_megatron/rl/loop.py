@@ -260,7 +260,8 @@ class TrainPhase:
         self.asleep = False
 
     def __enter__(self) -> TrainPhase:
-        self.asleep = self.cfg.policy.generation.colocated.enabled and self.ro.engine.sleep(level=1)
+        self.asleep = (self.cfg.policy.generation.colocated.enabled
+                       and self.ro.engine.sleep(level=self.cfg.policy.jet_rl.engine_sleep_level))
         # the engine's activations and sampler buffers live in torch's default pool, not its sleep pool: any cached
         # blocks they leave are returned before the trainer runs (the 8B bf16 arm's logprob phase showed 10.9 GiB of
         # cached blocks on 2026-12-05, from the engine or from the phase itself: the next GPU round tells)

@@ -510,8 +510,10 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------------------------------ memory
     def sleep(self, level: int = 1) -> bool:
-        """Free KV cache (level 1 also offloads weights) for colocated training. CPU vLLM has no sleep mode: no-op,
-        returns False. On CUDA it needs `enable_sleep_mode=True` at start."""
+        """Free the KV cache and the weights for colocated training: level 1 backs the weights up on the host and
+        restores them at `wake_up`; level 2 discards them (vLLM keeps the model's buffers), so they hold garbage
+        until a refit rewrites every parameter. CPU vLLM has no sleep mode: no-op, returns False. On CUDA it needs
+        `enable_sleep_mode=True` at start."""
         if not self.on_cuda:
             return False
         self.llm.sleep(level=level)

@@ -284,6 +284,10 @@ class JetRlCfg:
     # silu_and_mul, on both sides) and it writes the next FP8 linear's input forms
     fuse_swiglu_grad_quant: bool = False
     swiglu_fp8_forms: bool = False
+    # colocated GPU engines sleep through the trainer's phases at vLLM's level 1 (weights backed up on the host, KV
+    # cache freed) or 2 (weights discarded too: no host copy, no copies at sleep and wake; the in-place refit
+    # rewrites every parameter before the next rollout, which a GPU test checks; off until measured)
+    engine_sleep_level: int = key(1, allowed=(1, 2))
     fp8_reference_quant: bool = False  # quantize CUDA tensors with the torch reference instead of Triton
     verify_served_fp8: bool | None = None  # compare vLLM's FP8 weights with the trainer's each step (None: CPU)
     batch_invariant: bool = key(False, recipe="batch_invariant")

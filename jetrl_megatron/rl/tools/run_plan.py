@@ -342,7 +342,9 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     out["host_optimizer"] = 12 * params / shard * settings.host_fraction / GiB
     out["host_grads_fp32"] = 4 * params / shard * settings.host_fraction / GiB
     out["host_pinned_staging"] = 2 * params / shard * settings.host_fraction / GiB
-    out["host_vllm_sleep"] = rollout_w if cfg.policy.generation.colocated.enabled else 0.0
+    # vLLM's level-1 sleep backs its weights up on the host; level 2 discards them (the refit rewrites them)
+    out["host_vllm_sleep"] = (rollout_w if cfg.policy.generation.colocated.enabled
+                              and cfg.policy.jet_rl.engine_sleep_level == 1 else 0.0)
     per_node = per_node_processes(cfg, layout)
     out["host_per_node"] = per_node * (out["host_optimizer"] + out["host_grads_fp32"] + out["host_pinned_staging"]
                                        + out["host_vllm_sleep"])
