@@ -68,3 +68,17 @@ def replace_op(base: type, subclass_of: Callable[[type], type], what: str) -> ty
     CustomOp.register_oot(name=base.__name__)(cls)
     cls.name = base.name  # register_oot named it after the registry key
     return cls
+
+
+def served_counts(model: Any, flag: str, vllm_class: str, ours: str, forms: str) -> dict[str, int]:
+    """How many of a served model's layers of one replaced op run the project's kernel (``ours``: the instance's
+    ``flag`` is set) and how many vLLM's own (``"vllm"``: flag unset, or vLLM's class ``vllm_class`` itself); and how
+    many of the former hand their output's FP8 forms to the next linear (``forms``, on CUDA tensors)."""
+    counts = {ours: 0, "vllm": 0, forms: 0}
+    for m in model.modules():
+        if hasattr(m, flag):
+            counts[ours if getattr(m, flag) else "vllm"] += 1
+            counts[forms] += getattr(m, "jetrl_fp8_recipe", None) is not None
+        elif type(m).__name__ == vllm_class:
+            counts["vllm"] += 1
+    return counts

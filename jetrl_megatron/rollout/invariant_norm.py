@@ -109,11 +109,4 @@ def _batch_invariant_rms_norm(rms_norm_cls: type) -> type:
 def served_norms(model: torch.nn.Module) -> dict[str, int]:
     """How many of a served model's RMSNorm layers run the batch-invariant kernel, and how many vLLM's own; and how
     many of the former hand their output's FP8 forms to the next linear (``fp8_input``, on CUDA tensors)."""
-    counts = {"batch_invariant": 0, "vllm": 0, "fp8_input": 0}
-    for m in model.modules():
-        if hasattr(m, "jetrl_batch_invariant"):
-            counts["batch_invariant" if m.jetrl_batch_invariant else "vllm"] += 1
-            counts["fp8_input"] += getattr(m, "jetrl_fp8_recipe", None) is not None
-        elif type(m).__name__ == "RMSNorm":
-            counts["vllm"] += 1
-    return counts
+    return engine_build.served_counts(model, "jetrl_batch_invariant", "RMSNorm", "batch_invariant", "fp8_input")

@@ -76,11 +76,4 @@ def _project_silu_and_mul(silu_and_mul_cls: type) -> type:
 def served_swiglu(model: torch.nn.Module) -> dict[str, int]:
     """How many of a served model's SwiGLU layers run the project's kernel and how many vLLM's own; and how many of
     the former hand their output's FP8 forms to the down projection (``fp8_output``, on CUDA tensors)."""
-    counts = {"project": 0, "vllm": 0, "fp8_output": 0}
-    for m in model.modules():
-        if hasattr(m, "jetrl_project_kernel"):
-            counts["project" if m.jetrl_project_kernel else "vllm"] += 1
-            counts["fp8_output"] += getattr(m, "jetrl_fp8_recipe", None) is not None
-        elif type(m).__name__ == "SiluAndMul":
-            counts["vllm"] += 1
-    return counts
+    return engine_build.served_counts(model, "jetrl_project_kernel", "SiluAndMul", "project", "fp8_output")
