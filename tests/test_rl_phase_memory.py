@@ -130,3 +130,42 @@ def test_the_refit_phase_does_not_hold_the_updates_freed_blocks():
     m = meter.metrics()
     assert m["memory/gpu_torch_cached_gib_refit"] < 0.1, m
     assert m["memory/gpu_peak_gib_refit"] < m["memory/gpu_peak_gib_update"] - 1.9, m
+
+
+def test_cache_breakdown_sorts_free_bytes_by_what_could_return_them():
+    from jetrl_megatron.rl.phase_memory import GIB, cache_breakdown
+
+    mib = 1 << 20
+    segments = [
+        {"total_size": 64 * mib, "allocated_size": 0, "segment_pool_id": (0, 0)},      # wholly free
+        {"total_size": 64 * mib, "allocated_size": 16 * mib, "segment_pool_id": (0, 0)},  # holds a tensor
+        {"total_size": 2 * mib, "allocated_size": 0},                                   # no pool id: default
+        {"total_size": 96 * mib, "allocated_size": 32 * mib, "segment_pool_id": (1, 7)},  # a private pool
+    ]
+    got = {k: v * GIB / mib for k, v in cache_breakdown(segments).items()}
+    assert got == {"cache_returnable": 66, "cache_fragmented": 48, "cache_private_pools": 64,
+                   "private_pools_allocated": 32}, got
+
+
+@pytest.mark.gpu
+def test_gpu_cache_breakdown_of_real_allocations():
+    """A segment re-used by a smaller tensor leaves fragmented bytes; a private pool's freed tensor stays in the pool
+    after empty_cache; the meter reports both at the phase's end."""
+    torch.cuda.empty_cache()
+    mib = 1 << 20
+    meter = PhaseMemory(torch.device("cuda"))
+    meter.begin()
+    big = torch.empty(64 * mib, dtype=torch.uint8, device="cuda")
+    del big
+    small = torch.empty(16 * mib, dtype=torch.uint8, device="cuda")  # split out of the cached 64 MiB segment
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        private = torch.empty(32 * mib, dtype=torch.uint8, device="cuda")
+    del private
+    torch.cuda.empty_cache()
+    meter.end("rollout")
+    m = meter.metrics()
+    assert m["memory/gpu_cache_fragmented_gib_rollout"] * 1024 >= 48 - 1e-6, m
+    assert m["memory/gpu_cache_private_pools_gib_rollout"] * 1024 >= 32 - 1e-6, m
+    assert m["memory/gpu_cache_returnable_gib_rollout"] * 1024 < 2, m
+    del small, pool

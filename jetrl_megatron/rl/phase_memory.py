@@ -7,6 +7,12 @@ caching allocator's peak (`max_memory_reserved`) sees the trainer's transient pe
 taken as the larger of the device count at its start and end and (device - torch reserved at the start) + torch's
 reserved peak during the phase: exact when memory outside torch's allocator does not change inside the phase.
 Host memory: this process's resident set now and its high-water mark (Linux /proc; NaN elsewhere).
+
+What torch holds beyond its tensors at a phase's end is split by whether ``torch.cuda.empty_cache`` could return it
+(:func:`cache_breakdown`): wholly free segments of torch's default pool (returnable), free blocks inside default-pool
+segments that still hold a tensor (fragmented: only freeing that tensor returns them), and free blocks of private
+pools (vLLM's sleep-mode pool, CUDA-graph pools: never returned while the pool lives). Why: at Qwen3-8B the bf16 arm's
+rollout phase held 15.7 GiB of torch cache right after a cache release (2026-12-05), which only one of these explains.
 """
 
 from __future__ import annotations
@@ -36,6 +42,26 @@ def host_peak_gib() -> float:
     return peak / (GIB if sys.platform == "darwin" else GIB / 1024)
 
 
+def cache_breakdown(segments: list[dict]) -> dict[str, float]:
+    """GiB of torch-reserved, unallocated memory by what could return it, from ``torch.cuda.memory_snapshot()``'s
+    segments (each: ``total_size``, ``allocated_size``, ``segment_pool_id``; pool (0, 0) is torch's default pool):
+    ``cache_returnable`` (default-pool segments with no tensor), ``cache_fragmented`` (free bytes of default-pool
+    segments that hold one), ``cache_private_pools`` (free bytes of other pools), and ``private_pools_allocated``
+    (tensors in other pools: a colocated engine's weights and KV cache, graph-captured buffers)."""
+    out = dict.fromkeys(("cache_returnable", "cache_fragmented", "cache_private_pools", "private_pools_allocated"),
+                        0.0)
+    for seg in segments:
+        free = seg["total_size"] - seg["allocated_size"]
+        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
+            out["cache_private_pools"] += free
+            out["private_pools_allocated"] += seg["allocated_size"]
+        elif seg["allocated_size"] == 0:
+            out["cache_returnable"] += free
+        else:
+            out["cache_fragmented"] += free
+    return {k: v / GIB for k, v in out.items()}
+
+
 class PhaseMemory:
     """Records, per named phase, the peak GPU memory of the whole device and the host memory at its end.
 
@@ -43,8 +69,9 @@ class PhaseMemory:
     ``memory/gpu_peak_gib_<phase>``, ``memory/host_rss_gib`` and ``memory/host_peak_gib``, and the peak's parts:
     ``memory/gpu_torch_allocated_gib_<phase>`` (the trainer's tensors at their peak), ``..._torch_cached_gib_<phase>``
     (reserved by torch's caching allocator beyond that) and ``..._outside_torch_gib_<phase>`` (the rest of the
-    device: vLLM's own pool, CUDA contexts), which is what an estimate such as ``jetrl plan`` is checked against. On a
-    CPU-only machine the GPU entries are absent (there is no device to read)."""
+    device: vLLM's own pool, CUDA contexts), which is what an estimate such as ``jetrl plan`` is checked against;
+    and, at the phase's end, where torch's cache sits (:func:`cache_breakdown`: ``memory/gpu_cache_returnable_gib_
+    <phase>`` and the others). On a CPU-only machine the GPU entries are absent (there is no device to read)."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.cuda = torch.cuda.is_available() and (device is None or device.type == "cuda")
@@ -57,6 +84,10 @@ class PhaseMemory:
     def _device_used(self) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
         return total - free
+
+    def _segments(self) -> list[dict]:
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return [seg for seg in torch.cuda.memory_snapshot() if seg.get("device", index) == index]
 
     def begin(self) -> None:
         if not self.cuda:
@@ -75,7 +106,8 @@ class PhaseMemory:
         if peak / GIB >= self.peaks.get(phase, 0.0):
             allocated = torch.cuda.max_memory_allocated(self.device)
             self.parts[phase] = {"torch_allocated": allocated / GIB, "torch_cached": (reserved - allocated) / GIB,
-                                 "outside_torch": max(peak - reserved, 0) / GIB}
+                                 "outside_torch": max(peak - reserved, 0) / GIB,
+                                 **cache_breakdown(self._segments())}
         self.peaks[phase] = max(self.peaks.get(phase, 0.0), peak / GIB)
 
     def metrics(self) -> dict[str, float]:
