@@ -138,12 +138,13 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     """`jetrl plan --recommend`: the ranked layouts, then the plain plan's command for the recommended one."""
     from jetrl_megatron.rl.tools.recommend_layout import recommend_report
 
-    text, ok, best = recommend_report(args.recipe, list(args.overrides), args.gpu_mem_gib, args.host_mem_gib)
+    text, ok, best, machine = recommend_report(args.recipe, list(args.overrides), args.gpu_mem_gib,
+                                               args.host_mem_gib)
     print(text)
     if best is not None:
-        mem = ["--gpu-mem-gib", f"{args.gpu_mem_gib:g}"]
-        if args.host_mem_gib is not None:
-            mem += ["--host-mem-gib", f"{args.host_mem_gib:g}"]
+        mem = ["--gpu-mem-gib", f"{machine.gpu_mem_gib:g}"]
+        if machine.host_mem_gib is not None:
+            mem += ["--host-mem-gib", f"{machine.host_mem_gib:g}"]
         cmd = ["jetrl", "plan", "--recipe", args.recipe, "--no-config", *mem, *args.overrides, *best.overrides]
         print(f"#   check it: {shlex.join(cmd)}")
     print(f"# plan --recommend: {'OK' if ok else 'FAILED (no layout fits)'}")

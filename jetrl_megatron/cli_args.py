@@ -67,10 +67,12 @@ def _compare_args(c: argparse.ArgumentParser) -> None:
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
     _recipe_args(p)
-    p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory to check the estimate against")
+    p.add_argument("--gpu-mem-gib", type=float, default=None,
+                   help="memory of one GPU to check the estimate against (default: the recipe's "
+                        "policy.jet_rl.plan_gpu_mem_gib, else this machine's GPU, else 80)")
     p.add_argument("--host-mem-gib", type=float, default=None,
                    help="host memory per node to check the estimate against (optimizer CPU offload, vLLM's sleep "
-                        "backup); unchecked when not given")
+                        "backup; default: the recipe's policy.jet_rl.plan_host_mem_gib, else unchecked)")
     p.add_argument("--no-config", action="store_true", help="do not print the resolved config")
     p.add_argument("--recommend", action="store_true",
                    help="try every trainer TP x PP x DP and rollout TP layout of the cluster (cluster.num_nodes, "

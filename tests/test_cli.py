@@ -15,6 +15,49 @@ def test_plan_ok(capsys):
     assert "grpo:" in out and "resharder preflight" in out and "optimizer_adam" in out and "plan: OK" in out
 
 
+def test_plan_checks_the_machine_the_recipe_names_unless_told_otherwise(capsys):
+    """The one-H200 recipe names its machine (policy.jet_rl.plan_*_mem_gib): a bare `jetrl plan` checks against it
+    and passes; --gpu-mem-gib wins, and 80 GiB is too small for that recipe (peak ~87.5 GiB). A recipe naming none
+    is checked against an assumed 80 GiB GPU on a machine without one, and says so."""
+    import torch
+
+    assert main(["plan", "--recipe", "qwen3_8b_1gpu", "--no-config"]) == 0
+    out = capsys.readouterr().out
+    assert "# checked against: GPU 139 GiB (policy.jet_rl.plan_gpu_mem_gib), host 125 GiB per node" in out, out
+    assert "of 139 GiB: fits" in out and "of 125 GiB: fits" in out
+    assert main(["plan", "--recipe", "qwen3_8b_1gpu", "--no-config", "--gpu-mem-gib", "80"]) == 1
+    out = capsys.readouterr().out
+    assert "GPU 80 GiB (--gpu-mem-gib)" in out and "of 80 GiB: DOES NOT FIT" in out, out
+    assert main(["plan", "--recipe", "qwen3_8b_1gpu", "--no-config", "policy.jet_rl.plan_gpu_mem_gib=-1"]) == 2
+    assert "policy.jet_rl.plan_gpu_mem_gib" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["plan", "--recipe", "qwen3_8b_tp1", "--no-config"]) == 0
+        out = capsys.readouterr().out
+        assert "GPU 80 GiB (assumed: an H100-80GB" in out and "host not checked" in out, out
+
+
+def test_plan_machine_precedence():
+    from jetrl_megatron.rl.config import ConfigError, load_config
+    from jetrl_megatron.rl.tools.run_plan import plan_machine
+
+    def sizes(*args):
+        m = plan_machine(*args)
+        return m.gpu_mem_gib, m.host_mem_gib
+
+    named = load_config("qwen3_8b_1gpu")
+    bare = load_config("qwen3_8b_tp1")
+    assert sizes(named, 70.0, 50.0, 93.0) == (70.0, 50.0)  # the command line first
+    assert sizes(named, None, None, 93.0) == (139.0, 125.0)  # then the recipe
+    assert sizes(bare, None, None, 93.0) == (93.0, None)  # then this machine's GPU; host unchecked
+    assert sizes(bare) == (80.0, None)
+    try:
+        plan_machine(bare, 0.0)
+    except ConfigError as e:
+        assert "--gpu-mem-gib: must be > 0" in str(e)
+    else:
+        raise AssertionError("a zero GPU size was accepted")
+
+
 def test_plan_bad_key_exit_2(capsys):
     assert main(["plan", "policy.megatron_cfg.bogus=1"]) == 2
     assert "policy.megatron_cfg.bogus" in capsys.readouterr().err

@@ -75,17 +75,14 @@ def test_top_level_jet_rl_block_refused(tmp_path):
 
 
 GPU_RECIPES = [n for n in RECIPES if load_config(n).is_gpu]
-# the GPU a recipe is written for, where it is not an 80 GiB one (its header's `jetrl plan --gpu-mem-gib`)
-GPU_GIB = {"qwen3_8b_1gpu": 139.0}
-
-
 def gpu_mem_gib(name: str) -> float:
-    return GPU_GIB.get(name, 80.0)
+    """The GPU a recipe is written for: its policy.jet_rl.plan_gpu_mem_gib, else an 80 GiB one."""
+    return load_config(name).policy.jet_rl.plan_gpu_mem_gib or 80.0
 
 
 @pytest.mark.parametrize("name", GPU_RECIPES)
 def test_gpu_recipe_fits_its_gpu_counting_refit_buffers(name):
-    """Every phase fits the recipe's GPU (80 GiB unless ``GPU_GIB`` says otherwise), with the refit exchange's
+    """Every phase fits the recipe's GPU (its plan_gpu_mem_gib, else 80 GiB), with the refit exchange's
     persistent buffers counted in each (present exactly when the trainer is model-parallel)."""
     from jetrl_megatron.rl.tools.run_plan import memory_estimate, model_shape, parallel_layout
 

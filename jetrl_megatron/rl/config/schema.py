@@ -293,6 +293,10 @@ class JetRlCfg:
     batch_invariant: bool = key(False, recipe="batch_invariant")
     amax_eps: float = key(1e-10, bounds=within(0, 1e-3, lo_open=True, hi_open=True), recipe="amax_eps")
     model_preset: str | None = None  # architecture preset for plan / reshard checks without a download
+    # The machine `jetrl plan` checks its estimate against, GiB: memory of one GPU (null: this machine's GPU when it
+    # has one, else 80, an H100-80GB) and host memory per node (null: unchecked); --gpu-mem-gib / --host-mem-gib win
+    plan_gpu_mem_gib: float | None = key(None, bounds=above(0))
+    plan_host_mem_gib: float | None = key(None, bounds=above(0))
     sft_warmstart: SftWarmstartCfg = field(default_factory=SftWarmstartCfg)
     final_arm_probe: bool = False  # at the end, measure every arm's mismatch on the trained policy
     verify_refit: bool | None = None  # compare every refit's written bytes on the live tensors (None: CPU only)

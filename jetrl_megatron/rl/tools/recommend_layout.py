@@ -14,9 +14,12 @@ from dataclasses import dataclass, field
 from jetrl_megatron.rl.config import ConfigError, RunConfig, load_config
 from jetrl_megatron.rl.tools.run_plan import (
     PHASE_TOTALS,
+    PlanMachine,
+    local_gpu_mem_gib,
     memory_estimate,
     model_shape,
     parallel_layout,
+    plan_machine,
     plan_report,
     refit_buffers,
 )
@@ -134,18 +137,17 @@ def evaluate(recipe: str, overrides: list[str], tp: int, pp: int, rollout_tp: in
     return c
 
 
-def recommend(recipe: str, overrides: list[str], gpu_mem_gib: float = 80.0,
-              host_mem_gib: float | None = None) -> tuple[RunConfig, list[Candidate]]:
-    """The base config (layout keys reset to 1, so any cluster size loads) and every candidate, best first."""
-    if not gpu_mem_gib > 0:
-        raise ConfigError(f"--gpu-mem-gib: must be > 0, got {gpu_mem_gib:g}")
-    if host_mem_gib is not None and not host_mem_gib > 0:
-        raise ConfigError(f"--host-mem-gib: must be > 0, got {host_mem_gib:g}")
+def recommend(recipe: str, overrides: list[str], gpu_mem_gib: float | None = None,
+              host_mem_gib: float | None = None) -> tuple[RunConfig, list[Candidate], PlanMachine]:
+    """The base config (layout keys reset to 1, so any cluster size loads), every candidate, best first, and the
+    machine they were checked against (`run_plan.plan_machine`: these sizes, else the recipe's, else this GPU's)."""
     base = load_config(recipe, [*overrides, f"{TP_KEY}=1", f"{PP_KEY}=1", f"{ROLLOUT_TP_KEY}=1"])
+    machine = plan_machine(base, gpu_mem_gib, host_mem_gib, local_gpu_mem_gib())
     shape = model_shape(base)
     choices = layout_choices(base.cluster.gpus_per_node, base.cluster.num_nodes, shape.num_layers)
-    cands = [evaluate(recipe, overrides, tp, pp, rtp, gpu_mem_gib, host_mem_gib) for tp, pp, rtp in choices]
-    return base, sorted(cands, key=Candidate.sort_key)
+    cands = [evaluate(recipe, overrides, tp, pp, rtp, machine.gpu_mem_gib, machine.host_mem_gib)
+             for tp, pp, rtp in choices]
+    return base, sorted(cands, key=Candidate.sort_key), machine
 
 
 def _gib(n: float) -> str:
@@ -172,10 +174,12 @@ def _reason(c: Candidate, best: Candidate | None) -> str:
     return "tie: smaller (TP, PP, rollout TP) first"
 
 
-def recommend_report(recipe: str, overrides: list[str], gpu_mem_gib: float = 80.0,
-                     host_mem_gib: float | None = None) -> tuple[str, bool, Candidate | None]:
-    """The text `jetrl plan --recommend` prints, whether any layout fits, and the recommended candidate."""
-    base, cands = recommend(recipe, overrides, gpu_mem_gib, host_mem_gib)
+def recommend_report(recipe: str, overrides: list[str], gpu_mem_gib: float | None = None,
+                     host_mem_gib: float | None = None) -> tuple[str, bool, Candidate | None, PlanMachine]:
+    """The text `jetrl plan --recommend` prints, whether any layout fits, the recommended candidate and the machine
+    it was checked against."""
+    base, cands, machine = recommend(recipe, overrides, gpu_mem_gib, host_mem_gib)
+    gpu_mem_gib, host_mem_gib = machine.gpu_mem_gib, machine.host_mem_gib
     shape = model_shape(base)
     cl = base.cluster
     host = f"{host_mem_gib:g} GiB host per node" if host_mem_gib is not None else "host memory not checked"
@@ -188,6 +192,7 @@ def recommend_report(recipe: str, overrides: list[str], gpu_mem_gib: float = 80.
         f"layers x DP = {base.world_size}, rollout TP | {cl.gpus_per_node}; each one the plain `jetrl plan` with "
         f"{TP_KEY}, {PP_KEY} and {ROLLOUT_TP_KEY} set (resharder preflight + rl/tools/run_plan.py memory_estimate; "
         "vLLM's budget is the recipe's, not tuned here)",
+        f"# checked against: {machine.source}",
         f"# {RULE}",
         "# columns: peak = max(rollout, logprob, train, refit phase) GiB per GPU, busiest pipeline stage; host = GiB "
         "per node; waves = rollout KV waves; refit = GiB per GPU per step received from model-parallel peers + copied "
@@ -212,4 +217,4 @@ def recommend_report(recipe: str, overrides: list[str], gpu_mem_gib: float = 80.
                      f"({best.peak_phase} phase, {1 - best.peak_gib / gpu_mem_gib:.0%} free), host "
                      f"{best.mem['host_per_node']:.1f} GiB per node")
         lines.append("#   overrides: " + " ".join(best.overrides))
-    return "\n".join(lines), best is not None, best
+    return "\n".join(lines), best is not None, best, machine

@@ -372,12 +372,64 @@ def key_accounting(cfg: RunConfig) -> list[str]:
     return [*lines, ""]
 
 
-def plan_report(cfg: RunConfig, gpu_mem_gib: float = 80.0, show_config: bool = True,
+DEFAULT_GPU_MEM_GIB = 80.0  # an H100-80GB, what a plan assumes with no GPU named and none on this machine
+
+
+@dataclass(frozen=True)
+class PlanMachine:
+    """The machine a plan is checked against: one GPU's memory, host memory per node (None: unchecked), and where
+    each came from (one line for the report)."""
+
+    gpu_mem_gib: float
+    host_mem_gib: float | None
+    source: str
+
+
+def local_gpu_mem_gib() -> float | None:
+    """Total memory of this machine's first visible GPU, GiB (None without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / float(1 << 30)
+
+
+def plan_machine(cfg: RunConfig, gpu_mem_gib: float | None = None, host_mem_gib: float | None = None,
+                 local_gpu_gib: float | None = None) -> PlanMachine:
+    """Which memory sizes a plan checks: the command line's (--gpu-mem-gib / --host-mem-gib), else the recipe's
+    ``policy.jet_rl.plan_gpu_mem_gib`` / ``plan_host_mem_gib``, else for the GPU this machine's (``local_gpu_gib``,
+    :func:`local_gpu_mem_gib`), else 80 GiB; the host stays unchecked unless named."""
+    jr = cfg.policy.jet_rl
+    for flag, value in (("--gpu-mem-gib", gpu_mem_gib), ("--host-mem-gib", host_mem_gib)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag}: must be > 0, got {value:g}")
+    if gpu_mem_gib is not None:
+        gpu, gpu_from = gpu_mem_gib, "--gpu-mem-gib"
+    elif jr.plan_gpu_mem_gib is not None:
+        gpu, gpu_from = jr.plan_gpu_mem_gib, "policy.jet_rl.plan_gpu_mem_gib"
+    elif local_gpu_gib is not None:
+        gpu, gpu_from = local_gpu_gib, "this machine's GPU"
+    else:
+        gpu = DEFAULT_GPU_MEM_GIB
+        gpu_from = "assumed: an H100-80GB; set --gpu-mem-gib or policy.jet_rl.plan_gpu_mem_gib"
+    if host_mem_gib is not None:
+        host, host_from = host_mem_gib, "--host-mem-gib"
+    elif jr.plan_host_mem_gib is not None:
+        host, host_from = jr.plan_host_mem_gib, "policy.jet_rl.plan_host_mem_gib"
+    else:
+        host, host_from = None, "not checked: set --host-mem-gib or policy.jet_rl.plan_host_mem_gib"
+    host_text = f"host {host:g} GiB per node ({host_from})" if host is not None else f"host {host_from}"
+    return PlanMachine(gpu, host, f"GPU {gpu:g} GiB ({gpu_from}), {host_text}")
+
+
+def plan_report(cfg: RunConfig, gpu_mem_gib: float | None = None, show_config: bool = True,
                 host_mem_gib: float | None = None) -> tuple[str, bool]:
     """The text `jetrl plan` prints and whether the recipe passed (resharder preflight, GPU memory, and host memory
-    per node when ``host_mem_gib`` is given)."""
+    per node when one is named). The memory sizes: :func:`plan_machine`."""
     from jetrl_megatron.reshard.preflight import check_reshard, fp8_projections
 
+    machine = plan_machine(cfg, gpu_mem_gib, host_mem_gib, local_gpu_mem_gib())
+    gpu_mem_gib, host_mem_gib = machine.gpu_mem_gib, machine.host_mem_gib
     shape = model_shape(cfg)
     layout = parallel_layout(cfg)
     lines: list[str] = []
@@ -402,6 +454,8 @@ def plan_report(cfg: RunConfig, gpu_mem_gib: float = 80.0, show_config: bool = T
         lines.append(f"  ok: whole heads on both sides (arm {cfg.arm}: BF16 rows move, no 128 blocks needed)")
     mem = memory_estimate(cfg, shape, layout, gpu_mem_gib)
     unit = "GPU" if cfg.is_gpu else "process (CPU RAM)"
+    if cfg.is_gpu:
+        lines.append(f"# checked against: {machine.source}")
     lines.append(f"# memory estimate per {unit}, GiB (busiest pipeline stage; assumptions in rl/tools/run_plan.py)")
     settings = trainer_settings(cfg)
     lines.append(f"  optimizer: {settings.describe(layout.dp)}")
@@ -417,7 +471,8 @@ def plan_report(cfg: RunConfig, gpu_mem_gib: float = 80.0, show_config: bool = T
             lines.append("  note: the full rollout batch needs more KV than the budget; vLLM will schedule it in waves")
         ok = ok and peak <= gpu_mem_gib
         if host_mem_gib is None:
-            lines.append(f"  host {mem['host_per_node']:.1f} GiB per node: not checked (--host-mem-gib)")
+            lines.append(f"  host {mem['host_per_node']:.1f} GiB per node: not checked (--host-mem-gib or "
+                         "policy.jet_rl.plan_host_mem_gib)")
         elif mem["host_per_node"] > host_mem_gib:
             lines.append(f"  host {mem['host_per_node']:.1f} GiB per node of {host_mem_gib:.0f} GiB: DOES NOT FIT, "
                          f"{mem['host_per_node'] - host_mem_gib:.1f} GiB over")
