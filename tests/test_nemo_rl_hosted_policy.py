@@ -88,6 +88,34 @@ def test_chunk_builder_refuses_other_arms_and_virtual_pipeline(mp):
     assert copy.deepcopy(builder) == builder  # Megatron-Bridge deep-copies its provider for the reference model
 
 
+def test_hosted_models_follow_the_engine_ops_the_policy_asks_vllm_for(mp):
+    """The hosted trainer's norms and SwiGLU are what its GPU engines were asked for, read from the very
+    vllm_kwargs.hf_overrides entries vLLM reads: jetrl_vllm_kwargs writes them, policy_plan reads them back, the
+    chunk builder hands them to the model's context; a non-boolean entry is refused naming it."""
+    from nemo_rl_standin import policy_config
+
+    from jetrl_megatron.nemo_rl.hosted_policy import ChunkBuilder
+    from jetrl_megatron.nemo_rl.policy_cfg import PolicyConfigError, jetrl_vllm_kwargs, policy_plan
+
+    shape = tiny_shape("qwen3")
+    seen = {}
+    for norms, forms in (("batch_invariant", False), ("vllm", True), ("batch_invariant", True)):
+        policy = policy_config(num_layers=shape.num_layers)
+        policy["generation"]["vllm_kwargs"] = jetrl_vllm_kwargs(Fp8Recipe(), shape.num_layers, cuda_norms=norms,
+                                                                swiglu_fp8_forms=forms)
+        plan = policy_plan(policy, shape)
+        builder = ChunkBuilder.for_plan(plan)
+        assert (plan.cuda_norms, plan.swiglu_fp8_forms) == (builder.cuda_norms, builder.swiglu_fp8_forms) == (
+            norms, forms)
+        seen[(norms, forms)] = builder().fp8_context.cuda_norms
+    assert seen == {("batch_invariant", False): "batch_invariant", ("vllm", True): "vllm",
+                    ("batch_invariant", True): "batch_invariant"}
+    policy = policy_config(num_layers=shape.num_layers)
+    policy["generation"]["vllm_kwargs"]["hf_overrides"]["jetrl_swiglu_fp8_forms"] = "yes"
+    with pytest.raises(PolicyConfigError, match="hf_overrides.jetrl_swiglu_fp8_forms: 'yes'; must be true or false"):
+        policy_plan(policy, shape)
+
+
 # ------------------------------------------------------------------------------------------------ DP=2, gloo
 STEPS = 2
 

@@ -22,13 +22,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from jetrl_megatron.megatron.model import build_gpt, refresh_fp8_cache, unwrap
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
+
+if TYPE_CHECKING:
+    from jetrl_megatron.nemo_rl.policy_cfg import PolicyPlan
 
 __all__ = ["TE_CHECKPOINT_KEYS", "use_te_checkpoint_names", "build_policy_chunk", "ChunkBuilder",
            "refresh_fp8_now", "refresh_fp8_after_each_step", "force_param_gather"]
@@ -82,12 +85,21 @@ class ChunkBuilder:
     sequence_parallel: bool = False
     elementwise: str = "auto"  # the chunk's element-wise kernels (Fp8ModelContext.elementwise)
     reference_quant: bool = False  # the torch reference quantizer on CUDA too (Fp8ModelContext.reference_quant)
+    cuda_norms: str = "batch_invariant"  # the GPU engines' norms (Fp8ModelContext.cuda_norms)
+    swiglu_fp8_forms: bool = False  # the GPU engines' SwiGLU (Fp8ModelContext.swiglu_fp8_forms)
+
+    @classmethod
+    def for_plan(cls, plan: PolicyPlan) -> ChunkBuilder:
+        """The builder of a checked hosted policy's chunks (its numerics switches and engine ops included)."""
+        return cls(plan.shape, plan.recipe, plan.sequence_parallel, plan.switches.elementwise,
+                   plan.switches.reference_quant, plan.cuda_norms, plan.swiglu_fp8_forms)
 
     def __call__(self, pre_process: bool | None = None, post_process: bool | None = None,
                  vp_stage: int | None = None) -> torch.nn.Module:
         return build_policy_chunk(self.shape, self.recipe, pre_process=pre_process, post_process=post_process,
                                   vp_stage=vp_stage, sequence_parallel=self.sequence_parallel,
-                                  elementwise=self.elementwise, reference_quant=self.reference_quant)
+                                  elementwise=self.elementwise, reference_quant=self.reference_quant,
+                                  cuda_norms=self.cuda_norms, swiglu_fp8_forms=self.swiglu_fp8_forms)
 
 
 def _chunks(chunks: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:

@@ -33,9 +33,10 @@ from jetrl_megatron.rl.config.arm_switches import (
 )
 from jetrl_megatron.rl.config.schema import JetRlCfg
 from jetrl_megatron.rl.config.switches import RunSwitches, resolve_switches
-from jetrl_megatron.rollout import invariant_norm
+from jetrl_megatron.rollout import invariant_norm, swiglu_forms
 
-__all__ = ["PolicyConfigError", "QUANT_CONFIG_KEY", "RULES", "READS", "jetrl_vllm_kwargs", "recipe_from_policy",
+__all__ = ["PolicyConfigError", "QUANT_CONFIG_KEY", "RULES", "READS", "jetrl_vllm_kwargs", "engine_numerics",
+           "recipe_from_policy",
            "check_policy", "model_shape", "PolicyPlan", "policy_plan", "uses_jetrl", "arm_of_switches",
            "hosted_form", "FP8_TRAIN_KEY", "PRECISION_KEY", "QUANT_KEY"]
 
@@ -93,6 +94,8 @@ READS: dict[str, str] = {
     "generation.vllm_cfg.pow2_activation_scaling_factors": CODE,
     "generation.vllm_kwargs": YAML,
     "generation.vllm_kwargs.hf_overrides.quantization_config": OURS,
+    f"generation.vllm_kwargs.hf_overrides.{invariant_norm.HF_KEY}": OURS,
+    f"generation.vllm_kwargs.hf_overrides.{swiglu_forms.HF_KEY}": OURS,
     "megatron_cfg.fp8_cfg.fp8": YAML,
     "megatron_cfg.fp8_cfg.fp8_recipe": YAML,
     "megatron_cfg.fp8_cfg.fp8_param": YAML,
@@ -114,13 +117,31 @@ def _get(policy: Mapping[str, Any], path: str, default: Any = _MISSING) -> Any:
     return node
 
 
-def jetrl_vllm_kwargs(recipe: Fp8Recipe, num_layers: int) -> dict[str, Any]:
-    """The ``policy.generation.vllm_kwargs`` entries that serve the trainer's FP8 bytes with this recipe, with the
-    batch-invariant RMSNorm the hosted trainer's GPU forward runs (rollout/invariant_norm.py; CPU engines ignore it)."""
+def jetrl_vllm_kwargs(recipe: Fp8Recipe, num_layers: int, *, cuda_norms: str = "batch_invariant",
+                      swiglu_fp8_forms: bool = False) -> dict[str, Any]:
+    """The ``policy.generation.vllm_kwargs`` entries that serve the trainer's FP8 bytes with this recipe, and the
+    GPU engines' element-wise choices the hosted trainer's forward follows (:func:`engine_numerics`): the
+    batch-invariant RMSNorm (``cuda_norms``, rollout/invariant_norm.py) and the project's SwiGLU writing the next
+    FP8 linear's input (``swiglu_fp8_forms``, rollout/swiglu_forms.py). CPU engines ignore both."""
     return {"quantization": QUANT_METHOD,
             "hf_overrides": {"quantization_config": recipe.hf_quantization_config(num_layers,
                                                                                  quant_method=QUANT_METHOD),
-                             **invariant_norm.engine_overrides("batch_invariant", on_cuda=True)}}
+                             **invariant_norm.engine_overrides(cuda_norms, on_cuda=True),
+                             **swiglu_forms.engine_overrides(swiglu_fp8_forms, on_cuda=True)}}
+
+
+def engine_numerics(policy: Mapping[str, Any]) -> tuple[str, bool]:
+    """(cuda_norms, swiglu_fp8_forms) of the hosted trainer's models: what its GPU engines were asked to run, read
+    from the same ``vllm_kwargs.hf_overrides`` entries vLLM reads (a trainer following other ops than its engines
+    would not be exactly on-policy). Absent entries: vLLM's own norms and SwiGLU."""
+    flags = {}
+    for key in (invariant_norm.HF_KEY, swiglu_forms.HF_KEY):
+        path = f"generation.vllm_kwargs.hf_overrides.{key}"
+        value = _get(policy, path, False)
+        if not isinstance(value, bool):
+            raise PolicyConfigError(f"policy.{path}: {value!r}; must be true or false")
+        flags[key] = value
+    return ("batch_invariant" if flags[invariant_norm.HF_KEY] else "vllm"), flags[swiglu_forms.HF_KEY]
 
 
 def recipe_from_policy(policy: Mapping[str, Any]) -> Fp8Recipe:
@@ -216,6 +237,9 @@ class PolicyPlan:
     # the model's numerics switches: the policy.jet_rl defaults with the JETRL_* environment overrides, read once
     # here (rl/config/switches.py; the hosted policy config carries no policy.jet_rl block)
     switches: RunSwitches = field(default_factory=RunSwitches)
+    # the GPU engines' element-wise ops the models follow (engine_numerics)
+    cuda_norms: str = "batch_invariant"
+    swiglu_fp8_forms: bool = False
 
 
 def policy_plan(policy: Mapping[str, Any], shape: ModelShape | None = None) -> PolicyPlan:
@@ -225,8 +249,9 @@ def policy_plan(policy: Mapping[str, Any], shape: ModelShape | None = None) -> P
     shape = shape or model_shape(policy)
     policy = hosted_form(policy, shape.num_layers)
     recipe = check_policy(policy, shape.num_layers)
+    cuda_norms, swiglu_fp8_forms = engine_numerics(policy)
     return PolicyPlan(shape, recipe, bool(_get(policy, "megatron_cfg.sequence_parallel", False)),
-                      resolve_switches(JetRlCfg(), os.environ))
+                      resolve_switches(JetRlCfg(), os.environ), cuda_norms, swiglu_fp8_forms)
 
 
 def _switch_values(policy: Mapping[str, Any]) -> tuple[Any, Any, Any]:

@@ -32,7 +32,7 @@ from nemo_rl.models.policy.utils import get_runtime_env_for_policy_worker
 
 from jetrl_megatron.nemo_rl.hf_refit import HfRefitStream
 from jetrl_megatron.nemo_rl.hosted_policy import ChunkBuilder, refresh_fp8_after_each_step, refresh_fp8_now
-from jetrl_megatron.nemo_rl.policy_cfg import PolicyConfigError, PolicyPlan, policy_plan, uses_jetrl
+from jetrl_megatron.nemo_rl.policy_cfg import PolicyConfigError, policy_plan, uses_jetrl
 
 __all__ = ["JetRLMegatronPolicyWorkerImpl", "JetRLMegatronPolicyWorker", "install_model_build"]
 
@@ -52,12 +52,6 @@ def _provider_builds(provider: Any, builder: ChunkBuilder) -> Iterator[None]:
             provider.provide = own
 
 
-def _chunk_builder(plan: PolicyPlan) -> ChunkBuilder:
-    """The model provider's chunk builder for a checked hosted policy (its numerics switches included)."""
-    return ChunkBuilder(plan.shape, plan.recipe, plan.sequence_parallel, plan.switches.elementwise,
-                        plan.switches.reference_quant)
-
-
 def install_model_build() -> None:
     """Wrap NeMo-RL's ``setup_model_and_optimizer`` and ``setup_reference_model_state`` (in the worker module's
     namespace, once per process) so that Jet-RL policy configs get Jet-RL chunks; other configs pass through."""
@@ -70,7 +64,7 @@ def install_model_build() -> None:
         if not uses_jetrl(policy_cfg):
             return setup_policy(policy_cfg, megatron_cfg, *args, **kwargs)
         plan = policy_plan(policy_cfg)
-        with _provider_builds(megatron_cfg.model, _chunk_builder(plan)):
+        with _provider_builds(megatron_cfg.model, ChunkBuilder.for_plan(plan)):
             state = setup_policy(policy_cfg, megatron_cfg, *args, **kwargs)
         refresh_fp8_now(state.model)  # the checkpoint was loaded into the parameters after the build
         if state.optimizer is not None:
@@ -82,7 +76,7 @@ def install_model_build() -> None:
         if not uses_jetrl(config):
             return setup_reference(config, megatron_cfg, *args, **kwargs)
         plan = policy_plan(config)
-        with _provider_builds(megatron_cfg.model, _chunk_builder(plan)):
+        with _provider_builds(megatron_cfg.model, ChunkBuilder.for_plan(plan)):
             return setup_reference(config, megatron_cfg, *args, **kwargs)
 
     setup_model_and_optimizer.jetrl_wrapped = True
