@@ -65,13 +65,32 @@ def ensure_installed(timeout: int = 600) -> tuple[str | None, float]:
     return None, time.time() - t0
 
 
-def _free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports (all bound at once, so that none is handed out twice)."""
-    socks = [socket.socket() for _ in range(n)]
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to outgoing connections (ip_local_port_range; 32768 where unreadable)."""
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct TCP ports free now, below the kernel's ephemeral range: a port the kernel picked for a bind to 0
+    is one it may also give any process's next outgoing connection (another test worker's) before the daemon binds
+    it ("Address already in use", seen in CI). All bound at once, so that none is handed out twice."""
+    socks: list[socket.socket] = []
+    try:
+        hi = _ephemeral_low()
+        for port in random.sample(range(20000, max(hi, 20000 + 4 * n)), k=min(200, max(hi - 20000, 4 * n))):
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+            if len(socks) == n:
+                return [x.getsockname()[1] for x in socks]
+        raise RuntimeError(f"no {n} free TCP ports found in 20000..{hi}")
     finally:
         for s in socks:
             s.close()
@@ -172,8 +191,21 @@ class LocalSlurm:
                                             preexec_fn=_die_with_parent)
         out.close()
 
-    def start(self, timeout: float = 90.0) -> None:
-        """Write the config, start munged, slurmctld and slurmd, and wait until the node is idle."""
+    def start(self, timeout: float = 90.0, attempts: int = 3) -> None:
+        """Write the config, start munged, slurmctld and slurmd, and wait until the node is idle. A daemon that could
+        not bind its port (taken between the choice and the bind) is started again on new ports, up to
+        ``attempts`` times."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout)
+            except RuntimeError as e:
+                if "Address already in use" not in str(e) or attempt == attempts - 1:
+                    raise
+                self.stop()
+                self.procs.clear()
+                shutil.rmtree(self.root)
+
+    def _start_once(self, timeout: float) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o755)  # munged requires its socket's directory to be searchable by all
         self._write_config()

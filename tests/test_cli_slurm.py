@@ -328,3 +328,38 @@ def test_gpu_job_on_fake_gres_fails_fast_with_the_venv_message(gpu_cluster):
     assert "CUDA is not available" in out.splitlines()[-1] and "make setup DEVICE=gpu" in out, out
     assert not list((REPO_ROOT / "logs" / f"jetrl-{job_id}").glob("node-*.log"))  # stopped before srun
     assert elapsed < 120, elapsed
+
+
+def test_a_daemon_whose_port_was_taken_starts_again_on_new_ports(monkeypatch):
+    """The CI failure this guards: slurmd could not bind the port chosen for it ("Address already in use"), and
+    every real-SLURM test errored. A port held by a listening socket is handed to the first start: the cluster
+    comes up on the next ports instead."""
+    import socket
+
+    import slurm_cluster
+
+    why, _ = ensure_installed()
+    if why:
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{REQUIRE_ENV}=1 but SLURM cannot be used here: {why}")
+        pytest.skip(f"needs SLURM: {why}")
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    real, calls = slurm_cluster._free_ports, []
+
+    def ports(n: int) -> list[int]:
+        calls.append(n)
+        return real(n - 1) + [taken] if len(calls) == 1 else real(n)  # the first slurmd port is taken
+
+    monkeypatch.setattr(slurm_cluster, "_free_ports", ports)
+    c = LocalSlurm(Path(tempfile.mkdtemp(prefix="jetrl-slurm-", dir="/tmp")))
+    try:
+        c.start(timeout=60)
+        assert len(calls) == 2, calls
+        assert c.cmd("sinfo", "-h", "-o", "%t").stdout.strip() == "idle"
+    finally:
+        c.stop()
+        held.close()
+        shutil.rmtree(c.root, ignore_errors=True)
