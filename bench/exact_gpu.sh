@@ -2,8 +2,8 @@
 # Exactly on-policy on the GPU (docs/precision.md "GPU vLLM's own ops"): the checks and measurements of one H200
 # round, each phase one device call. Usage: bash bench/exact_gpu.sh stage0|stage1|check|grpo OUT_DIR [args...]
 #   stage0/stage1  copy the vLLM bundle part carried in this call (.vc/p0, .vc/p1) to /tmp/vc (one part per call:
-#                  the device takes at most 64 MiB a call)
-#   check          install the bundle (+ .vc/p2 and .whl carried here), then: the vllm_cuda GPU tests, the
+#                  the device takes at most 64 MiB a call; the two-part xz bundle needs stage0 only)
+#   check          install the bundle (+ its last part and .whl carried here), then: the vllm_cuda GPU tests, the
 #                  trainer-vs-engine probe on the tiny model (both arms, per-layer probe where they differ), and the
 #                  FP8 GEMM M-invariance per backend at Qwen3 shapes
 #   tests          tests/test_vllm_cuda_gpu.py (ops against FP32 references; trainer == engine bit for bit)

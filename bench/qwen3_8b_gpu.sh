@@ -4,9 +4,10 @@
 # Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse|round OUT_DIR
 #   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
 #           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
-#   stage1, stage2  copy .vc/p1, .vc/p2 (one 44 MiB part per call: a call takes at most 64 MiB with the tree); the
-#           0.26 bundle without the MoE library (tools/vllm_gpu_bundle.sh) has three parts, so only stage1 is needed
-#   the other modes carry the last part (the one with SHA256: .vc/p2 for that bundle) and install the bundle once per
+#   stage1, stage2  copy .vc/p1, .vc/p2 (one 44 MiB part per call: a call takes at most 64 MiB with the tree) for a
+#           bundle of more than two parts; the xz-compressed 0.26 bundle without the MoE library (tools/vllm_gpu_bundle.sh)
+#           has two, so stage0 is the only staging call
+#   the other modes carry the last part (the one with SHA256: .vc/p1 for that bundle) and install the bundle once per
 #   machine from every part the machine has received
 #   suite   install the vLLM 0.26 bundle; `make test-gpu ENV=system` (the whole GPU suite, one command, in this
 #           machine's Python: it has no internet for the venv)
