@@ -23,7 +23,7 @@ NO_COMPILE = $(if $(filter cpu,$(DEVICE)),--no-compile)
 RECIPE_DEVICE = $(if $(shell grep -sE '^[[:space:]]*gpus_per_node:[[:space:]]*0([^0-9]|$$)' \
                   recipes/$(RECIPE).yaml $(RECIPE)),cpu,gpu)
 
-.PHONY: setup test test-gpu lint run compare dose-response plan sbatch clean
+.PHONY: setup test test-gpu gpu-bundle lint run compare dose-response plan sbatch clean
 
 # pyproject.toml has the ranges; constraints/$(DEVICE).txt the exact versions of this app (docs/install.md)
 $(STAMP): pyproject.toml constraints/$(DEVICE).txt
@@ -51,6 +51,12 @@ ENV ?= venv
 GPU_PY = $(if $(filter system,$(ENV)),python3,$(VPY))
 test-gpu: $(if $(filter system,$(ENV)),,setup)
 	$(GPU_PY) -m pytest -q -rs -p no:cacheprovider --durations=25 -m gpu tests
+
+# What an offline Hopper test machine needs carried to it (docs/vllm_gpu.md): the xz-compressed vLLM 0.26 bundle in
+# 44 MiB parts (.vc/p0, p1) and the wheels its image lacks (.whl); both git-ignored, built from the package index.
+gpu-bundle:
+	bash tools/vllm_gpu_bundle.sh
+	bash tools/gpu_wheels.sh
 
 lint: setup
 	$(VENV)/bin/ruff check .
