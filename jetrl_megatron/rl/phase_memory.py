@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import resource
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -86,8 +87,14 @@ class PhaseMemory:
         return total - free
 
     def _segments(self) -> list[dict]:
+        """This device's allocator segments; none (no breakdown) where the snapshot fails: a diagnostic must not
+        stop a run."""
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        return [seg for seg in torch.cuda.memory_snapshot() if seg.get("device", index) == index]
+        try:
+            return [seg for seg in torch.cuda.memory_snapshot() if seg.get("device", index) == index]
+        except Exception as e:  # noqa: BLE001 - any allocator or binding failure
+            warnings.warn(f"phase memory: no cache breakdown ({type(e).__name__}: {e})", stacklevel=2)
+            return []
 
     def begin(self) -> None:
         if not self.cuda:
