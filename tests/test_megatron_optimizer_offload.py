@@ -287,8 +287,12 @@ def test_plan_counts_gpu_and_host_memory_of_the_offload():
     full = load_config("qwen3_8b_1gpu", ["policy.megatron_cfg.optimizer.optimizer_offload_fraction=1.0"])
     text, ok = plan_report(full, 139.0, show_config=False, host_mem_gib=125.0)
     assert not ok and "host 146.1 GiB per node of 125 GiB: DOES NOT FIT, 21.1 GiB over" in text, text
-    text, ok = plan_report(full, 139.0, show_config=False)
-    assert ok and "not checked (--host-mem-gib)" in text
+    full_unchecked = load_config("qwen3_8b_1gpu", ["policy.megatron_cfg.optimizer.optimizer_offload_fraction=1.0",
+                                                   "policy.jet_rl.plan_host_mem_gib=null"])
+    text, ok = plan_report(full_unchecked, 139.0, show_config=False)  # no host size named anywhere: not checked
+    assert ok and "not checked (--host-mem-gib or policy.jet_rl.plan_host_mem_gib)" in text, text
+    text, ok = plan_report(full, 139.0, show_config=False)  # the recipe names its host (125 GiB)
+    assert not ok and "of 125 GiB: DOES NOT FIT" in text, text
     # fits, but leaves less than the process's own uncounted memory: the bf16 arm (118.2 of 125 GiB; measured 123.5)
     bf16 = load_config("qwen3_8b_1gpu", ["policy.megatron_cfg.fp8_cfg.enabled=false",
                                          "policy.generation.vllm_cfg.precision=bfloat16"])
