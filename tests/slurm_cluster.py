@@ -79,8 +79,9 @@ def _free_ports(n: int) -> list[int]:
     it ("Address already in use", seen in CI). All bound at once, so that none is handed out twice."""
     socks: list[socket.socket] = []
     try:
-        hi = _ephemeral_low()
-        for port in random.sample(range(20000, max(hi, 20000 + 4 * n)), k=min(200, max(hi - 20000, 4 * n))):
+        lo = 20000
+        hi = max(_ephemeral_low(), lo + 4 * n)
+        for port in random.sample(range(lo, hi), k=min(200, hi - lo)):
             s = socket.socket()
             try:
                 s.bind(("127.0.0.1", port))
@@ -90,7 +91,7 @@ def _free_ports(n: int) -> list[int]:
             socks.append(s)
             if len(socks) == n:
                 return [x.getsockname()[1] for x in socks]
-        raise RuntimeError(f"no {n} free TCP ports found in 20000..{hi}")
+        raise RuntimeError(f"no {n} free TCP ports found in {lo}..{hi}")
     finally:
         for s in socks:
             s.close()

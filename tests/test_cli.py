@@ -46,10 +46,16 @@ def test_plan_machine_precedence():
 
     named = load_config("qwen3_8b_1gpu")
     bare = load_config("qwen3_8b_tp1")
-    assert sizes(named, 70.0, 50.0, 93.0) == (70.0, 50.0)  # the command line first
-    assert sizes(named, None, None, 93.0) == (139.0, 125.0)  # then the recipe
-    assert sizes(bare, None, None, 93.0) == (93.0, None)  # then this machine's GPU; host unchecked
-    assert sizes(bare) == (80.0, None)
+    def h100_here():
+        return 93.0
+
+    def no_gpu_here():
+        return None
+
+    assert sizes(named, 70.0, 50.0, h100_here) == (70.0, 50.0)  # the command line first
+    assert sizes(named, None, None, h100_here) == (139.0, 125.0)  # then the recipe
+    assert sizes(bare, None, None, h100_here) == (93.0, None)  # then this machine's GPU; host unchecked
+    assert sizes(bare, None, None, no_gpu_here) == (80.0, None)
     try:
         plan_machine(bare, 0.0)
     except ConfigError as e:

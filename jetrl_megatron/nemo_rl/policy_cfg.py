@@ -36,9 +36,8 @@ from jetrl_megatron.rl.config.switches import RunSwitches, resolve_switches
 from jetrl_megatron.rollout import invariant_norm, swiglu_forms
 
 __all__ = ["PolicyConfigError", "QUANT_CONFIG_KEY", "RULES", "READS", "jetrl_vllm_kwargs", "engine_numerics",
-           "recipe_from_policy",
-           "check_policy", "model_shape", "PolicyPlan", "policy_plan", "uses_jetrl", "arm_of_switches",
-           "hosted_form", "FP8_TRAIN_KEY", "PRECISION_KEY", "QUANT_KEY"]
+           "recipe_from_policy", "check_policy", "model_shape", "PolicyPlan", "policy_plan", "uses_jetrl",
+           "arm_of_switches", "hosted_form", "FP8_TRAIN_KEY", "PRECISION_KEY", "QUANT_KEY"]
 
 _MISSING = object()
 

@@ -15,7 +15,6 @@ from jetrl_megatron.rl.config import ConfigError, RunConfig, load_config
 from jetrl_megatron.rl.tools.run_plan import (
     PHASE_TOTALS,
     PlanMachine,
-    local_gpu_mem_gib,
     memory_estimate,
     model_shape,
     parallel_layout,
@@ -142,7 +141,7 @@ def recommend(recipe: str, overrides: list[str], gpu_mem_gib: float | None = Non
     """The base config (layout keys reset to 1, so any cluster size loads), every candidate, best first, and the
     machine they were checked against (`run_plan.plan_machine`: these sizes, else the recipe's, else this GPU's)."""
     base = load_config(recipe, [*overrides, f"{TP_KEY}=1", f"{PP_KEY}=1", f"{ROLLOUT_TP_KEY}=1"])
-    machine = plan_machine(base, gpu_mem_gib, host_mem_gib, local_gpu_mem_gib())
+    machine = plan_machine(base, gpu_mem_gib, host_mem_gib)
     shape = model_shape(base)
     choices = layout_choices(base.cluster.gpus_per_node, base.cluster.num_nodes, shape.num_layers)
     cands = [evaluate(recipe, overrides, tp, pp, rtp, machine.gpu_mem_gib, machine.host_mem_gib)

@@ -10,6 +10,7 @@ and :mod:`jetrl_megatron.rl.tools.plan_terms` so a reader can check them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -395,10 +396,10 @@ def local_gpu_mem_gib() -> float | None:
 
 
 def plan_machine(cfg: RunConfig, gpu_mem_gib: float | None = None, host_mem_gib: float | None = None,
-                 local_gpu_gib: float | None = None) -> PlanMachine:
+                 local_gpu_gib: Callable[[], float | None] = local_gpu_mem_gib) -> PlanMachine:
     """Which memory sizes a plan checks: the command line's (--gpu-mem-gib / --host-mem-gib), else the recipe's
-    ``policy.jet_rl.plan_gpu_mem_gib`` / ``plan_host_mem_gib``, else for the GPU this machine's (``local_gpu_gib``,
-    :func:`local_gpu_mem_gib`), else 80 GiB; the host stays unchecked unless named."""
+    ``policy.jet_rl.plan_gpu_mem_gib`` / ``plan_host_mem_gib``, else for the GPU this machine's (``local_gpu_gib()``,
+    asked only then), else 80 GiB; the host stays unchecked unless named."""
     jr = cfg.policy.jet_rl
     for flag, value in (("--gpu-mem-gib", gpu_mem_gib), ("--host-mem-gib", host_mem_gib)):
         if value is not None and not value > 0:
@@ -407,8 +408,8 @@ def plan_machine(cfg: RunConfig, gpu_mem_gib: float | None = None, host_mem_gib:
         gpu, gpu_from = gpu_mem_gib, "--gpu-mem-gib"
     elif jr.plan_gpu_mem_gib is not None:
         gpu, gpu_from = jr.plan_gpu_mem_gib, "policy.jet_rl.plan_gpu_mem_gib"
-    elif local_gpu_gib is not None:
-        gpu, gpu_from = local_gpu_gib, "this machine's GPU"
+    elif (local := local_gpu_gib()) is not None:
+        gpu, gpu_from = local, "this machine's GPU"
     else:
         gpu = DEFAULT_GPU_MEM_GIB
         gpu_from = "assumed: an H100-80GB; set --gpu-mem-gib or policy.jet_rl.plan_gpu_mem_gib"
@@ -428,7 +429,7 @@ def plan_report(cfg: RunConfig, gpu_mem_gib: float | None = None, show_config: b
     per node when one is named). The memory sizes: :func:`plan_machine`."""
     from jetrl_megatron.reshard.preflight import check_reshard, fp8_projections
 
-    machine = plan_machine(cfg, gpu_mem_gib, host_mem_gib, local_gpu_mem_gib())
+    machine = plan_machine(cfg, gpu_mem_gib, host_mem_gib)
     gpu_mem_gib, host_mem_gib = machine.gpu_mem_gib, machine.host_mem_gib
     shape = model_shape(cfg)
     layout = parallel_layout(cfg)
