@@ -219,6 +219,42 @@ def test_optimizer_hook_refresh_skip_and_loss_decrease(mp):
     assert torch.equal(token_logprobs(model, toks), lp_before)
 
 
+def test_passes_tell_their_observer_each_micro_batch_before_its_forward_and_the_end_before_the_step(mp):
+    """The :class:`PassObserver` calls a step profile narrows its window with: micro-batch i is announced before its
+    forward (after micro-batch i-1's forward, and its backward in a training pass), the end after the last one and
+    before the optimizer step (the FP8 cache refresh), in a logprob pass and in ``train_step``."""
+    from jetrl_megatron.megatron.model import token_logprobs, train_step
+    from jetrl_megatron.megatron.policy import build_policy
+
+    shape = tiny_shape("qwen3")
+    policy = build_policy(shape, Fp8Recipe(mode="jetrl"), weights=hf_state(shape, seed=4), optimizer={"lr": 1e-3})
+    model, opt, cache = policy.model, policy.optimizer, policy.context.cache
+    events: list[str] = []
+
+    class Observer:
+        def micro_batch(self, index: int) -> None:
+            events.append(f"mb{index}")
+
+        def micro_batches_done(self) -> None:
+            events.append("done")
+
+    gpt = model.module if hasattr(model, "module") else model
+    hook = gpt.register_forward_pre_hook(lambda *_: events.append("fwd"))
+    orig_refresh = cache.refresh
+    cache.refresh = lambda params: (events.append("refresh"), orig_refresh(params))[1]
+    toks = _tokens(b=6, s=16, seed=5)
+    try:
+        token_logprobs(model, toks, micro_batch_size=2, observer=Observer())
+        assert events == ["mb0", "fwd", "mb1", "fwd", "mb2", "fwd", "done"]
+        events.clear()
+        r = train_step([model], opt, {"tokens": toks}, lambda lp, mb: (-lp.mean(), {}), micro_batch_size=3,
+                       observer=Observer())
+        assert not r.skipped
+        assert events == ["mb0", "fwd", "mb1", "fwd", "done", "refresh"]
+    finally:
+        hook.remove()
+
+
 def test_stale_fp8_weight_detected(mp):
     from jetrl_megatron.megatron.model import fp8_linears, refresh_fp8_cache, token_logprobs
 

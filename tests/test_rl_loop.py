@@ -120,11 +120,13 @@ def test_other_arms_e2e(tmp_path, arm):
 def test_long_response_task_e2e(tmp_path):
     """The long-response task through the whole loop (jetrl arm): answers of 4 terms x 3 digits (16 tokens), the
     prompt length the count task needs, its exact reward in [0, 1]. Also NeMo-RL's validation switches: none before
-    GRPO (val_at_start false), greedy answers only (num_val_generations_per_prompt 0)."""
+    GRPO (val_at_start false), greedy answers only (num_val_generations_per_prompt 0); and step 2's profile, recorded
+    in the update's first micro-batch and the optimizer step after it."""
     rows = _run(tmp_path, *arm_overrides("jetrl"), "grpo.max_num_steps=2", "data.train.dataset_name=synthetic_count",
                 "data.train.num_terms=4", "data.train.term_digits=3", "data.max_input_seq_length=28",
                 "policy.generation.max_new_tokens=20", "policy.max_total_sequence_length=48",
-                "grpo.val_at_start=false", "grpo.num_val_generations_per_prompt=0")
+                "grpo.val_at_start=false", "grpo.num_val_generations_per_prompt=0", "policy.jet_rl.profile_step=2",
+                "policy.jet_rl.profile_micro_batches=1", "policy.jet_rl.profile_phases=[update]")
     _check_schema(rows, 2)
     steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]  # no step-0 validation row
@@ -132,6 +134,14 @@ def test_long_response_task_e2e(tmp_path):
     assert all(0 < r["policy/response_len"] <= 20 for r in rows)
     cfg = (tmp_path / "config.yaml").read_text()
     assert "synthetic_count" in cfg
+    profile = json.loads((tmp_path / "profile_step2.json").read_text())
+    assert profile["recorded"]["rollout"].endswith("not recorded (wall time only)")
+    assert profile["recorded"]["update"].startswith("update: 1 of its ")
+    ranges = {r["name"] for r in profile["ranges"]}
+    assert {"phase/rollout", "phase/logprob", "phase/update", "phase/refit"} <= ranges
+    assert "part/policy_logprob" not in ranges  # inside a phase left out
+    # the recorded micro-batch ran the FP8 GEMMs (the emulated reference on CPU) and the optimizer step the Adam math
+    assert any(r["name"].startswith("aten::") for r in profile["top"]) and profile["total_self_ms"] > 0
 
 
 def test_tp2_trainer_with_rollout(tmp_path):

@@ -1,5 +1,7 @@
 """The one-step profile (``policy.jet_rl.profile_step``): only the chosen step is profiled, its phases appear as
-ranges, and the top operators are the ones that really ran, ranked by their own time."""
+ranges, and the top operators are the ones that really ran, ranked by their own time; only the chosen phases and,
+in them, the first micro-batches of each pass and what follows it are recorded (``profile_phases``,
+``profile_micro_batches``)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,60 @@ def test_only_the_chosen_step_is_profiled_and_its_table_names_what_ran(tmp_path)
     assert "| phase/update | 1 |" in md and "aten::mm" in md
 
 
+def _marked(name: str) -> None:
+    """An operator of a known name, so the table says whether that piece of work was recorded."""
+    with record_function(name):
+        torch.relu(torch.ones(4))
+
+
+def _step(prof: StepProfile, micro_batches: int) -> None:
+    """A step as the loop runs it: phases opened around the work, passes telling where they stand."""
+    for phase in ("rollout", "logprob", "update", "refit"):
+        with record_function(f"phase/{phase}"), prof.phase(phase):
+            if phase in ("logprob", "update"):
+                for i in range(micro_batches):
+                    prof.micro_batch(i)
+                    _marked(f"{phase}_mb{i}")
+                prof.micro_batches_done()
+            _marked(f"{phase}_after")
+
+
+@pytest.mark.parametrize("window", [2, 0])
+def test_the_window_records_the_chosen_phases_and_their_first_micro_batches(tmp_path, window):
+    prof = StepProfile(1, tmp_path, top=100, phases=("logprob", "update"), micro_batches=window)
+    with prof.around(1):
+        _step(prof, 5)
+    report = json.loads((tmp_path / "profile_step1.json").read_text())
+    seen = {r["name"] for r in report["ranges"] + report["top"]}
+    kept = window or 5
+    for phase in ("logprob", "update"):
+        assert {f"{phase}_mb{i}" for i in range(5)} & seen == {f"{phase}_mb{i}" for i in range(kept)}
+        assert f"{phase}_after" in seen  # recording resumes when the pass is done (the optimizer step)
+    # a phase left out is not recorded inside, but its wall time is, as every phase's
+    assert "rollout_after" not in seen and "refit_after" not in seen
+    assert {f"phase/{p}" for p in ("rollout", "logprob", "update", "refit")} <= seen
+    assert report["recorded"]["rollout"] == "rollout: not recorded (wall time only)"
+    assert report["recorded"]["update"] == ("update: whole (5 micro-batches)" if not window else
+                                            "update: 2 of its 5 micro-batches (the first of each pass), and what "
+                                            "follows each pass")
+    assert report["recorded"]["update"] in (tmp_path / "profile_step1.md").read_text()
+
+
+def test_outside_the_profiled_step_the_calls_do_nothing(tmp_path):
+    prof = StepProfile(2, tmp_path, micro_batches=1)
+    with prof.around(1):
+        _step(prof, 3)
+    assert prof.windows == {} and not list(tmp_path.iterdir())
+
+
 def test_a_negative_step_is_refused_by_its_key():
     with pytest.raises(ValueError, match="policy.jet_rl.profile_step"):
         StepProfile(-1, ".")
+
+
+@pytest.mark.parametrize("kw, key", [({"phases": ("update", "optimizer")}, "profile_phases"),
+                                     ({"phases": ()}, "profile_phases"),
+                                     ({"micro_batches": -1}, "profile_micro_batches")])
+def test_a_bad_window_is_refused_by_its_key(kw, key):
+    with pytest.raises(ValueError, match=f"policy.jet_rl.{key}"):
+        StepProfile(1, ".", **kw)

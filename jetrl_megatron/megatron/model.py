@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,7 @@ __all__ = [
     "refresh_fp8_cache",
     "logprobs_from_logits",
     "token_logprobs",
+    "PassObserver",
     "StepResult",
     "forward_backward",
     "train_step",
@@ -338,6 +339,25 @@ def _micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> lis
     return [{k: v[i:i + micro_batch_size] for k, v in batch.items()} for i in range(0, b, micro_batch_size)]
 
 
+class PassObserver(Protocol):
+    """Told where a pass over micro-batches stands (a one-step profile narrows its window with it)."""
+
+    def micro_batch(self, index: int) -> None:
+        """Micro-batch ``index`` (0-based) of the pass begins (its forward; in a training pass, after the previous
+        micro-batch's backward when there is no pipeline)."""
+
+    def micro_batches_done(self) -> None:
+        """The pass's micro-batches are done (in :func:`train_step`, the optimizer step follows)."""
+
+
+def _observed(mbatches: list[dict[str, torch.Tensor]], observer: PassObserver | None):
+    """The data iterator Megatron's schedule pulls the micro-batches from, telling ``observer`` as each begins."""
+    for i, mb in enumerate(mbatches):
+        if observer is not None:
+            observer.micro_batch(i)
+        yield mb
+
+
 def compute_device() -> torch.device:
     """This rank's device: its current CUDA device, or the CPU without CUDA (the embedded CPU path)."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -386,13 +406,15 @@ def _logprob_step(gpt: GPTModel, vocab_parallel: bool, loss_for: Callable, sampl
 
 def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None = None,
                    vocab_parallel: bool = False, sampling: LogitsSampling | None = None,
-                   lengths: torch.Tensor | None = None, decode_from: torch.Tensor | None = None) -> torch.Tensor:
+                   lengths: torch.Tensor | None = None, decode_from: torch.Tensor | None = None,
+                   observer: PassObserver | None = None) -> torch.Tensor:
     """FP32 logprobs (b, s-1) of ``tokens`` (b, s) under ``model``; forward only; identical on all PP stages.
 
     ``model``: the GPTModel of this rank (or a DDP-wrapped one, or a one-element list). Every TP/PP rank of a
     pipeline must call it with the same tokens. ``vocab_parallel``, ``sampling``: see :func:`logprobs_from_logits`.
     ``lengths`` (b,): the real length of each right-padded row (logprobs past it are meaningless); None = all s.
     ``decode_from`` (b,): each row's prompt length (with ``lengths``; read by ``attn_match="decode"`` attention).
+    ``observer``: told as each micro-batch begins and when all are done (:class:`PassObserver`).
     """
     chunks = _as_chunks(model)
     gpt = unwrap(chunks[0])
@@ -417,8 +439,10 @@ def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None 
     try:
         with torch.no_grad():
             store = get_forward_backward_func()(
-                forward_step_func=step, data_iterator=iter(mbatches), model=chunks, num_microbatches=len(mbatches),
-                seq_length=s, micro_batch_size=mbs, forward_only=True)
+                forward_step_func=step, data_iterator=_observed(mbatches, observer), model=chunks,
+                num_microbatches=len(mbatches), seq_length=s, micro_batch_size=mbs, forward_only=True)
+        if observer is not None:
+            observer.micro_batches_done()
     finally:
         for c, t in zip(chunks, was_training, strict=True):
             c.train(t)
@@ -444,14 +468,14 @@ LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, d
 
 def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int,
                      grad_scale_func: Callable | None = None, vocab_parallel: bool = False,
-                     sampling: LogitsSampling | None = None, unfiltered: bool = False
-                     ) -> tuple[float, dict[str, float]]:
+                     sampling: LogitsSampling | None = None, unfiltered: bool = False,
+                     observer: PassObserver | None = None) -> tuple[float, dict[str, float]]:
     """Forward+backward over micro-batches through ``get_forward_backward_func`` (no optimizer step).
 
     Gradients end up in the DDP grad buffers (``param.main_grad``), reduced over DP / TP (sequence-parallel
     norms) / PP (tied embeddings) by Megatron's ``finalize_model_grads``; grad buffers released between updates are
     re-allocated (zeroed) by the ``zero_grad_buffer()`` here. Returns (mean loss, mean metrics), valid on every rank.
-    See :func:`train_step` for ``batch``, ``loss_fn``, ``sampling`` and ``unfiltered``.
+    See :func:`train_step` for ``batch``, ``loss_fn``, ``sampling``, ``unfiltered`` and ``observer``.
     """
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
@@ -483,8 +507,10 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
     step = _logprob_step(gpt, vocab_parallel, loss_for, sampling, unfiltered)
 
     store = get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iter(mbatches), model=chunks, num_microbatches=len(mbatches),
-        seq_length=s, micro_batch_size=micro_batch_size, forward_only=False)
+        forward_step_func=step, data_iterator=_observed(mbatches, observer), model=chunks,
+        num_microbatches=len(mbatches), seq_length=s, micro_batch_size=micro_batch_size, forward_only=False)
+    if observer is not None:
+        observer.micro_batches_done()
     keys = sorted(store[0]) if gpt.post_process else []
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         obj = [keys]
@@ -499,7 +525,7 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
 
 def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn, *,
                micro_batch_size: int, vocab_parallel: bool = False, sampling: LogitsSampling | None = None,
-               unfiltered: bool = False) -> StepResult:
+               unfiltered: bool = False, observer: PassObserver | None = None) -> StepResult:
     """One optimizer step: forward+backward over micro-batches (grad accumulation), DP/TP/PP reductions, step.
 
     ``batch``: this DP rank's tensors with a common leading dim, at least ``"tokens"`` (b, s); it is split into
@@ -509,12 +535,13 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn
     :func:`jetrl_megatron.megatron.policy.build_policy`; it refreshes the FP8 cache exactly once after a
     successful step and skips steps with non-finite gradients (``StepResult.skipped``). ``sampling``: the logprobs
     are of the rollout's processed distribution (:func:`logprobs_from_logits`); ``unfiltered``: with a top-k / top-p
-    filter, the micro-batch also carries ``"logp_unfiltered"`` (temperature only, with autograd).
+    filter, the micro-batch also carries ``"logp_unfiltered"`` (temperature only, with autograd). ``observer``: told
+    as each micro-batch begins and when all are done, before the optimizer step (:class:`PassObserver`).
     """
     optimizer.zero_grad()
     loss, metrics = forward_backward(model, batch, loss_fn, micro_batch_size=micro_batch_size,
                                      grad_scale_func=optimizer.scale_loss, vocab_parallel=vocab_parallel,
-                                     sampling=sampling, unfiltered=unfiltered)
+                                     sampling=sampling, unfiltered=unfiltered, observer=observer)
     _sync(model)
     t0 = time.perf_counter()
     ok, grad_norm, _ = optimizer.step()

@@ -24,7 +24,7 @@ import json
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,10 +134,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             f"{val0.get('val/reward_sampled', math.nan):.3f})")
     history: list[dict[str, Any]] = []
     collapse = None
-    profiler = StepProfile(cfg.policy.jet_rl.profile_step, log_dir, write=is_main())
+    jr = cfg.policy.jet_rl
+    profiler = StepProfile(jr.profile_step, log_dir, write=is_main(), phases=jr.profile_phases,
+                           micro_batches=jr.profile_micro_batches)
     for step in logger.bar(range(start_step + 1, last_step + 1), "grpo", total=max(0, last_step - start_step)):
         with profiler.around(step):
-            metrics = grpo_step(cfg, trainer, ro, step, logger)
+            metrics = grpo_step(cfg, trainer, ro, step, logger, profiler)
         if val_prompts and ((g.val_period > 0 and step % g.val_period == 0) or (step == last_step and g.val_at_end)):
             metrics.update(validate(cfg, ro.engine, val_task, val_prompts))
         logger.log(step, metrics)
@@ -171,9 +173,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     return summary
 
 
-def grpo_step(cfg: RunConfig, trainer: Trainer, ro: Rollout, step: int, logger: RunLogger) -> dict[str, float]:
-    """One GRPO step: rollout -> advantages -> trainer logprobs -> mismatch -> policy update -> refit."""
-    meter = StepMeter()
+def grpo_step(cfg: RunConfig, trainer: Trainer, ro: Rollout, step: int, logger: RunLogger,
+              profile: StepProfile | None = None) -> dict[str, float]:
+    """One GRPO step: rollout -> advantages -> trainer logprobs -> mismatch -> policy update -> refit. ``profile``:
+    told where the step stands (its phases and micro-batches), when this is the profiled step."""
+    meter = StepMeter(profile)
     prompts = ro.stream.take(cfg.grpo.num_prompts_per_step)
     with meter.memory_phase("rollout"):  # 1. rollout
         samples, meter.seconds["rollout"] = rollout(cfg, ro.engine, ro.task, prompts, step)
@@ -182,16 +186,17 @@ def grpo_step(cfg: RunConfig, trainer: Trainer, ro: Rollout, step: int, logger: 
         adv = advantages(cfg, batch.rewards)  # 2. rewards -> advantages
         with meter.memory_phase("logprob"):  # 3. trainer logprobs of the sampled tokens (old, reference policy)
             with meter.time("policy_logprob"):
-                logp_old, filtered_out = policy_logprobs(cfg, trainer.model, batch)
+                logp_old, filtered_out = policy_logprobs(cfg, trainer.model, batch, profile)
             with meter.time("reference_logprob"):
-                logp_ref = reference_logprobs(cfg, trainer.ref_model, batch) if trainer.ref_model is not None else None
+                logp_ref = (reference_logprobs(cfg, trainer.ref_model, batch, profile)
+                            if trainer.ref_model is not None else None)
         # 4. mismatch on response tokens (trainer vs rollout), overall and by response position
         metrics = {**mismatch(cfg, batch, logp_old, ro.bins), "mismatch/filtered_out_tokens": float(filtered_out)}
         # 5. rollout correction (optional) and the policy update (the optimizer re-quantizes the FP8 cache once)
         is_w, kept = importance(cfg, batch, logp_old)
         with meter.phase("update"), phase.grad_buffers_held():
             metrics.update(policy_update(cfg, trainer, batch, adv, logp_old, logp_ref, is_w, loss_mask(cfg, batch),
-                                         step, logger))
+                                         step, logger, profile))
         with meter.phase("refit"):  # 6. refit: the trainer's tensors resharded into vLLM's live parameters
             with meter.time("wake_up"):
                 phase.wake_up()
@@ -217,12 +222,13 @@ def release_cached_gpu_memory() -> None:
 
 class StepMeter:
     """One step's wall-clock seconds per named part (a part timed twice adds up), of the whole step, and its peak
-    memory per phase (``PhaseMemory``: rollout, logprob, update, refit)."""
+    memory per phase (``PhaseMemory``: rollout, logprob, update, refit); a step ``profile`` is told each phase."""
 
-    def __init__(self) -> None:
+    def __init__(self, profile: StepProfile | None = None) -> None:
         self.start = time.perf_counter()
         self.seconds: dict[str, float] = {}
         self.memory = PhaseMemory()
+        self.profile = profile
 
     @contextmanager
     def time(self, part: str) -> Iterator[None]:
@@ -234,7 +240,7 @@ class StepMeter:
     @contextmanager
     def memory_phase(self, phase: str) -> Iterator[None]:
         self.memory.begin()
-        with record_function(f"phase/{phase}"):
+        with record_function(f"phase/{phase}"), (self.profile.phase(phase) if self.profile else nullcontext()):
             yield
         self.memory.end(phase)
 

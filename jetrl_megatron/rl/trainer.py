@@ -7,7 +7,7 @@ import math
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,6 +37,9 @@ from jetrl_megatron.rl.tools.run_plan import model_shape, trainer_settings
 from jetrl_megatron.rollout.model_dir import hf_config_for
 from jetrl_megatron.rollout.model_dir import write_model_dir as write_hf_model_dir
 from jetrl_megatron.sampling import LogitsSampling, mask_filtered_out
+
+if TYPE_CHECKING:
+    from jetrl_megatron.megatron.model import PassObserver
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:
@@ -148,34 +151,38 @@ def rollout_sampling(cfg: RunConfig) -> LogitsSampling:
 
 
 def trainer_logprobs(cfg: RunConfig, model, tokens: torch.Tensor, sampling: LogitsSampling | None = None,
-                     lengths: torch.Tensor | None = None, prompt_lengths: torch.Tensor | None = None) -> torch.Tensor:
+                     lengths: torch.Tensor | None = None, prompt_lengths: torch.Tensor | None = None,
+                     observer: PassObserver | None = None) -> torch.Tensor:
     """Logprobs of ``tokens`` under ``model``, of the ``sampling`` distribution (None: raw). With a top-k / top-p
     filter a token the trainer filters out is -inf (``mask_filtered_out``). ``lengths``: each row's real length;
-    ``prompt_lengths``: where its response (vLLM's decode steps) begins."""
+    ``prompt_lengths``: where its response (vLLM's decode steps) begins; ``observer``: told as micro-batches begin
+    (a step profile's window)."""
     from jetrl_megatron.megatron.model import token_logprobs
 
     mine = dp_slice(tokens)
     mbs = math.gcd(cfg.policy.logprob_batch_size, mine.shape[0])
     lp = token_logprobs(model, mine, micro_batch_size=mbs, sampling=sampling,
                         lengths=None if lengths is None else dp_slice(lengths),
-                        decode_from=None if prompt_lengths is None else dp_slice(prompt_lengths))
+                        decode_from=None if prompt_lengths is None else dp_slice(prompt_lengths), observer=observer)
     return dp_gather(lp.float().cpu())
 
 
-def policy_logprobs(cfg: RunConfig, model, batch: RolloutBatch) -> tuple[torch.Tensor, int]:
+def policy_logprobs(cfg: RunConfig, model, batch: RolloutBatch, observer: PassObserver | None = None
+                    ) -> tuple[torch.Tensor, int]:
     """The trainer's logprobs of the rollout's tokens under the rollout's distribution (``prev_logprobs``), and how
     many sampled tokens the trainer's top-k / top-p filter removed: those get logprob 0 (NeMo-RL's
     ``mask_out_neg_inf_logprobs``), in the mismatch metrics, the rollout correction and the loss alike."""
     sampling = rollout_sampling(cfg)
-    logp = trainer_logprobs(cfg, model, batch.tokens, sampling, batch.lengths, batch.prompt_lengths)
+    logp = trainer_logprobs(cfg, model, batch.tokens, sampling, batch.lengths, batch.prompt_lengths, observer)
     return mask_filtered_out(logp, batch.mask) if sampling.filters else (logp, 0)
 
 
-def reference_logprobs(cfg: RunConfig, model, batch: RolloutBatch) -> torch.Tensor:
+def reference_logprobs(cfg: RunConfig, model, batch: RolloutBatch, observer: PassObserver | None = None
+                       ) -> torch.Tensor:
     """The reference policy's logprobs for the KL penalty: at the rollout temperature, never filtered (NeMo-RL: its
     top-k / top-p set differs from the policy's, so filtered values would be -inf where the policy's are not)."""
     return trainer_logprobs(cfg, model, batch.tokens, rollout_sampling(cfg).unfiltered(), batch.lengths,
-                            batch.prompt_lengths)
+                            batch.prompt_lengths, observer)
 
 
 def policy_loss(cfg: RunConfig) -> grpo.PolicyLoss:
@@ -187,8 +194,9 @@ def policy_loss(cfg: RunConfig) -> grpo.PolicyLoss:
 
 def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: torch.Tensor, logp_old: torch.Tensor,
                   logp_ref: torch.Tensor | None, is_w: torch.Tensor | None, keep: torch.Tensor,
-                  step: int, logger: RunLogger) -> dict[str, float]:
-    """One optimizer step per ``train_global_batch_size`` slice of the rollout batch (micro-batched, DP-sharded)."""
+                  step: int, logger: RunLogger, observer: PassObserver | None = None) -> dict[str, float]:
+    """One optimizer step per ``train_global_batch_size`` slice of the rollout batch (micro-batched, DP-sharded);
+    ``observer``: told as micro-batches begin (a step profile's window)."""
     from jetrl_megatron.megatron.model import train_step
 
     gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
@@ -213,7 +221,7 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
         norm = loss.normalizer(keep[sl], batch.truncated[sl], gbs, n_micro, dp)
         set_lr(trainer.optimizer, lr_at(cfg, step))
         results.append(train_step(trainer.model, trainer.optimizer, data, loss.for_batch(norm), micro_batch_size=mbs,
-                                  sampling=sampling, unfiltered=unfiltered))
+                                  sampling=sampling, unfiltered=unfiltered, observer=observer))
     m = {
         "train/loss": sum(r.loss for r in results) * 1.0,
         # the micro-batch metrics are not divided by Megatron (only the loss is): their mean is already the token

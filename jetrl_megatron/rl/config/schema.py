@@ -307,6 +307,10 @@ class JetRlCfg:
     # profile this GRPO step (1-based; 0: none) with torch.profiler: <log_dir>/profile_step<N>.md and .json (the
     # step's phases and its top operators / kernels by device time)
     profile_step: int = key(0, bounds=at_least(0))
+    # what that profile records: these phases (of rollout, logprob, update, refit; their wall times always), and in
+    # each pass over micro-batches the first profile_micro_batches (0: all), then what follows the pass
+    profile_phases: list[str] = key(factory=lambda: ["logprob", "update", "refit"])
+    profile_micro_batches: int = key(4, bounds=at_least(0))
     stress: StressCfg = field(default_factory=StressCfg)  # experiment only: see StressCfg
 
 

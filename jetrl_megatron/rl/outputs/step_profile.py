@@ -3,19 +3,29 @@ goes: the step's phases and parts (the ranges ``StepMeter`` opens: ``phase/rollo
 and the top operators and kernels by their own device time (CPU time on a CPU run).
 
 Why a table and not only a trace: an 8B step's trace is hundreds of MB; the question a profile answers here is
-"which costs are the top ones", and the table answers it in a file small enough to commit beside the run."""
+"which costs are the top ones", and the table answers it in a file small enough to commit beside the run.
+
+Why a window: recording every op of an 8B step (32 micro-batches x 36 layers, fwd + recompute + bwd, and a rollout
+of ~1000 decode steps) is ~1M events, and the profiler's own table of 200K ops took 43 s on a 2-core box: the first
+profiled 8B step did not finish inside a 390 s device call. So only the chosen phases are recorded
+(``profile_phases``; the rollout, vLLM's own decode loop, is left out by default: its rate is measured anyway) and in
+them the first ``profile_micro_batches`` micro-batches of each pass and what follows the pass (the optimizer step);
+the phases' wall times are recorded whole."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 RANGE_PREFIXES = ("phase/", "part/")
+PHASES = ("rollout", "logprob", "update", "refit")  # the phases StepMeter opens, in step order
+DEFAULT_PHASES = ("logprob", "update", "refit")
 
 
 def _device_us(evt, self_only: bool) -> float:
@@ -29,13 +39,50 @@ def _device_us(evt, self_only: bool) -> float:
     return 0.0
 
 
-class StepProfile:
-    """Profiles step ``step`` (1-based; 0: none) and writes ``<log_dir>/profile_step<N>.md`` and ``.json``."""
+@dataclass
+class PhaseWindow:
+    """What of one phase the profile recorded: its micro-batches (of every pass in it) begun and recorded."""
 
-    def __init__(self, step: int, log_dir: Path, top: int = 30, write: bool = True) -> None:
+    profiled: bool
+    micro_batches: int = 0
+    recorded_micro_batches: int = 0
+
+    def describe(self, name: str) -> str:
+        if not self.profiled:
+            return f"{name}: not recorded (wall time only)"
+        if self.micro_batches == self.recorded_micro_batches:
+            return f"{name}: whole" + (f" ({self.micro_batches} micro-batches)" if self.micro_batches else "")
+        return (f"{name}: {self.recorded_micro_batches} of its {self.micro_batches} micro-batches (the first of each "
+                "pass), and what follows each pass")
+
+
+class StepProfile:
+    """Profiles step ``step`` (1-based; 0: none) and writes ``<log_dir>/profile_step<N>.md`` and ``.json``.
+
+    ``phases``: the phases recorded (of :data:`PHASES`); ``micro_batches``: in each pass over micro-batches of a
+    recorded phase (a logprob pass, an update's forward/backward) the first this many are recorded (0: all), then
+    recording resumes when the pass is done. The step's code tells it where it stands: :meth:`phase` around each
+    phase, and the :class:`jetrl_megatron.megatron.model.PassObserver` calls (``micro_batch``,
+    ``micro_batches_done``) from the passes; outside the profiled step they do nothing."""
+
+    def __init__(self, step: int, log_dir: Path, top: int = 30, write: bool = True,
+                 phases: Iterable[str] = DEFAULT_PHASES, micro_batches: int = 4) -> None:
         if step < 0:
             raise ValueError(f"policy.jet_rl.profile_step must be >= 0 (0: no profile), got {step}")
+        phases = tuple(phases)
+        unknown = [p for p in phases if p not in PHASES]
+        if unknown or not phases:
+            raise ValueError(f"policy.jet_rl.profile_phases must name some of {', '.join(PHASES)}; got "
+                             f"{list(phases)}")
+        if micro_batches < 0:
+            raise ValueError(f"policy.jet_rl.profile_micro_batches must be >= 0 (0: all), got {micro_batches}")
         self.step, self.log_dir, self.top, self.write = step, Path(log_dir), top, write
+        self.phases, self.micro_batches = phases, micro_batches
+        self.windows: dict[str, PhaseWindow] = {}
+        self._prof: profile | None = None
+        self._acts: list[ProfilerActivity] = []
+        self._recording = False
+        self._phase: str | None = None
 
     @contextmanager
     def around(self, step: int) -> Iterator[None]:
@@ -43,13 +90,59 @@ class StepProfile:
             yield
             return
         cuda = torch.cuda.is_available()
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=acts) as prof:
-            yield
-            if cuda:
-                torch.cuda.synchronize()
+        self._acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        self.windows = {}
+        with profile(activities=self._acts) as prof:
+            self._prof, self._recording = prof, True
+            try:
+                yield
+            finally:
+                self._record(True)
+                if cuda:
+                    torch.cuda.synchronize()
+                self._prof = None
         if self.write:
             self.save(prof.key_averages(), cuda)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Around one of the step's phases: recorded when it is one of ``phases``; recording resumes after it."""
+        if self._prof is None:
+            yield
+            return
+        window = self.windows.setdefault(name, PhaseWindow(profiled=name in self.phases))
+        self._phase = name
+        self._record(window.profiled)
+        try:
+            yield
+        finally:
+            self._phase = None
+            self._record(True)
+
+    def micro_batch(self, index: int) -> None:
+        """A pass's micro-batch ``index`` begins: past the window, recording stops until the pass is done."""
+        window = self.windows.get(self._phase) if self._prof is not None and self._phase else None
+        if window is None or not window.profiled:
+            return
+        window.micro_batches += 1
+        if self.micro_batches and index >= self.micro_batches:
+            self._record(False)
+        else:
+            window.recorded_micro_batches += 1
+
+    def micro_batches_done(self) -> None:
+        window = self.windows.get(self._phase) if self._prof is not None and self._phase else None
+        if window is not None and window.profiled:
+            self._record(True)
+
+    def _record(self, on: bool) -> None:
+        """Turn the profiler's collection on or off; the GPU's queued work first lands on the side it was issued."""
+        if self._prof is None or on == self._recording:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._prof.toggle_collection_dynamic(on, self._acts)
+        self._recording = on
 
     def table(self, averages, cuda: bool) -> dict:
         """The step's ranges and its top operators, times in ms."""
@@ -63,8 +156,10 @@ class StepProfile:
         ops.sort(key=lambda r: r[key], reverse=True)
         ranges.sort(key=lambda r: r["cpu_total_ms"], reverse=True)
         total = sum(r[key] for r in ops)
+        recorded = {name: self.windows[name].describe(name) if name in self.windows else f"{name}: did not run"
+                    for name in PHASES}
         return {"step": self.step, "device": "cuda" if cuda else "cpu", "sorted_by": key, "total_self_ms": total,
-                "ranges": ranges, "top": ops[: self.top]}
+                "recorded": recorded, "ranges": ranges, "top": ops[: self.top]}
 
     def save(self, averages, cuda: bool) -> Path:
         report = self.table(averages, cuda)
@@ -72,7 +167,10 @@ class StepProfile:
         (self.log_dir / f"profile_step{self.step}.json").write_text(json.dumps(report, indent=1))
         key = report["sorted_by"]
         lines = [f"# Profile of GRPO step {self.step} ({report['device']}; torch.profiler)", "",
-                 "| range | calls | wall ms (CPU side) | device ms |", "|---|---|---|---|"]
+                 "Recorded (`policy.jet_rl.profile_phases`, `profile_micro_batches`; phase wall times are whole, the "
+                 "rest covers what was recorded):", ""]
+        lines += [f"- {line}" for line in report["recorded"].values()]
+        lines += ["", "| range | calls | wall ms (CPU side) | device ms |", "|---|---|---|---|"]
         lines += [f"| {r['name']} | {r['calls']} | {r['cpu_total_ms']:.1f} | {r['device_total_ms']:.1f} |"
                   for r in report["ranges"]]
         lines += ["", f"Top {len(report['top'])} operators and kernels by {key.replace('_', ' ')} "
