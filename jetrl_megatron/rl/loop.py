@@ -86,6 +86,7 @@ class Rollout:
 def run(cfg: RunConfig) -> dict[str, Any]:
     """Train ``cfg`` with GRPO; returns (and writes to <log_dir>/summary.json) the run summary."""
     t_start = time.perf_counter()
+    startup = StepMeter()  # what the run pays before its first step, by stage (summary.json startup_s)
     init_distributed(cfg)
     seed_everything(cfg.grpo.seed)
     g, log_dir = cfg.grpo, Path(cfg.logger.log_dir)
@@ -101,7 +102,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     val_task, val_idx, train_idx = validation_split(cfg, task)
     stream = PromptStream(task, seed=g.seed, shuffle=cfg.data.shuffle, indices=train_idx)
     last_step = min(g.max_num_steps, g.max_num_epochs * max(1, len(train_idx) // g.num_prompts_per_step))
-    trainer = build_trainer(cfg)
+    with startup.time("trainer"):
+        trainer = build_trainer(cfg)
     if last_step < g.max_num_steps:
         say(f"grpo.max_num_epochs = {g.max_num_epochs}: the run stops after step {last_step} "
             f"({len(train_idx)} training prompts, {g.num_prompts_per_step} per step)")
@@ -114,7 +116,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         say(f"resumed from {ckpt} (step {start_step})")
     elif Path(logger.path).exists() and is_main():
         logger.path.unlink()  # a fresh run starts a fresh metrics file
-    sft_losses = sft_warmstart(cfg, trainer, task, train_idx, logger) if ckpt is None else []
+    with startup.time("warm_start"):
+        sft_losses = sft_warmstart(cfg, trainer, task, train_idx, logger) if ckpt is None else []
     warm_dir = cfg.policy.jet_rl.sft_warmstart.save_model_dir
     if warm_dir and ckpt is None:
         write_model_dir(cfg, trainer, Path(warm_dir), only_rank0=True)
@@ -122,12 +125,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         if g.max_num_steps == 0:
             return warm_start_only(cfg, logger, sft_losses)
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
-        trainer.ref_model = make_reference(cfg, trainer)
-    ro = start_rollout(cfg, trainer, task, stream, log_dir / f"model_init_engine{engine_index}")
+        with startup.time("reference_model"):
+            trainer.ref_model = make_reference(cfg, trainer)
+    ro = start_rollout(cfg, trainer, task, stream, log_dir / f"model_init_engine{engine_index}", startup)
 
     val_prompts = [val_task.prompt(i) for i in val_idx]
     if val_prompts and start_step == 0 and g.val_at_start:
-        val0 = validate(cfg, ro.engine, val_task, val_prompts)
+        with startup.time("validation"):
+            val0 = validate(cfg, ro.engine, val_task, val_prompts)
         logger.log(0, val0)
         say(f"validation before GRPO: accuracy {val0['val/accuracy']:.3f} greedy, "
             f"{val0.get('val/accuracy_sampled', math.nan):.3f} sampled (reward {val0['val/reward']:.3f} / "
@@ -154,7 +159,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == last_step):
             save_checkpoint(cfg, trainer, step, stream, metrics)
 
-    summary = summarize(cfg, logger, sft_losses, time.perf_counter() - t_start, vocab_size=trainer.shape.vocab_size)
+    summary = summarize(cfg, logger, sft_losses, time.perf_counter() - t_start, vocab_size=trainer.shape.vocab_size,
+                        startup=startup.seconds)
     logger.close()
     if rollout_stress(cfg) and val_prompts:  # experiment only: the stressed arm's final policy served in BF16
         from jetrl_megatron.rl.stress_eval import bf16_validation
@@ -315,20 +321,27 @@ def step_telemetry(batch: RolloutBatch, meter: StepMeter, report: Any, source: R
     }
 
 
-def start_rollout(cfg: RunConfig, trainer: Trainer, task, stream: PromptStream, model_dir: Path) -> Rollout:
+def start_rollout(cfg: RunConfig, trainer: Trainer, task, stream: PromptStream, model_dir: Path,
+                  startup: StepMeter | None = None) -> Rollout:
     """One engine per rollout-TP group, started from the current policy (written by each engine's first rank to its
     own ``model_dir``), then refit in place with the trainer's own bytes: this rank is vLLM rank (rank % rollout TP)
     of engine (rank // rollout TP). Colocated memory: the DDP grad buffers are held only during policy updates, not
-    while the engine starts, nor during the logprob pass, refit or rollout; `jetrl plan` reads the same setting."""
+    while the engine starts, nor during the logprob pass, refit or rollout; `jetrl plan` reads the same setting.
+    ``startup``: timed stages ``engine_model_dir``, ``engine_start``, ``first_refit``."""
+    startup = startup or StepMeter()
     release_grads = trainer_settings(cfg).release_grad_buffers
     if release_grads:
         release_grad_buffers(trainer.model)
-    engine = start_engine(cfg, write_model_dir(cfg, trainer, model_dir))
+    with startup.time("engine_model_dir"):
+        model_dir = write_model_dir(cfg, trainer, model_dir)
+    with startup.time("engine_start"):
+        engine = start_engine(cfg, model_dir)
     rollout_tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size
     source = RefitSource(trainer, rollout_tp, budget_bytes(cfg.policy.refit_buffer_size_gb))
-    t0 = time.perf_counter()
-    engine.refit_from_shards(source.shards(), rank=dist_rank() % rollout_tp, exchange=source.exchange)
-    say(f"rollout engine ready (arm {cfg.arm}); first refit {time.perf_counter() - t0:.2f} s")
+    with startup.time("first_refit"):
+        engine.refit_from_shards(source.shards(), rank=dist_rank() % rollout_tp, exchange=source.exchange)
+    say(f"rollout engine ready (arm {cfg.arm}); first refit {startup.seconds['first_refit']:.2f} s; start-up so "
+        "far: " + ", ".join(f"{k} {v:.1f} s" for k, v in startup.seconds.items()))
     return Rollout(task, stream, engine, source, dist_rank() % rollout_tp,
                    position_bins(cfg.policy.generation.max_new_tokens, 4), release_grads)
 

@@ -33,9 +33,10 @@ from jetrl_megatron.rl.trainer import (
 
 
 def summarize(cfg: RunConfig, logger: RunLogger, sft_losses: list[float], wall: float,
-              vocab_size: int | None = None) -> dict[str, Any]:
+              vocab_size: int | None = None, startup: dict[str, float] | None = None) -> dict[str, Any]:
     """summary.json from metrics.jsonl; ``ok`` is false (and ``error`` says why) when no optimizer update was
-    applied. Skipped updates and a collapsed policy (needs ``vocab_size``) are counted / recorded."""
+    applied. Skipped updates and a collapsed policy (needs ``vocab_size``) are counted / recorded. ``startup``:
+    seconds per start-up stage (``startup_s``: where a run's time goes before its first step)."""
     if not is_main():
         return {"ok": True}
     all_rows = read_metrics(logger.path) if logger.path.exists() else []
@@ -43,6 +44,8 @@ def summarize(cfg: RunConfig, logger: RunLogger, sft_losses: list[float], wall: 
     val = [r for r in all_rows if "val/accuracy" in r]
     s: dict[str, Any] = {"ok": True, "recipe": cfg.name, "mode": cfg.arm, "steps": len(rows), "wall_s": wall,
                          "sft_loss": sft_losses[-1] if sft_losses else None}
+    if startup:
+        s["startup_s"] = {k: round(v, 3) for k, v in startup.items()}
     if rows:
         k = max(1, len(rows) // 4)
         s["reward_first"] = float(np.mean([r["reward/mean"] for r in rows[:k]]))
