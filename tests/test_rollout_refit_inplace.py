@@ -98,6 +98,46 @@ def test_inplace_refit_equals_full_reload(tmp_path, arm):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("arm", ["jetrl", "bf16_train_fp8_rollout", "bf16"])
+def test_an_engine_started_without_weights_serves_the_first_refit_exactly(tmp_path, arm):
+    """load_format dummy (how the GRPO loop starts its engines, as NeMo-RL does): from config.json alone, vLLM's random
+    values until the first in-place refit, after which the engine serves what an engine started from the written
+    BF16 directory serves after the same refit, byte for byte (live tensors, scores, samples). A tensor the refit did
+    not reach would keep a random value and show here."""
+    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
+    from jetrl_megatron.rollout.model_dir import hf_config_for, write_config
+
+    src = megatron_from_canonical(_trainer_weights(arm, seed=1), SHAPE, tp=2)
+    served = {}
+    for start in ("checkpoint", "dummy"):
+        if start == "checkpoint":  # what the loop wrote before: the trainer's BF16 weights (another policy here)
+            d = write_tiny_model_dir(tmp_path / start, seed=0)
+        else:
+            d = write_config(tmp_path / start, hf_config_for(SHAPE, None))
+        with deadline(240, f"{arm} {start} engine start"):
+            engine = RolloutEngine(RolloutConfig(model_dir=d, recipe=_recipe(arm), seed=0,
+                                                 load_format="auto" if start == "checkpoint" else "dummy"))
+        try:
+            with deadline(180, f"{arm} {start}"):
+                report = engine.refit_from_shards(src, rank=0)
+                assert report.verified and report.num_bytes > 0
+                served[start] = (_snapshot(engine), engine.score(SEQS),
+                                 [(x.token_ids, x.logprobs) for x in engine.generate(SEQS, n=2, max_tokens=6, seed=3)])
+        finally:
+            engine.shutdown()
+    (live_c, scores_c, samples_c), (live_d, scores_d, samples_d) = served["checkpoint"], served["dummy"]
+    assert set(live_c) == set(live_d)
+    assert all(_same_bytes(live_d[n], t) for n, t in live_c.items())
+    assert scores_d == scores_c and samples_d == samples_c
+
+
+def test_an_unknown_load_format_is_refused_by_name(tmp_path):
+    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
+
+    with pytest.raises(ValueError, match="RolloutConfig.load_format must be one of auto, dummy, got 'safetensors'"):
+        RolloutEngine(RolloutConfig(model_dir=write_tiny_model_dir(tmp_path), load_format="safetensors"))
+
+
 @pytest.fixture(scope="module")
 def jetrl_engine(tmp_path_factory):
     engine = _engine(tmp_path_factory.mktemp("jetrl"), "jetrl")

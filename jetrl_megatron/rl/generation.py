@@ -34,7 +34,9 @@ def engine_groups(cfg: RunConfig) -> tuple[int, int]:
     return world // rtp, dist_rank() // rtp
 
 
-def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
+def start_engine(cfg: RunConfig, model_dir: str, recipe=None, load_format: str = "auto"):
+    """The run's vLLM engine for ``model_dir``; ``load_format`` "dummy": its weights come from the first refit (the
+    directory needs only config.json)."""
     v = cfg.policy.generation.vllm_cfg
     kwargs: dict[str, Any] = dict(cfg.policy.generation.vllm_kwargs)
     kwargs.pop("kv_cache_memory_bytes", None)  # RolloutConfig's (cfg.kv_cache_memory_bytes: the CPU default too)
@@ -62,7 +64,7 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None):
         kv_cache_memory_bytes=cfg.kv_cache_memory_bytes(),
         gpu_memory_utilization=v.gpu_memory_utilization, max_num_seqs=max(1, seqs), seed=cfg.grpo.seed,
         enforce_eager=v.enforce_eager, enable_sleep_mode=torch.cuda.is_available() and
-        cfg.policy.generation.colocated.enabled, in_process=True, llm_kwargs=kwargs))
+        cfg.policy.generation.colocated.enabled, in_process=True, load_format=load_format, llm_kwargs=kwargs))
 
 
 def _vllm_top_k(top_k: int | None) -> int:

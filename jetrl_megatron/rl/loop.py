@@ -66,6 +66,7 @@ from jetrl_megatron.rl.trainer import (
     policy_update,
     reference_logprobs,
     sft_warmstart,
+    write_engine_config,
     write_model_dir,
 )
 
@@ -323,19 +324,19 @@ def step_telemetry(batch: RolloutBatch, meter: StepMeter, report: Any, source: R
 
 def start_rollout(cfg: RunConfig, trainer: Trainer, task, stream: PromptStream, model_dir: Path,
                   startup: StepMeter | None = None) -> Rollout:
-    """One engine per rollout-TP group, started from the current policy (written by each engine's first rank to its
-    own ``model_dir``), then refit in place with the trainer's own bytes: this rank is vLLM rank (rank % rollout TP)
-    of engine (rank // rollout TP). Colocated memory: the DDP grad buffers are held only during policy updates, not
-    while the engine starts, nor during the logprob pass, refit or rollout; `jetrl plan` reads the same setting.
-    ``startup``: timed stages ``engine_model_dir``, ``engine_start``, ``first_refit``."""
+    """One engine per rollout-TP group, started without weights from the policy's config.json (written by each
+    engine's first rank to its own ``model_dir``; vLLM's ``load_format: dummy``, as NeMo-RL starts its training
+    engines), then filled by an in-place refit with the trainer's own bytes, which writes every tensor the engine
+    serves: this rank is vLLM rank (rank % rollout TP) of engine (rank // rollout TP). Colocated memory: the DDP grad
+    buffers are held only during policy updates, not while the engine starts, nor during the logprob pass, refit or
+    rollout; `jetrl plan` reads the same setting. ``startup``: timed stages ``engine_start`` (the config included)
+    and ``first_refit``."""
     startup = startup or StepMeter()
     release_grads = trainer_settings(cfg).release_grad_buffers
     if release_grads:
         release_grad_buffers(trainer.model)
-    with startup.time("engine_model_dir"):
-        model_dir = write_model_dir(cfg, trainer, model_dir)
     with startup.time("engine_start"):
-        engine = start_engine(cfg, model_dir)
+        engine = start_engine(cfg, write_engine_config(cfg, trainer, model_dir), load_format="dummy")
     rollout_tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size
     source = RefitSource(trainer, rollout_tp, budget_bytes(cfg.policy.refit_buffer_size_gb))
     with startup.time("first_refit"):

@@ -34,7 +34,7 @@ from jetrl_megatron.rl.dist import (
 from jetrl_megatron.rl.outputs.metric_log import RunLogger
 from jetrl_megatron.rl.stress_arms import trainer_stress
 from jetrl_megatron.rl.tools.run_plan import model_shape, trainer_settings
-from jetrl_megatron.rollout.model_dir import hf_config_for
+from jetrl_megatron.rollout.model_dir import hf_config_for, write_config
 from jetrl_megatron.rollout.model_dir import write_model_dir as write_hf_model_dir
 from jetrl_megatron.sampling import LogitsSampling, mask_filtered_out
 
@@ -297,6 +297,16 @@ def write_model_dir(cfg: RunConfig, trainer: Trainer, path: Path, only_rank0: bo
     writer = dist_rank() == 0 if only_rank0 else dist_rank() % cfg.policy.generation.vllm_cfg.tensor_parallel_size == 0
     if writer:
         write_hf_model_dir(path, hf_config_for(trainer.shape, None), sd)
+    if dist_world() > 1:
+        torch_dist().barrier()
+    return str(path)
+
+
+def write_engine_config(cfg: RunConfig, trainer: Trainer, path: Path) -> str:
+    """config.json of the policy's architecture (collective): all an engine started without weights reads; its first
+    in-place refit writes every tensor. Written by every engine's first rank (each passes its own path)."""
+    if dist_rank() % cfg.policy.generation.vllm_cfg.tensor_parallel_size == 0:
+        write_config(path, hf_config_for(trainer.shape, None))
     if dist_world() > 1:
         torch_dist().barrier()
     return str(path)

@@ -28,7 +28,7 @@ from jetrl_megatron.fp8.format import REFERENCE_QUANT_KEY
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
 from jetrl_megatron.rollout import invariant_norm, plugin, swiglu_forms, worker_ops
-from jetrl_megatron.rollout.model_dir import quantize_model_dir, read_config
+from jetrl_megatron.rollout.model_dir import checkpoint_spec_for, quantize_model_dir, read_config
 from jetrl_megatron.rollout.refit import (
     InplaceRefit,
     RefitVerificationError,
@@ -45,6 +45,7 @@ from jetrl_megatron.rollout.refit import (
 from jetrl_megatron.vllm_cpu.ops import cpu_kernels_in_use
 
 log = logging.getLogger(__name__)
+LOAD_FORMATS = ("auto", "dummy")
 
 
 
@@ -85,6 +86,11 @@ class RolloutConfig:
     # input where the engine serves the jetrl_fp8 plugin (rollout/swiglu_forms.py; the trainer runs the same kernel
     # with policy.jet_rl.swiglu_fp8_forms). No effect on CPU.
     swiglu_fp8_forms: bool = False
+    # "auto": vLLM loads the model directory's weights; "dummy": it reads none (config.json is all the directory needs)
+    # and the tensors hold vLLM's random values until the first refit writes every one of them, as NeMo-RL starts its
+    # training engines. Why: at 8B a written start-up checkpoint is 16 GB of BF16 (plus 9 GB of FP8 for the FP8 arms)
+    # written, read back and re-quantized before the first step, only to be overwritten by that refit.
+    load_format: str = "auto"
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -126,6 +132,10 @@ class RolloutEngine:
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.on_cuda = torch.cuda.is_available()
         model_dir = os.fspath(config.model_dir)
+        if config.load_format not in LOAD_FORMATS:
+            raise ValueError(f"RolloutConfig.load_format must be one of {', '.join(LOAD_FORMATS)}, got "
+                             f"{config.load_format!r}")
+        self.dummy = config.load_format == "dummy"
         hf_cfg = read_config(model_dir)
         self.shape = ModelShape.from_hf_config(hf_cfg)
         quant_cfg = hf_cfg.get("quantization_config")
@@ -134,7 +144,9 @@ class RolloutEngine:
         if config.stress_format is not None:
             hf_overrides["quantization_config"] = self._stress_quant_config(quant_cfg)
         elif self.recipe.rollout_fp8:
-            if not quant_cfg:
+            if not quant_cfg and self.dummy:  # nothing to quantize: the first refit brings the FP8 bytes
+                quant_cfg = self.recipe.hf_quantization_config(self.shape.num_layers)
+            elif not quant_cfg:
                 # A BF16 directory: quantize it once with the trainer's quantizer (same bytes the trainer would send).
                 self._tmp = tempfile.TemporaryDirectory(prefix="jetrl_rollout_")
                 model_dir = quantize_model_dir(model_dir, self._tmp.name, self.recipe)
@@ -144,7 +156,10 @@ class RolloutEngine:
             raise ValueError(f"{model_dir}: mode 'bf16' serves plain BF16 weights, but this checkpoint is quantized "
                              f"({quant_cfg.get('quant_method')}); pass a BF16 model directory")
         self.model_dir = model_dir
-        self.checkpoint_spec = read_checkpoint_spec(model_dir)
+        # the tensors vLLM serves, as a checkpoint holds them: read from the directory, or (dummy start, no weights
+        # there) the canonical form of this shape, FP8 where the engine serves FP8
+        self.checkpoint_spec = (checkpoint_spec_for(self.shape, self.recipe if quant_cfg else None) if self.dummy
+                                else read_checkpoint_spec(model_dir))
         self.fp8_names = fp8_weight_names(self.checkpoint_spec)
         # What refit() accepts from the trainer.
         self.refit_spec: dict[str, TensorSpec] = (
@@ -233,6 +248,8 @@ class RolloutEngine:
             worker_extension_cls="jetrl_megatron.rollout.worker_ops.JetRLWorkerExtension")
         if c.max_model_len is not None:
             kwargs["max_model_len"] = c.max_model_len
+        if self.dummy:
+            kwargs["load_format"] = "dummy"
         kv_bytes = c.kv_cache_memory_bytes
         if kv_bytes is None and not self.on_cuda:
             kv_bytes = 64 << 20  # vllm-cpu otherwise reserves VLLM_CPU_KVCACHE_SPACE (GiBs) for a tiny model

@@ -16,10 +16,11 @@ from collections.abc import Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
-from jetrl_megatron.fp8.format import SCALE_SUFFIX
-from jetrl_megatron.fp8.quant import quantize_128x128
+from jetrl_megatron.fp8.format import BLOCK, SCALE_SUFFIX
+from jetrl_megatron.fp8.quant import FP8_DTYPE, quantize_128x128
 from jetrl_megatron.model.shapes import ModelShape, get_model_shape
 from jetrl_megatron.recipe import Fp8Recipe
+from jetrl_megatron.rollout.refit import TensorSpec
 
 LINEAR_PROJS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -35,6 +36,33 @@ def fp8_weight_names(shape: ModelShape, recipe: Fp8Recipe) -> list[str]:
     return [n for n in linear_weight_names(shape) if recipe.module_is_fp8(n, None, shape.num_layers)]
 
 
+def hf_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a BF16 HF checkpoint of ``shape`` (canonical names) and its shape, in the order a random
+    checkpoint draws them: what a model directory holds, known without writing one."""
+    h, hd = shape.hidden_size, shape.head_dim
+    out_sizes = {"self_attn.q_proj": shape.q_size, "self_attn.k_proj": shape.kv_size, "self_attn.v_proj": shape.kv_size,
+                 "self_attn.o_proj": h, "mlp.gate_proj": shape.ffn_hidden_size, "mlp.up_proj": shape.ffn_hidden_size,
+                 "mlp.down_proj": h}
+    in_sizes = {"self_attn.o_proj": shape.q_size, "mlp.down_proj": shape.ffn_hidden_size}
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape.vocab_size, h)}
+    for i in range(shape.num_layers):
+        pre = f"model.layers.{i}."
+        shapes[pre + "input_layernorm.weight"] = (h,)
+        shapes[pre + "post_attention_layernorm.weight"] = (h,)
+        if shape.qk_norm:
+            shapes[pre + "self_attn.q_norm.weight"] = (hd,)
+            shapes[pre + "self_attn.k_norm.weight"] = (hd,)
+        for proj in LINEAR_PROJS:
+            shapes[pre + proj + ".weight"] = (out_sizes[proj], in_sizes.get(proj, h))
+        if shape.qkv_bias:
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                shapes[pre + f"self_attn.{proj}.bias"] = (out_sizes["self_attn." + proj],)
+    shapes["model.norm.weight"] = (h,)
+    if not shape.tie_word_embeddings:
+        shapes["lm_head.weight"] = (shape.vocab_size, h)
+    return shapes
+
+
 def random_hf_state_dict(shape: ModelShape, seed: int = 0, logit_std: float = 4.0) -> dict[str, torch.Tensor]:
     """A random BF16 HF state dict whose next-token distributions are far from uniform.
 
@@ -43,35 +71,35 @@ def random_hf_state_dict(shape: ModelShape, seed: int = 0, logit_std: float = 4.
     """
     g = torch.Generator().manual_seed(seed)
 
-    def randn(*size: int, std: float) -> torch.Tensor:
+    def draw(name: str, size: tuple[int, ...]) -> torch.Tensor:
+        if len(size) == 1 and not name.endswith(".bias"):  # a norm's weight, around 1
+            return (1.0 + 0.1 * torch.randn(*size, generator=g)).to(torch.bfloat16)
+        if name == "model.embed_tokens.weight":
+            std = 1.0
+        elif name == "lm_head.weight":
+            std = logit_std * shape.hidden_size ** -0.5
+        elif name.endswith(".bias"):
+            std = 0.1
+        else:  # a projection: variance-preserving
+            std = size[1] ** -0.5
         return (torch.randn(*size, generator=g) * std).to(torch.bfloat16)
 
-    def norm_weight(n: int) -> torch.Tensor:
-        return (1.0 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
+    return {name: draw(name, size) for name, size in hf_tensor_shapes(shape).items()}
 
-    h, hd = shape.hidden_size, shape.head_dim
-    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(shape.vocab_size, h, std=1.0)}
-    out_sizes = {"self_attn.q_proj": shape.q_size, "self_attn.k_proj": shape.kv_size, "self_attn.v_proj": shape.kv_size,
-                 "self_attn.o_proj": h, "mlp.gate_proj": shape.ffn_hidden_size, "mlp.up_proj": shape.ffn_hidden_size,
-                 "mlp.down_proj": h}
-    in_sizes = {"self_attn.o_proj": shape.q_size, "mlp.down_proj": shape.ffn_hidden_size}
-    for i in range(shape.num_layers):
-        pre = f"model.layers.{i}."
-        sd[pre + "input_layernorm.weight"] = norm_weight(h)
-        sd[pre + "post_attention_layernorm.weight"] = norm_weight(h)
-        if shape.qk_norm:
-            sd[pre + "self_attn.q_norm.weight"] = norm_weight(hd)
-            sd[pre + "self_attn.k_norm.weight"] = norm_weight(hd)
-        for proj in LINEAR_PROJS:
-            fan_in = in_sizes.get(proj, h)
-            sd[pre + proj + ".weight"] = randn(out_sizes[proj], fan_in, std=fan_in ** -0.5)
-        if shape.qkv_bias:
-            for proj in ("q_proj", "k_proj", "v_proj"):
-                sd[pre + f"self_attn.{proj}.bias"] = randn(out_sizes["self_attn." + proj], std=0.1)
-    sd["model.norm.weight"] = norm_weight(h)
-    if not shape.tie_word_embeddings:
-        sd["lm_head.weight"] = randn(shape.vocab_size, h, std=logit_std * h ** -0.5)
-    return sd
+
+def checkpoint_spec_for(shape: ModelShape, recipe: Fp8Recipe | None) -> dict[str, TensorSpec]:
+    """Names, dtypes and shapes of the model directory :func:`write_tiny_model_dir` (or a trainer) writes for
+    ``shape``: BF16, or with ``recipe`` the canonical FP8 form (each FP8 weight with its FP32 128x128 block scales).
+    What an engine started without reading weights (``load_format: dummy``) accepts from its first refit."""
+    fp8 = set(fp8_weight_names(shape, recipe)) if recipe is not None else set()
+    spec: dict[str, TensorSpec] = {}
+    for name, size in hf_tensor_shapes(shape).items():
+        if name in fp8:
+            spec[name] = TensorSpec(FP8_DTYPE, size)
+            spec[name + SCALE_SUFFIX] = TensorSpec(torch.float32, tuple(-(-d // BLOCK) for d in size))
+        else:
+            spec[name] = TensorSpec(torch.bfloat16, size)
+    return spec
 
 
 def quantize_state_dict(sd: Mapping[str, torch.Tensor], shape: ModelShape, recipe: Fp8Recipe
@@ -96,14 +124,21 @@ def hf_config_for(shape: ModelShape, recipe: Fp8Recipe | None, quant_method: str
     return cfg
 
 
-def write_model_dir(path: str | os.PathLike, config: Mapping, state_dict: Mapping[str, torch.Tensor]) -> str:
-    """Write config.json + model.safetensors into `path` (each via a temp file and an atomic rename)."""
+def write_config(path: str | os.PathLike, config: Mapping) -> str:
+    """Write config.json into `path` (via a temp file and an atomic rename): all a directory needs for an engine that
+    starts without reading weights (``load_format: dummy``)."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path, suffix=".json.tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(dict(config), f, indent=2)
     os.replace(tmp, os.path.join(path, "config.json"))
+    return path
+
+
+def write_model_dir(path: str | os.PathLike, config: Mapping, state_dict: Mapping[str, torch.Tensor]) -> str:
+    """Write config.json + model.safetensors into `path` (each via a temp file and an atomic rename)."""
+    path = write_config(path, config)
     fd, tmp = tempfile.mkstemp(dir=path, suffix=".safetensors.tmp")
     os.close(fd)
     save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp, metadata={"format": "pt"})
