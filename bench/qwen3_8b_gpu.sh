@@ -96,7 +96,7 @@ case $mode in
   grpo)
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     arm=${ARM:?ARM} len=${LEN:-1024} steps=${STEPS:-3}
-    # the run directory holds the engine's start-up model (16 GB of BF16 safetensors): on disk, not in a tmpfs
+    # the run directory (logs, the profile; the engine starts from config.json alone): on disk, not in a tmpfs
     base=/tmp; [ "$(stat -f -c %T /tmp)" = tmpfs ] && base=$PWD/..
     dir=$base/r8b/len${len}_$arm; rm -rf "$dir"; mkdir -p "$dir"
     kv=$(( (len <= 1024 ? 20 : 80) * 1073741824 ))

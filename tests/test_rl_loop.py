@@ -110,8 +110,13 @@ def test_jetrl_e2e_served_bytes_and_resume(tmp_path):
 
 @pytest.mark.parametrize("arm", ["bf16", "bf16_train_fp8_rollout", "fake_quant"])
 def test_other_arms_e2e(tmp_path, arm):
-    rows = _run(tmp_path, *arm_overrides(arm), "grpo.max_num_steps=2")
+    # one arm starts its engine the old way: from a BF16 checkpoint of the policy (engine_load_format auto)
+    auto = arm == "bf16_train_fp8_rollout"
+    rows = _run(tmp_path, *arm_overrides(arm), "grpo.max_num_steps=2",
+                *(["policy.jet_rl.engine_load_format=auto"] if auto else []))
     _check_schema(rows, 2)
+    written = sorted(p.name for p in (tmp_path / "model_init_engine0").iterdir())
+    assert written == (["config.json", "model.safetensors"] if auto else ["config.json"])
     assert all("refit/served_fp8_equal" not in r for r in rows)
     # the BF16 model weights stay where they are: the copy program compiled at the first refit is replayed
     assert all(r["refit/rebuilt"] == 0.0 for r in rows)

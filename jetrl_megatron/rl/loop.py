@@ -326,17 +326,19 @@ def start_rollout(cfg: RunConfig, trainer: Trainer, task, stream: PromptStream, 
                   startup: StepMeter | None = None) -> Rollout:
     """One engine per rollout-TP group, started without weights from the policy's config.json (written by each
     engine's first rank to its own ``model_dir``; vLLM's ``load_format: dummy``, as NeMo-RL starts its training
-    engines), then filled by an in-place refit with the trainer's own bytes, which writes every tensor the engine
-    serves: this rank is vLLM rank (rank % rollout TP) of engine (rank // rollout TP). Colocated memory: the DDP grad
-    buffers are held only during policy updates, not while the engine starts, nor during the logprob pass, refit or
-    rollout; `jetrl plan` reads the same setting. ``startup``: timed stages ``engine_start`` (the config included)
-    and ``first_refit``."""
+    engines; ``policy.jet_rl.engine_load_format: auto`` writes and loads a BF16 checkpoint instead), then filled by
+    an in-place refit with the trainer's own bytes, which writes every tensor the engine serves: this rank is vLLM
+    rank (rank % rollout TP) of engine (rank // rollout TP). Colocated memory: the DDP grad buffers are held only
+    during policy updates, not while the engine starts, nor during the logprob pass, refit or rollout; `jetrl plan`
+    reads the same setting. ``startup``: timed stages ``engine_start`` (what it reads included) and ``first_refit``."""
     startup = startup or StepMeter()
     release_grads = trainer_settings(cfg).release_grad_buffers
     if release_grads:
         release_grad_buffers(trainer.model)
+    load_format = cfg.policy.jet_rl.engine_load_format
     with startup.time("engine_start"):
-        engine = start_engine(cfg, write_engine_config(cfg, trainer, model_dir), load_format="dummy")
+        written = (write_engine_config if load_format == "dummy" else write_model_dir)(cfg, trainer, model_dir)
+        engine = start_engine(cfg, written, load_format=load_format)
     rollout_tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size
     source = RefitSource(trainer, rollout_tp, budget_bytes(cfg.policy.refit_buffer_size_gb))
     with startup.time("first_refit"):

@@ -288,6 +288,10 @@ class JetRlCfg:
     # cache freed) or 2 (weights discarded too: no host copy, no copies at sleep and wake; the in-place refit
     # rewrites every parameter before the next rollout, which a GPU test checks; off until measured)
     engine_sleep_level: int = key(1, allowed=(1, 2))
+    # how the GRPO loop's engines get their first weights: "dummy" = vLLM reads none (config.json only) and the first
+    # in-place refit writes every tensor, as NeMo-RL starts its training engines; "auto" = from a BF16 checkpoint of
+    # the policy written at start-up (16 GB at 8B, plus an FP8 copy for the FP8 arms), as before 2026-12-05
+    engine_load_format: str = key("dummy", allowed=("dummy", "auto"))
     fp8_reference_quant: bool = False  # quantize CUDA tensors with the torch reference instead of Triton
     verify_served_fp8: bool | None = None  # compare vLLM's FP8 weights with the trainer's each step (None: CPU)
     batch_invariant: bool = key(False, recipe="batch_invariant")
