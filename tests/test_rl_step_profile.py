@@ -84,6 +84,23 @@ def test_the_window_records_the_chosen_phases_and_their_first_micro_batches(tmp_
     assert report["recorded"]["update"] in (tmp_path / "profile_step1.md").read_text()
 
 
+def test_a_profiler_that_cannot_pause_records_the_whole_step_and_says_so(tmp_path, monkeypatch):
+    from torch.profiler import profile
+
+    def refuse(self, enable, activities):
+        raise RuntimeError("collection toggling not supported")
+
+    monkeypatch.setattr(profile, "toggle_collection_dynamic", refuse)
+    prof = StepProfile(1, tmp_path, top=100, micro_batches=1)
+    with pytest.warns(UserWarning, match="could not pause its collection"), prof.around(1):
+        _step(prof, 3)
+    report = json.loads((tmp_path / "profile_step1.json").read_text())
+    seen = {r["name"] for r in report["ranges"] + report["top"]}
+    assert {"rollout_after", "update_mb2", "refit_after"} <= seen
+    assert report["recorded"]["update"] == ("update: whole (the profiler could not pause: collection toggling not "
+                                            "supported)")
+
+
 def test_outside_the_profiled_step_the_calls_do_nothing(tmp_path):
     prof = StepProfile(2, tmp_path, micro_batches=1)
     with prof.around(1):

@@ -15,6 +15,7 @@ the phases' wall times are recorded whole."""
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ class StepProfile:
         self._acts: list[ProfilerActivity] = []
         self._recording = False
         self._phase: str | None = None
+        self.window_failed: str | None = None  # why the profiler could not pause (then it records everything)
 
     @contextmanager
     def around(self, step: int) -> Iterator[None]:
@@ -137,11 +139,17 @@ class StepProfile:
 
     def _record(self, on: bool) -> None:
         """Turn the profiler's collection on or off; the GPU's queued work first lands on the side it was issued."""
-        if self._prof is None or on == self._recording:
+        if self._prof is None or on == self._recording or self.window_failed:
             return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self._prof.toggle_collection_dynamic(on, self._acts)
+        try:
+            self._prof.toggle_collection_dynamic(on, self._acts)
+        except (RuntimeError, AttributeError) as err:  # a profiler build without it: record everything, go on
+            self.window_failed = str(err) or type(err).__name__
+            warnings.warn(f"step profile: the profiler could not pause its collection ({self.window_failed}); the "
+                          "whole step is recorded", stacklevel=2)
+            return
         self._recording = on
 
     def table(self, averages, cuda: bool) -> dict:
@@ -158,6 +166,9 @@ class StepProfile:
         total = sum(r[key] for r in ops)
         recorded = {name: self.windows[name].describe(name) if name in self.windows else f"{name}: did not run"
                     for name in PHASES}
+        if self.window_failed:
+            recorded = {name: f"{name}: whole (the profiler could not pause: {self.window_failed})"
+                        for name in PHASES}
         return {"step": self.step, "device": "cuda" if cuda else "cpu", "sorted_by": key, "total_self_ms": total,
                 "recorded": recorded, "ranges": ranges, "top": ops[: self.top]}
 
