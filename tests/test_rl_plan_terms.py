@@ -88,3 +88,24 @@ def test_qwen3_8b_estimate_within_15_percent_of_the_measured_peak(phase):
     m = _estimate("jetrl")
     planned = m[{"update": "train_phase_total"}.get(phase, f"{phase}_phase_total")]
     assert planned <= measured and planned >= 0.85 * measured, (phase, planned, measured)
+
+
+@pytest.mark.parametrize("extra, want", [
+    ((), "false fits this GPU too"),
+    (("policy.train_micro_batch_size=16",), "needed here"),
+    (("policy.megatron_cfg.activation_checkpointing=false",), "false; true would peak at"),
+])
+def test_plan_says_whether_the_run_fits_the_other_way_of_activation_checkpointing(extra, want):
+    """The recompute line: at 1K tokens x 4 rows the 8B run fits one H200 without recompute (the recipe's default
+    recomputes); at 16 rows it does not; a run without it is told its peak with it. The peak quoted is the plan's
+    own estimate of the other setting."""
+    from jetrl_megatron.rl.tools.run_plan import GPU_UNCOUNTED_GIB, gpu_peak, plan_report
+
+    cfg = load_config("qwen3_8b_1gpu", [*RUN, *extra])
+    other = load_config("qwen3_8b_1gpu", [*RUN, *extra, "policy.megatron_cfg.activation_checkpointing="
+                                          f"{str(not cfg.policy.megatron_cfg.activation_checkpointing).lower()}"])
+    peak = gpu_peak(memory_estimate(other, model_shape(other), parallel_layout(other), 139.0))
+    text, _ = plan_report(cfg, 139.0, show_config=False)
+    line = next(x.strip() for x in text.splitlines() if x.strip().startswith("activation_checkpointing: "))
+    assert want in line and f"{peak:.1f} GiB" in line, line
+    assert (peak + GPU_UNCOUNTED_GIB <= 139.0) == (want != "needed here")

@@ -483,6 +483,7 @@ def plan_report(cfg: RunConfig, gpu_mem_gib: float | None = None, show_config: b
                          + host_headroom_note(mem["host_per_node"], host_mem_gib, per_node_processes(cfg, layout)))
         if settings.optimizer.optimizer_cpu_offload:
             lines.append("  " + describe_offload_choice(cfg, shape, layout, gpu_mem_gib, host_mem_gib))
+        lines.append("  " + describe_recompute_choice(cfg, shape, layout, gpu_mem_gib))
     return "\n".join(lines), ok
 
 
@@ -531,6 +532,26 @@ def describe_offload_choice(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: 
     upper = "" if hi is None or host_mem_gib is None else f" up to {hi:g}"
     return (f"optimizer_offload_fraction: {lo:g}{upper} fits this GPU ({spare}){host} (now {now:g}); the smallest "
             "steps the least Adam on the host CPUs, the fastest step")
+
+
+def describe_recompute_choice(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float) -> str:
+    """One line for `jetrl plan`: whether the run fits this GPU with ``activation_checkpointing`` the other way. Why:
+    full recompute runs every layer's forward twice per micro-batch in the update; where memory allows none is
+    needed, and the jetrl arm's FP8 saved inputs make that true at longer micro-batches than BF16."""
+    import copy
+
+    now = cfg.policy.megatron_cfg.activation_checkpointing
+    trial = copy.deepcopy(cfg)
+    trial.policy.megatron_cfg.activation_checkpointing = not now
+    peak = gpu_peak(memory_estimate(trial, shape, layout, gpu_mem_gib))
+    fits = peak + GPU_UNCOUNTED_GIB <= gpu_mem_gib
+    spare = f"with {GPU_UNCOUNTED_GIB:g} GiB to spare"
+    if now:
+        return (f"activation_checkpointing: false fits this GPU too (peak {peak:.1f} GiB {spare}): the update would "
+                "skip the recompute (one layer forward per micro-batch fewer)" if fits else
+                f"activation_checkpointing: needed here (false peaks at {peak:.1f} GiB)")
+    return (f"activation_checkpointing: false; true would peak at {peak:.1f} GiB (for longer sequences or larger "
+            "micro-batches)")
 
 
 # What each GPU process holds on the host beyond the counted terms (Python, torch, CUDA and vLLM libraries, the
