@@ -118,11 +118,12 @@ case $mode in
     [ "${LAYER:-0}" = 1 ] && layer_cost ;;
   vtests)  # issue 26's GPU tests alone: vLLM's own CUDA ops, trainer == engine decode/prefill, the decode-matched trainer,
     # the batch-invariant norms (one launch, FP8 forms), the engine's sleep / wake / refit, the loop's phase memory
-    # (cache release order, cache breakdown); VTESTS=-k-expression narrows
+    # (cache release order, cache breakdown), the in-place refit (an engine started without weights); VTESTS=-k-expression
+    # narrows
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     timeout "${RUN_LIMIT:-300}" python3 -m pytest -v -s -p no:cacheprovider -m gpu -rs --durations=10 \
       ${VTESTS:+-k "$VTESTS"} tests/test_rollout_invariant_norm.py tests/test_vllm_cuda_gpu.py tests/test_rollout_gpu.py \
-      tests/test_rl_phase_memory.py \
+      tests/test_rl_phase_memory.py tests/test_rollout_refit_inplace.py \
       > "$out/vllm_cuda_tests.log" 2>&1
     echo "vllm_cuda tests rc $?"; grep -E "PASSED|FAILED|SKIPPED|ERROR|bit-identical|passed|failed|Error" \
       "$out/vllm_cuda_tests.log" | tail -20 ;;

@@ -98,37 +98,60 @@ def test_inplace_refit_equals_full_reload(tmp_path, arm):
         engine.shutdown()
 
 
+def _served_after_first_refit(tmp_path, arm: str, recipe: Fp8Recipe, cuda: bool = False, **engine_kw):
+    """For each start ("checkpoint": from the written BF16 directory, as the loop did before; "dummy": config.json
+    alone): the live tensors, scores and samples after one in-place refit of the same trainer shards."""
+    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
+    from jetrl_megatron.rollout.model_dir import hf_config_for, write_config
+
+    src = megatron_from_canonical(_trainer_weights(arm, seed=1), SHAPE, tp=2)
+    if cuda:
+        src.states = {k: {n: t.cuda() for n, t in st.items()} for k, st in src.states.items()}
+    served = {}
+    for start in ("checkpoint", "dummy"):
+        if start == "checkpoint":  # the trainer's BF16 weights were written (another policy here)
+            d = write_tiny_model_dir(tmp_path / start, seed=0)
+        else:
+            d = write_config(tmp_path / start, hf_config_for(SHAPE, None))
+        with deadline(300, f"{arm} {start} engine start"):
+            engine = RolloutEngine(RolloutConfig(model_dir=d, recipe=recipe, seed=0, **engine_kw,
+                                                 load_format="auto" if start == "checkpoint" else "dummy"))
+        try:
+            with deadline(180, f"{arm} {start}"):
+                report = engine.refit_from_shards(src, rank=0)
+                assert report.num_bytes > 0 and (report.verified or cuda)
+                served[start] = (_snapshot(engine), engine.score(SEQS),
+                                 [(x.token_ids, x.logprobs) for x in engine.generate(SEQS, n=2, max_tokens=6, seed=3)])
+        finally:
+            engine.shutdown()
+    return served
+
+
+def _assert_same_service(served) -> None:
+    (live_c, scores_c, samples_c), (live_d, scores_d, samples_d) = served["checkpoint"], served["dummy"]
+    assert set(live_c) == set(live_d)
+    assert all(_same_bytes(live_d[n], t) for n, t in live_c.items())
+    assert scores_d == scores_c and samples_d == samples_c
+
+
 @pytest.mark.parametrize("arm", ["jetrl", "bf16_train_fp8_rollout", "bf16"])
 def test_an_engine_started_without_weights_serves_the_first_refit_exactly(tmp_path, arm):
     """load_format dummy (how the GRPO loop starts its engines, as NeMo-RL does): from config.json alone, vLLM's random
     values until the first in-place refit, after which the engine serves what an engine started from the written
     BF16 directory serves after the same refit, byte for byte (live tensors, scores, samples). A tensor the refit did
     not reach would keep a random value and show here."""
-    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
-    from jetrl_megatron.rollout.model_dir import hf_config_for, write_config
+    _assert_same_service(_served_after_first_refit(tmp_path, arm, _recipe(arm)))
 
-    src = megatron_from_canonical(_trainer_weights(arm, seed=1), SHAPE, tp=2)
-    served = {}
-    for start in ("checkpoint", "dummy"):
-        if start == "checkpoint":  # what the loop wrote before: the trainer's BF16 weights (another policy here)
-            d = write_tiny_model_dir(tmp_path / start, seed=0)
-        else:
-            d = write_config(tmp_path / start, hf_config_for(SHAPE, None))
-        with deadline(240, f"{arm} {start} engine start"):
-            engine = RolloutEngine(RolloutConfig(model_dir=d, recipe=_recipe(arm), seed=0,
-                                                 load_format="auto" if start == "checkpoint" else "dummy"))
-        try:
-            with deadline(180, f"{arm} {start}"):
-                report = engine.refit_from_shards(src, rank=0)
-                assert report.verified and report.num_bytes > 0
-                served[start] = (_snapshot(engine), engine.score(SEQS),
-                                 [(x.token_ids, x.logprobs) for x in engine.generate(SEQS, n=2, max_tokens=6, seed=3)])
-        finally:
-            engine.shutdown()
-    (live_c, scores_c, samples_c), (live_d, scores_d, samples_d) = served["checkpoint"], served["dummy"]
-    assert set(live_c) == set(live_d)
-    assert all(_same_bytes(live_d[n], t) for n, t in live_c.items())
-    assert scores_d == scores_c and samples_d == samples_c
+
+@pytest.mark.gpu
+@pytest.mark.own_process
+@pytest.mark.parametrize("arm", ["jetrl", "bf16"])
+def test_a_cuda_engine_started_without_weights_serves_the_first_refit_exactly(tmp_path, arm):
+    """The same on GPU vLLM (CUDA graphs, sleep mode on, the trainer's shards on the GPU): its dummy values, its
+    CUDA-graph capture on them and the first refit leave nothing of the dummy start in what it serves."""
+    recipe = dataclasses.replace(_recipe(arm), gemm_backend="cublas")  # no cold DeepGEMM compiles in this test
+    _assert_same_service(_served_after_first_refit(tmp_path, arm, recipe, cuda=True, gpu_memory_utilization=0.2,
+                                                   max_model_len=64, enable_sleep_mode=True, enforce_eager=False))
 
 
 def test_an_unknown_load_format_is_refused_by_name(tmp_path):
