@@ -1,7 +1,7 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse|round OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse|te|round OUT_DIR
 #   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
 #           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
 #   stage1, stage2  copy .vc/p1, .vc/p2 (one 44 MiB part per call: a call takes at most 64 MiB with the tree) for a
@@ -32,9 +32,12 @@
 #           swiglu_fp8_forms: forward + fc2 input; `decode` compares that kernel with vLLM's silu_and_mul): their tests,
 #           bench/kernels_bench.py's swiglu section, the Qwen3-8B layer fwd+bwd with each fusion off and on
 #           (GRAPH=1: also each arm with the layer captured as CUDA graphs, issue 29 item 3)
+#   te      issue 29 item 5, like for like with TransformerEngine's blockwise-FP8 guide: the layer at hidden 4096,
+#           FFN 16384, 15,872 tokens, and the Qwen3-8B layer at 16,384 tokens, each with --profile: the GEMM +
+#           quantization ratio next to TE's 1.40x (needs the bundle for DeepGEMM)
 #   round   ROUND="mode ..." runs those modes one after another in this call (each into OUT_DIR/<mode>)
 set -uo pipefail
-mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse|round}
+mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse|te|round}
 out=${2:?OUT_DIR}
 mkdir -p /tmp/vc "$out"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -161,6 +164,15 @@ case $mode in
     done
     (cd /tmp/exact150m && find . -path '*/model*' -prune -o -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' \
       -o -name '*.log' -o -name 'config.yaml' \) -print0 | tar czf "$out/exact150m.tgz" --null -T -) ;;
+  te)  # issue 29 item 5: TransformerEngine's guide shape and the Qwen3-8B layer, GEMM + quantization vs BF16 GEMM
+    wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
+    for shape in "te 15872 16384" "qwen3_8b 16384 12288"; do
+      read -r tag seq ffn <<<"$shape"
+      timeout "${RUN_LIMIT:-240}" python3 bench/megatron_layer_bench.py --seq "$seq" --ffn "$ffn" --iters 20 \
+        --warmup 5 --backends auto --lean-swiglu --elementwise triton --profile --out "$out/layer_$tag" \
+        > "$out/layer_$tag.log" 2>&1
+      echo "layer $tag rc $?"; grep -E "^\| (bf16|jetrl) \||^\| jetrl / |TransformerEngine" "$out/layer_$tag.log" | head -8
+    done ;;
   fuse)  # issue 29 item 2: the fused SwiGLU backward + fc1 dY FP8 quantization, its GPU tests, kernel and layer cost
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_megatron_swiglu_fp8.py \
@@ -178,7 +190,7 @@ case $mode in
       [ "$m" = round ] && { echo "round: a round cannot hold itself" >&2; exit 2; }
       echo "== round: $m ($(date +%T))"; PACK_DG=0 bash "$0" "$m" "$out/$m"
     done ;;
-  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse|round OUT_DIR" >&2
+  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse|te|round OUT_DIR" >&2
      exit 2 ;;
 esac
 # PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz, and

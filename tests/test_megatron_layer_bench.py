@@ -50,3 +50,21 @@ def test_cuda_graph_needs_cuda(tmp_path):
     proc = _run(["--cuda-graph"], tmp_path)
     assert proc.returncode == 2 and "--cuda-graph needs CUDA" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "megatron_layer_bench.json").exists()
+
+
+def test_another_ffn_size_and_the_gemm_plus_quantization_ratio(tmp_path):
+    """``--ffn`` (TransformerEngine's guide shape: FFN 16384 at hidden 4096) reaches the layer, and ``--profile``
+    reports each FP8 arm's GEMM + quantization time against the BF16 arm's GEMM time."""
+    pytest.importorskip("megatron.core")
+    proc = _run(["--ffn", "384", "--profile"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "megatron_layer_bench.json").read_text())
+    assert out["info"]["shape"]["ffn_hidden_size"] == 384
+    (ratio,) = out["info"]["gemm_plus_quant_speedup"]
+    prof = {p["arm"]: p["groups"] for p in out["profiles"]}
+    bf16 = next(g for a, g in prof.items() if a.startswith("bf16 "))
+    fp8 = prof[ratio["arm"]]
+    assert ratio["bf16_gemm_ms"] == bf16["gemm"] > 0
+    assert ratio["fp8_gemm_quant_ms"] == pytest.approx(fp8.get("gemm", 0) + fp8.get("fp8 quant", 0))
+    assert ratio["speedup"] == pytest.approx(ratio["bf16_gemm_ms"] / ratio["fp8_gemm_quant_ms"])
+    assert "TransformerEngine's blockwise FP8 on an H200: 1.40x" in (tmp_path / "megatron_layer_bench.md").read_text()
