@@ -132,7 +132,10 @@ def _run_module(module: str, argv: list[str], env: dict[str, str], start_env: di
 
 
 def _send_start_environ(conn: Connection) -> None:
-    conn.send(_ENV_AT_IMPORT)
+    """The server's start environment, and whether its imports initialized CUDA (a child forked from it then cannot
+    use the GPU: torch refuses to initialize CUDA again in a forked process)."""
+    torch = sys.modules.get("torch")
+    conn.send((_ENV_AT_IMPORT, bool(torch is not None and torch.cuda.is_initialized())))
     conn.close()
 
 
@@ -190,14 +193,24 @@ class WarmLauncher:
         started by another user of the forkserver without this module first in its preload reports its environment
         after its imports: requests then differ from it and run as plain subprocesses."""
         if self._start_env is None and self.broken is None:
+            import torch
+
+            if torch.cuda.is_available():  # GPU runs start cold: what forking saves is CPU import time on small boxes
+                self.broken = ("this machine has CUDA: runs start as plain subprocesses (a child forked from a server "
+                               "that imported the CUDA libraries would share their state)")
+                return None
             try:
                 multiprocessing.set_forkserver_preload(self._preload or default_preload())
                 receive, send = self._ctx.Pipe(duplex=False)
                 probe = self._ctx.Process(target=_send_start_environ, args=(send,), name="jetrl-warm-probe")
                 probe.start()
                 send.close()
-                self._start_env = receive.recv()
+                start_env, cuda_initialized = receive.recv()
                 probe.join()
+                if cuda_initialized:
+                    self.broken = "the server's imports initialized CUDA: a forked child could not use the GPU"
+                else:
+                    self._start_env = start_env
             except Exception as e:  # noqa: BLE001 - any failure to start means: run plain subprocesses
                 self.broken = f"{type(e).__name__}: {e}"
         return self._start_env

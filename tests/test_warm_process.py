@@ -105,3 +105,30 @@ def test_child_env_keeps_what_imports_set_and_applies_the_request(monkeypatch):
         monkeypatch.setenv(k, v)
     warm_process._apply_env(start, {"A": "1", "JETRL_X": "4"})
     assert dict(os.environ) == {"A": "1", "IMPORTED": "by-vllm", "JETRL_X": "4"}
+
+
+_CHILD = """
+import sys, torch
+from jetrl_megatron.warm_process import WarmLauncher
+if sys.argv[1] == "cuda_machine":
+    torch.cuda.is_available = lambda: True
+    launcher = WarmLauncher()
+else:
+    launcher = WarmLauncher(["jetrl_megatron.warm_process", "torch", "warm_fake_cuda_init"])
+done, warm = launcher.run("warm_probe", ["0"], cwd=sys.argv[2])
+print("warm", warm, "rc", done.returncode, "preloaded" , "preloaded=True" in done.stdout)
+print("why", launcher.broken)
+"""
+
+
+@pytest.mark.parametrize("case, why", [("cuda_machine", "this machine has CUDA"),
+                                       ("server_touched_cuda", "the server's imports initialized CUDA")])
+def test_runs_start_cold_where_a_forked_child_could_not_use_the_gpu(case, why):
+    """On a CUDA machine every run starts as a plain subprocess; and a server whose imports initialized CUDA is never
+    used (torch refuses CUDA in a child forked from it: 'Cannot re-initialize CUDA in forked subprocess', as a GPU
+    `jetrl compare` hit on 2026-12-05). Each case in a fresh process: it owns its forkserver."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    r = subprocess.run([sys.executable, "-c", _CHILD, case, str(TESTS)], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "warm False rc 0 preloaded False" in r.stdout and f"why {why}" in r.stdout, r.stdout
