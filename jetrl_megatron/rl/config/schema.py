@@ -286,7 +286,8 @@ class JetRlCfg:
     swiglu_fp8_forms: bool = False
     # colocated GPU engines sleep through the trainer's phases at vLLM's level 1 (weights backed up on the host, KV
     # cache freed) or 2 (weights discarded too: no host copy, no copies at sleep and wake; the in-place refit
-    # rewrites every parameter before the next rollout, which a GPU test checks; off until measured)
+    # rewrites every parameter before the next rollout, which a GPU test checks (passed on an H100); 1 until the
+    # loop is measured with 2)
     engine_sleep_level: int = key(1, allowed=(1, 2))
     # how the GRPO loop's engines get their first weights: "dummy" = vLLM reads none (config.json only) and the first
     # in-place refit writes every tensor, as NeMo-RL starts its training engines; "auto" = from a BF16 checkpoint of
