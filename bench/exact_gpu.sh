@@ -32,7 +32,7 @@ case $mode in
   check)
     install > "$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-    timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_vllm_cuda_gpu.py -k "not bit_for_bit" \
+    timeout -s INT -k 30 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_vllm_cuda_gpu.py -k "not bit_for_bit" \
       > "$out/ops_tests.log" 2>&1; tail -15 "$out/ops_tests.log"
     timeout 240 python3 bench/vllm_cuda_exact.py --preset tiny --arms jetrl bf16 --out "$out/exact_tiny.json" \
       > "$out/exact_tiny.log" 2>&1; tail -60 "$out/exact_tiny.log"
@@ -60,11 +60,11 @@ case $mode in
     echo "probe rc $?"; grep -v "INFO\|WARNING\|warn" "$out/exact_probe.log" | tail -70 ;;
   tests)
     install > "$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }
-    timeout "${RUN_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_vllm_cuda_gpu.py "$@" \
+    timeout -s INT -k 30 "${RUN_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_vllm_cuda_gpu.py "$@" \
       > "$out/vllm_cuda_tests.log" 2>&1; echo "tests rc $?"; tail -15 "$out/vllm_cuda_tests.log" ;;
   suite)  # what `make test-gpu` runs, as one pytest process
     install > "$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }
-    timeout "${RUN_LIMIT:-400}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests > "$out/test_gpu.log" 2>&1
+    timeout -s INT -k 30 "${RUN_LIMIT:-400}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests > "$out/test_gpu.log" 2>&1
     echo "suite rc $?"; grep -E "passed|failed|FAILED|SKIPPED|Error" "$out/test_gpu.log" | tail -15 ;;
   layer)  # the Qwen3-8B layer fwd+bwd: today's CUDA numerics (bf16 attention, Triton element-wise) vs vLLM's ops
     install > "$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }

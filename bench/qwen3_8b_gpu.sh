@@ -36,6 +36,8 @@
 #           FFN 16384, 15,872 tokens, and the Qwen3-8B layer at 16,384 tokens, each with --profile: the GEMM +
 #           quantization ratio next to TE's 1.40x (needs the bundle for DeepGEMM)
 #   round   ROUND="mode ..." runs those modes one after another in this call (each into OUT_DIR/<mode>)
+# pytest runs under `timeout -s INT`: at its limit pytest is interrupted, not killed, and still prints which tests
+# failed and why (a killed run's log ended mid-test on 2026-12-05 with one failure and no message)
 set -uo pipefail
 mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|fuse|te|round}
 out=${2:?OUT_DIR}
@@ -76,7 +78,7 @@ case $mode in
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; free -g; df -h /tmp "$PWD";
       python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } | tee "$out/machine.txt"
     [ "${TESTS:-1}" = 0 ] && exit 0
-    timeout "${RUN_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_fp8_kernels_gpu.py \
+    timeout -s INT -k 30 "${RUN_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_fp8_kernels_gpu.py \
       tests/test_fp8_backends_gpu.py tests/test_megatron_triton_numerics.py tests/test_rl_phase_memory.py > "$out/tests_novllm.log" 2>&1
     echo "tests rc $?"; grep -E "passed|failed|FAILED|SKIPPED|Error" "$out/tests_novllm.log" | tail -15 ;;
   stage1|stage2) cp ".vc/p${mode#stage}"/* /tmp/vc/ && ls -l /tmp/vc ;;
@@ -93,7 +95,7 @@ case $mode in
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     timeout 200 python3 bench/gemm_m_invariance.py --presets qwen3-8b --backends deep_gemm cublas \
       --out "$out/gemm_m_invariance.json" > "$out/gemm_m.log" 2>&1; echo "m-invariance rc $?"; tail -4 "$out/gemm_m.log"
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_fp8_backends_gpu.py > "$out/backends.log" 2>&1
+    timeout -s INT -k 30 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_fp8_backends_gpu.py > "$out/backends.log" 2>&1
     echo "backends rc $?"; grep -E "passed|failed|FAILED|SKIPPED|Error" "$out/backends.log" | tail -8
     layer_cost ;;
   grpo)
@@ -124,7 +126,7 @@ case $mode in
     # (cache release order, cache breakdown), the in-place refit (an engine started without weights); VTESTS=-k-expression
     # narrows
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
-    timeout "${RUN_LIMIT:-300}" python3 -m pytest -v -s -p no:cacheprovider -m gpu -rs --durations=10 \
+    timeout -s INT -k 30 "${RUN_LIMIT:-300}" python3 -m pytest -v -s -p no:cacheprovider -m gpu -rs --durations=10 \
       ${VTESTS:+-k "$VTESTS"} tests/test_rollout_invariant_norm.py tests/test_vllm_cuda_gpu.py tests/test_rollout_gpu.py \
       tests/test_rl_phase_memory.py tests/test_rollout_refit_inplace.py \
       > "$out/vllm_cuda_tests.log" 2>&1
@@ -175,7 +177,7 @@ case $mode in
     done ;;
   fuse)  # issue 29 item 2: the fused SwiGLU backward + fc1 dY FP8 quantization, its GPU tests, kernel and layer cost
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_megatron_swiglu_fp8.py \
+    timeout -s INT -k 30 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_megatron_swiglu_fp8.py \
       tests/test_megatron_swiglu_fwd_forms.py > "$out/swiglu_tests.log" 2>&1
     echo "swiglu tests rc $?"; grep -E "passed|failed|FAILED|SKIPPED" "$out/swiglu_tests.log" | tail -6
     BENCH_SECTIONS=env,ceil,swiglu timeout 150 python3 bench/kernels_bench.py > "$out/kernels_swiglu.log" 2>&1
