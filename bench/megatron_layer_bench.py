@@ -269,12 +269,15 @@ def gemm_quant_ratios(profiles: list[dict]) -> list[dict]:
     """Per FP8 arm of a ``--profile`` run: the BF16 arm's GEMM kernel time over this arm's GEMM + FP8 quantization
     time (fused SwiGLU quantizers included), the ratio TransformerEngine's blockwise-FP8 GEMM guide reports for a
     layer's GEMMs (quantization included). Arms are matched to the BF16 arm of the same element-wise kernels."""
-    bf16 = {p["arm"].split(" / elementwise ")[-1].split(" / ")[0]: p for p in profiles if p["arm"].startswith("bf16 ")}
+    def elementwise(arm: str) -> str:  # "jetrl / auto / elementwise triton / ..." -> "triton"
+        return arm.split(" / elementwise ")[-1].split(" / ")[0]
+
+    bf16 = {elementwise(p["arm"]): p for p in profiles if p["arm"].startswith("bf16 ")}
     out = []
     for p in profiles:
         if p["arm"].startswith("bf16 "):
             continue
-        ref = bf16.get(p["arm"].split(" / elementwise ")[-1].split(" / ")[0])
+        ref = bf16.get(elementwise(p["arm"]))
         if ref is None:
             continue
         g = p["groups"]

@@ -66,7 +66,6 @@ from jetrl_megatron.rl.trainer import (
     policy_update,
     reference_logprobs,
     sft_warmstart,
-    write_engine_config,
     write_model_dir,
 )
 
@@ -337,7 +336,7 @@ def start_rollout(cfg: RunConfig, trainer: Trainer, task, stream: PromptStream, 
         release_grad_buffers(trainer.model)
     load_format = cfg.policy.jet_rl.engine_load_format
     with startup.time("engine_start"):
-        written = (write_engine_config if load_format == "dummy" else write_model_dir)(cfg, trainer, model_dir)
+        written = write_model_dir(cfg, trainer, model_dir, weights=load_format == "auto")
         engine = start_engine(cfg, written, load_format=load_format)
     rollout_tp = cfg.policy.generation.vllm_cfg.tensor_parallel_size
     source = RefitSource(trainer, rollout_tp, budget_bytes(cfg.policy.refit_buffer_size_gb))

@@ -290,23 +290,16 @@ def per_token_loss(rank_loss: float) -> float:
     return float(dp_gather(x).mean())
 
 
-def write_model_dir(cfg: RunConfig, trainer: Trainer, path: Path, only_rank0: bool = False) -> str:
+def write_model_dir(cfg: RunConfig, trainer: Trainer, path: Path, only_rank0: bool = False,
+                    weights: bool = True) -> str:
     """A BF16 HF model directory of the current policy (collective). Written by every engine's first rank (each
-    passes its own path), or by global rank 0 only."""
-    sd = canonical_weights(bf16_view(trainer))
+    passes its own path), or by global rank 0 only. ``weights`` False: config.json alone, all an engine started
+    without weights reads (its first in-place refit writes every tensor)."""
+    sd = canonical_weights(bf16_view(trainer)) if weights else None
     writer = dist_rank() == 0 if only_rank0 else dist_rank() % cfg.policy.generation.vllm_cfg.tensor_parallel_size == 0
     if writer:
-        write_hf_model_dir(path, hf_config_for(trainer.shape, None), sd)
-    if dist_world() > 1:
-        torch_dist().barrier()
-    return str(path)
-
-
-def write_engine_config(cfg: RunConfig, trainer: Trainer, path: Path) -> str:
-    """config.json of the policy's architecture (collective): all an engine started without weights reads; its first
-    in-place refit writes every tensor. Written by every engine's first rank (each passes its own path)."""
-    if dist_rank() % cfg.policy.generation.vllm_cfg.tensor_parallel_size == 0:
-        write_config(path, hf_config_for(trainer.shape, None))
+        config = hf_config_for(trainer.shape, None)
+        write_hf_model_dir(path, config, sd) if sd is not None else write_config(path, config)
     if dist_world() > 1:
         torch_dist().barrier()
     return str(path)

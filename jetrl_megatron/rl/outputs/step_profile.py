@@ -121,10 +121,14 @@ class StepProfile:
             self._phase = None
             self._record(True)
 
+    def _recorded_window(self) -> PhaseWindow | None:
+        """The window of the phase now running, when it is being profiled and recorded."""
+        window = self.windows.get(self._phase) if self._prof is not None and self._phase else None
+        return window if window is not None and window.profiled else None
+
     def micro_batch(self, index: int) -> None:
         """A pass's micro-batch ``index`` begins: past the window, recording stops until the pass is done."""
-        window = self.windows.get(self._phase) if self._prof is not None and self._phase else None
-        if window is None or not window.profiled:
+        if (window := self._recorded_window()) is None:
             return
         window.micro_batches += 1
         if self.micro_batches and index >= self.micro_batches:
@@ -133,8 +137,7 @@ class StepProfile:
             window.recorded_micro_batches += 1
 
     def micro_batches_done(self) -> None:
-        window = self.windows.get(self._phase) if self._prof is not None and self._phase else None
-        if window is not None and window.profiled:
+        if self._recorded_window() is not None:
             self._record(True)
 
     def _record(self, on: bool) -> None:
