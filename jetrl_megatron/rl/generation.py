@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.rl.batch import (
     stop_ids,
 )
@@ -21,8 +22,9 @@ from jetrl_megatron.rl.dist import (
 )
 from jetrl_megatron.rl.stress_arms import rollout_stress
 from jetrl_megatron.rl.tasks import build_task, heldout_split
-from jetrl_megatron.rollout import invariant_norm, swiglu_forms
+from jetrl_megatron.rollout import invariant_norm, kv_waves, swiglu_forms
 from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
+from jetrl_megatron.rollout.model_dir import read_config
 
 
 def engine_groups(cfg: RunConfig) -> tuple[int, int]:
@@ -53,7 +55,12 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None, load_format: str =
         # TP > 1 needs this; at TP 1 every rank runs an independent engine.
         kwargs["distributed_executor_backend"] = "external_launcher"
     n_engines, _ = engine_groups(cfg)
-    seqs = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // n_engines
+    seqs = max(1, cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // n_engines)
+    kv_bytes = cfg.kv_cache_memory_bytes()
+    if kv_bytes is not None:  # run at most what the cache holds whole: vLLM never preempts (rollout/kv_waves.py)
+        shape = ModelShape.from_hf_config(read_config(model_dir))
+        seqs = max(1, min(seqs, kv_waves.sequences_without_preemption(
+            kv_bytes, shape, v.tensor_parallel_size, rollout_sequence_tokens(cfg))))
     sw = cfg.switches  # policy.jet_rl's switches, environment overrides applied at load
     return RolloutEngine(RolloutConfig(
         model_dir=model_dir, recipe=recipe or cfg.recipe, tensor_parallel_size=v.tensor_parallel_size,
@@ -61,10 +68,17 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None, load_format: str =
         reference_quant=sw.reference_quant, stress_format=None if recipe else rollout_stress(cfg),
         cuda_norms=cfg.policy.jet_rl.cuda_norms, swiglu_fp8_forms=cfg.policy.jet_rl.swiglu_fp8_forms,
         max_model_len=v.max_model_len,
-        kv_cache_memory_bytes=cfg.kv_cache_memory_bytes(),
-        gpu_memory_utilization=v.gpu_memory_utilization, max_num_seqs=max(1, seqs), seed=cfg.grpo.seed,
+        kv_cache_memory_bytes=kv_bytes,
+        gpu_memory_utilization=v.gpu_memory_utilization, max_num_seqs=seqs, seed=cfg.grpo.seed,
         enforce_eager=v.enforce_eager, enable_sleep_mode=torch.cuda.is_available() and
         cfg.policy.generation.colocated.enabled, in_process=True, load_format=load_format, llm_kwargs=kwargs))
+
+
+def rollout_sequence_tokens(cfg: RunConfig) -> int:
+    """The longest sequence a rollout makes: the longest prompt plus the new tokens, within vLLM's max_model_len."""
+    tokens = cfg.data.max_input_seq_length + cfg.policy.generation.max_new_tokens
+    max_len = cfg.policy.generation.vllm_cfg.max_model_len
+    return min(tokens, max_len) if max_len else tokens
 
 
 def _vllm_top_k(top_k: int | None) -> int:

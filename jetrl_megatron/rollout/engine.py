@@ -27,7 +27,7 @@ from jetrl_megatron.errors import UserError, one_line
 from jetrl_megatron.fp8.format import REFERENCE_QUANT_KEY
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
-from jetrl_megatron.rollout import invariant_norm, plugin, swiglu_forms, worker_ops
+from jetrl_megatron.rollout import invariant_norm, kv_waves, plugin, swiglu_forms, worker_ops
 from jetrl_megatron.rollout.model_dir import checkpoint_spec_for, quantize_model_dir, read_config
 from jetrl_megatron.rollout.refit import (
     InplaceRefit,
@@ -192,6 +192,8 @@ class RolloutEngine:
                      self.cpu_kernels["build"], self.cpu_kernels["attn_isa"])
         self._inplace: InplaceRefit | None = None
         self._inplace_key: tuple | None = None
+        self.last_waves = 0  # how many groups the last generate() submitted (kv_waves: no preemption)
+        self._waves_said = 1
         self.warmup_report: dict[str, float] | None = None
         if self.config.fp8_gemm_warmup and self.recipe.rollout_fp8:
             self.warmup_report = self.llm.collective_rpc("jetrl_warm_up_fp8")[0]
@@ -345,22 +347,44 @@ class RolloutEngine:
         """
         from vllm import SamplingParams
 
-        params = []
-        for i in range(len(prompts_token_ids)):
-            params.append(SamplingParams(
-                n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, logprobs=0,
-                detokenize=False,
-                seed=None if seed is None else seed + i * n, stop_token_ids=list(stop_token_ids or []),
-                ignore_eos=ignore_eos))
-        prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompts_token_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        prompts = [list(map(int, p)) for p in prompts_token_ids]
+        waves = self._waves([len(p) for p in prompts], n, max_tokens)
+        self.last_waves = len(waves)
         samples: list[Sample] = []
-        for i, out in enumerate(outputs):
-            for j, comp in enumerate(sorted(out.outputs, key=lambda c: c.index)):
-                toks = list(comp.token_ids)
-                lps = [step[t].logprob for step, t in zip(comp.logprobs, toks, strict=True)]
-                samples.append(Sample(i, j, list(prompts[i]["prompt_token_ids"]), toks, lps, comp.finish_reason))
+        for wave in waves:
+            # sample j of prompt i is child j - first of a request seeded seed + i*n + first: vLLM seeds child k of a
+            # request with seed + k, so every sample keeps seed + i*n + j however the batch is split
+            params = [SamplingParams(
+                n=count, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, logprobs=0,
+                detokenize=False, seed=None if seed is None else seed + i * n + first,
+                stop_token_ids=list(stop_token_ids or []), ignore_eos=ignore_eos) for i, first, count in wave]
+            outputs = self.llm.generate([{"prompt_token_ids": prompts[i]} for i, _, _ in wave], params, use_tqdm=False)
+            for (i, first, _), out in zip(wave, outputs, strict=True):
+                for comp in sorted(out.outputs, key=lambda c: c.index):
+                    toks = list(comp.token_ids)
+                    lps = [step[t].logprob for step, t in zip(comp.logprobs, toks, strict=True)]
+                    samples.append(Sample(i, first + comp.index, list(prompts[i]), toks, lps, comp.finish_reason))
+        samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
         return samples
+
+    def _waves(self, prompt_lengths: list[int], n: int, max_tokens: int) -> list[list[tuple[int, int, int]]]:
+        """The batch in groups that never make vLLM preempt (rollout/kv_waves.py); one group where the engine does not
+        report its KV blocks."""
+        kv = kv_waves.engine_kv_blocks(self.llm)
+        if kv is None:
+            return [[(i, 0, n) for i in range(len(prompt_lengths))]]
+        blocks, block_tokens = kv
+        waves = kv_waves.sample_waves(prompt_lengths, n, max_tokens, self.config.max_model_len, blocks, block_tokens,
+                                      self.config.max_num_seqs)
+        if len(waves) > 1 and len(waves) != self._waves_said:
+            log.warning("rollout in %d waves: the KV cache (%d blocks of %d tokens) holds %d of this batch's %d "
+                        "sequences at their full length; with more at once vLLM would preempt and recompute "
+                        "sequences, whose later tokens' logprobs are then not the trainer's bit for bit. A larger "
+                        "vllm_kwargs.kv_cache_memory_bytes (or gpu_memory_utilization) runs it in one wave",
+                        len(waves), blocks, block_tokens, max(sum(c for _, _, c in w) for w in waves),
+                        len(prompt_lengths) * n)
+        self._waves_said = len(waves)
+        return waves
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """Logprob of each token given its prefix (prefill path): len(seq) - 1 values per sequence, raw (tau = 1)."""
