@@ -46,7 +46,14 @@ from jetrl_megatron.rl.batch import (
 )
 from jetrl_megatron.rl.config import RunConfig, to_yaml
 from jetrl_megatron.rl.dist import dist_rank, dist_world, init_distributed, is_main, say, seed_everything, warn
-from jetrl_megatron.rl.generation import engine_groups, rollout, start_engine, validate, validation_split
+from jetrl_megatron.rl.generation import (
+    engine_groups,
+    rollout,
+    rollout_sequence_tokens,
+    start_engine,
+    validate,
+    validation_split,
+)
 from jetrl_megatron.rl.metrics import position_bins
 from jetrl_megatron.rl.outputs.checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint
 from jetrl_megatron.rl.outputs.metric_log import RunLogger
@@ -212,6 +219,7 @@ def grpo_step(cfg: RunConfig, trainer: Trainer, ro: Rollout, step: int, logger: 
     served_equal = verify_served_fp8(cfg, trainer, ro.engine, shards.states)
     metrics.update(batch_metrics(batch, kept))
     metrics.update(step_telemetry(batch, meter, report, ro.source))
+    metrics["rollout/waves"] = float(ro.engine.last_waves)  # > 1: the KV cache held less than the batch
     if not math.isnan(served_equal):
         metrics["refit/served_fp8_equal"] = served_equal
     return {**metrics, **meter.memory.metrics()}
@@ -344,6 +352,7 @@ def start_rollout(cfg: RunConfig, trainer: Trainer, task, stream: PromptStream, 
         engine.refit_from_shards(source.shards(), rank=dist_rank() % rollout_tp, exchange=source.exchange)
     say(f"rollout engine ready (arm {cfg.arm}); first refit {startup.seconds['first_refit']:.2f} s; start-up so "
         "far: " + ", ".join(f"{k} {v:.1f} s" for k, v in startup.seconds.items()))
+    say(f"rollout engine KV cache: {engine.kv_capacity(rollout_sequence_tokens(cfg))}")
     return Rollout(task, stream, engine, source, dist_rank() % rollout_tp,
                    position_bins(cfg.policy.generation.max_new_tokens, 4), release_grads)
 

