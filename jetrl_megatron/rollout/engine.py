@@ -42,7 +42,7 @@ from jetrl_megatron.rollout.refit import (
     source_signature,
     validate_refit,
 )
-from jetrl_megatron.vllm_cpu.ops import cpu_kernels_in_use
+from jetrl_megatron.vllm_cpu.ops import cpu_kernels_in_use, disable_decode_kv_split
 
 log = logging.getLogger(__name__)
 LOAD_FORMATS = ("auto", "dummy")
@@ -240,6 +240,8 @@ class RolloutEngine:
         c = self.config
         if c.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if not self.on_cuda:
+            disable_decode_kv_split()  # as the trainer's CPU attention: no split of a decode row's KV
         plugin.register()  # the entry point does this in every vLLM process; in-process it may not have run yet
         from vllm import LLM
 

