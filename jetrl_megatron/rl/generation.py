@@ -60,7 +60,7 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None, load_format: str =
     if kv_bytes is not None:  # run at most what the cache holds whole: vLLM never preempts (rollout/kv_waves.py)
         shape = ModelShape.from_hf_config(read_config(model_dir))
         seqs = max(1, min(seqs, kv_waves.sequences_without_preemption(
-            kv_bytes, shape, v.tensor_parallel_size, rollout_sequence_tokens(cfg))))
+            kv_bytes, shape, v.tensor_parallel_size, cfg.rollout_sequence_tokens())))
     sw = cfg.switches  # policy.jet_rl's switches, environment overrides applied at load
     return RolloutEngine(RolloutConfig(
         model_dir=model_dir, recipe=recipe or cfg.recipe, tensor_parallel_size=v.tensor_parallel_size,
@@ -72,13 +72,6 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None, load_format: str =
         gpu_memory_utilization=v.gpu_memory_utilization, max_num_seqs=seqs, seed=cfg.grpo.seed,
         enforce_eager=v.enforce_eager, enable_sleep_mode=torch.cuda.is_available() and
         cfg.policy.generation.colocated.enabled, in_process=True, load_format=load_format, llm_kwargs=kwargs))
-
-
-def rollout_sequence_tokens(cfg: RunConfig) -> int:
-    """The longest sequence a rollout makes: the longest prompt plus the new tokens, within vLLM's max_model_len."""
-    tokens = cfg.data.max_input_seq_length + cfg.policy.generation.max_new_tokens
-    max_len = cfg.policy.generation.vllm_cfg.max_model_len
-    return min(tokens, max_len) if max_len else tokens
 
 
 def _vllm_top_k(top_k: int | None) -> int:

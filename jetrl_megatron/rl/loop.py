@@ -49,7 +49,6 @@ from jetrl_megatron.rl.dist import dist_rank, dist_world, init_distributed, is_m
 from jetrl_megatron.rl.generation import (
     engine_groups,
     rollout,
-    rollout_sequence_tokens,
     start_engine,
     validate,
     validation_split,
@@ -352,7 +351,7 @@ def start_rollout(cfg: RunConfig, trainer: Trainer, task, stream: PromptStream, 
         engine.refit_from_shards(source.shards(), rank=dist_rank() % rollout_tp, exchange=source.exchange)
     say(f"rollout engine ready (arm {cfg.arm}); first refit {startup.seconds['first_refit']:.2f} s; start-up so "
         "far: " + ", ".join(f"{k} {v:.1f} s" for k, v in startup.seconds.items()))
-    say(f"rollout engine KV cache: {engine.kv_capacity(rollout_sequence_tokens(cfg))}")
+    say(f"rollout engine KV cache: {engine.kv_capacity(cfg.rollout_sequence_tokens())}")
     return Rollout(task, stream, engine, source, dist_rank() % rollout_tp,
                    position_bins(cfg.policy.generation.max_new_tokens, 4), release_grads)
 

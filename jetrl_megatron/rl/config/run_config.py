@@ -109,6 +109,13 @@ class RunConfig(RunConfigFields):
         value = self.policy.generation.vllm_kwargs.get("kv_cache_memory_bytes")
         return int(value) if value is not None else (None if self.is_gpu else CPU_KV_CACHE_BYTES)
 
+    def rollout_sequence_tokens(self) -> int:
+        """The longest sequence a rollout makes: the longest prompt plus the new tokens, within vLLM's max_model_len
+        (what the engine's KV cache must hold per sequence to never preempt it, rollout/kv_waves.py)."""
+        tokens = self.data.max_input_seq_length + self.policy.generation.max_new_tokens
+        max_len = self.policy.generation.vllm_cfg.max_model_len
+        return min(tokens, max_len) if max_len else tokens
+
     def rollout_env(self) -> dict[str, str]:
         """Environment for the rollout engines: ``vllm_cfg.env_vars`` plus what ``use_deep_gemm`` means in NeMo-RL
         (DeepGEMM for vLLM's FP8 GEMMs, with float32 block scales: ``VLLM_USE_DEEP_GEMM_E8M0=0``)."""

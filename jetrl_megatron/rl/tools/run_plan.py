@@ -20,6 +20,7 @@ from jetrl_megatron.model.hub import is_hub_id, snapshot
 from jetrl_megatron.model.shapes import get_model_shape
 from jetrl_megatron.rl.config import ConfigError, RunConfig, to_yaml
 from jetrl_megatron.rl.config.nemo_rl_keys import IGNORED, IMPLEMENTED
+from jetrl_megatron.rollout import kv_waves
 
 if TYPE_CHECKING:
     from jetrl_megatron.reshard.exchange import ExchangeBytes
@@ -209,6 +210,22 @@ def describe_refit_buffers(cfg: RunConfig, shape, layout: Layout) -> str:
             f"{_fmt_bytes(2 * finite_chunk(budget))} of scratch while it checks that what it sends is finite, within "
             f"the {_fmt_bytes(budget)} budget (the tensors its own vLLM rank copies from it, {_fmt_bytes(b.own)}, "
             f"are read in place)")
+
+
+def kv_waves_line(cfg: RunConfig, shape, layout: Layout, kv_budget_gib: float) -> str:
+    """What a KV budget below the rollout batch means: the engine runs what the cache holds whole at once (the waves
+    of rollout/kv_waves.py; vLLM never preempts), so the rollout takes that many passes."""
+    rtp = cfg.policy.generation.vllm_cfg.tensor_parallel_size
+    seqs = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // layout.engines
+    tokens = cfg.rollout_sequence_tokens()
+    whole = kv_waves.sequences_without_preemption(int(kv_budget_gib * GiB), shape, rtp, tokens)
+    if whole <= 0:
+        return (f"the KV budget ({kv_budget_gib:.1f} GiB) holds no sequence of {tokens} tokens: vLLM will refuse to "
+                "start")
+    passes = -(-seqs // whole)
+    return (f"the KV budget ({kv_budget_gib:.1f} GiB) holds {whole} of the {seqs} sequences per engine at {tokens} "
+            f"tokens: the rollout runs them {whole} at a time (~{passes} passes; never preempted, which would cost "
+            "exactness); more vllm_kwargs.kv_cache_memory_bytes runs it in one")
 
 
 def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 80.0) -> dict[str, float]:
@@ -469,7 +486,7 @@ def plan_report(cfg: RunConfig, gpu_mem_gib: float | None = None, show_config: b
         verdict = "fits" if peak <= gpu_mem_gib else "DOES NOT FIT"
         lines.append(f"  peak {peak:.1f} GiB of {gpu_mem_gib:.0f} GiB: {verdict}")
         if mem["kv_cache_full_batch"] > mem["kv_cache_budget"]:
-            lines.append("  note: the full rollout batch needs more KV than the budget; vLLM will schedule it in waves")
+            lines.append(f"  note: {kv_waves_line(cfg, shape, layout, mem['kv_cache_budget'])}")
         ok = ok and peak <= gpu_mem_gib
         if host_mem_gib is None:
             lines.append(f"  host {mem['host_per_node']:.1f} GiB per node: not checked (--host-mem-gib or "
