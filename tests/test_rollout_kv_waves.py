@@ -170,3 +170,14 @@ def test_a_cuda_engine_runs_a_batch_beyond_its_cache_in_waves_without_preemption
         assert count[0] > 0, "the cache was meant to be too small for the batch at once"
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize(("overrides", "want"), [
+    ([], 32 + 1024),  # the recipe's 32-token prompts + 1024 new tokens
+    (["policy.generation.vllm_cfg.max_model_len=1000"], 1000),  # vLLM's limit caps a sequence
+    (["data.max_input_seq_length=null"], 1056),  # prompts of any length: vLLM's limit alone
+])
+def test_the_rollouts_longest_sequence_is_read_from_the_config(overrides, want):
+    from jetrl_megatron.rl.config import load_config
+
+    assert load_config("qwen3_8b_1gpu", overrides).rollout_sequence_tokens() == want

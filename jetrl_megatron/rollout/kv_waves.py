@@ -6,7 +6,7 @@ The recomputed KV is not the KV the decode wrote (another kernel path, another b
 a preemption can carry a logprob the trainer does not reproduce: on 2026-12-05 (bench/RESULTS.md) the tokens after
 the cache filled lost bit-equality in every arm, while every token before it was exact. So the engine runs at most as
 many sequences at once as the cache holds at their full length: through ``max_num_seqs`` when the KV budget is known
-before start, and by submitting a batch in waves of whole prompts when the started engine holds fewer.
+before start, and by submitting a batch in waves the cache holds whole when the started engine holds fewer.
 """
 
 from __future__ import annotations

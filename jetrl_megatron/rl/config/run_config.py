@@ -112,8 +112,10 @@ class RunConfig(RunConfigFields):
     def rollout_sequence_tokens(self) -> int:
         """The longest sequence a rollout makes: the longest prompt plus the new tokens, within vLLM's max_model_len
         (what the engine's KV cache must hold per sequence to never preempt it, rollout/kv_waves.py)."""
-        tokens = self.data.max_input_seq_length + self.policy.generation.max_new_tokens
         max_len = self.policy.generation.vllm_cfg.max_model_len
+        if self.data.max_input_seq_length is None:  # prompts of any length: only vLLM's limit bounds a sequence
+            return max_len or self.policy.max_total_sequence_length
+        tokens = self.data.max_input_seq_length + self.policy.generation.max_new_tokens
         return min(tokens, max_len) if max_len else tokens
 
     def rollout_env(self) -> dict[str, str]:
