@@ -84,10 +84,29 @@ def parity_report(workdir: str) -> dict:
         tokens, sampled, _, _ = rollouts["jetrl"]
         twins = token_logprobs(model, tokens)[:, p - 1:]
         report["jetrl_torch_twins_decode_max_abs"] = (twins - sampled).abs().max().item()
+        report["fixed_rows_gemm_row_invariant"] = _fixed_rows_gemm_row_invariant()
     finally:
         cpu.teardown_parallel(destroy_process_group=created)
         cpu.disable_cpu_mode()
     return report
+
+
+def _fixed_rows_gemm_row_invariant() -> dict[str, bool]:
+    """Whether vLLM's CPU GEMM on fixed row blocks (what plugin-served engines and the trainer run for BF16 linears
+    and the lm_head) gives each row the same bytes at every M, per weight shape (SGL-sized and oneDNN-sized), under
+    this process's build: random rows, M from 1 to 65 at several offsets, against one call over all rows."""
+    from jetrl_megatron.vllm_cpu.ops import FIXED_GEMM_ROWS, UnquantizedGemm
+
+    out = {}
+    for n, k in ((128, 256), (2374, 1024)):
+        g = torch.Generator().manual_seed(n + k)
+        w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+        x = torch.randn(150, k, generator=g).to(torch.bfloat16)
+        gemm = UnquantizedGemm(rows=FIXED_GEMM_ROWS)
+        whole = gemm(x, w)
+        out[f"{n}x{k}"] = all(torch.equal(gemm(x[a:a + m], w), whole[a:a + m])
+                              for m in (1, 3, 4, 33, 64, 65) for a in (0, 7, 150 - m))
+    return out
 
 
 def assert_exact(report: dict) -> None:
@@ -97,6 +116,7 @@ def assert_exact(report: dict) -> None:
     assert report["bf16"]["prefill_exact"], (where, report["bf16"])
     assert report["bf16"]["decode_max_abs"] < 0.5, (where, report["bf16"])
     assert report["jetrl_torch_twins_decode_max_abs"] < 1.0, report
+    assert all(report["fixed_rows_gemm_row_invariant"].values()), (where, report["fixed_rows_gemm_row_invariant"])
     for name in FILTERS:  # top-k / top-p / temperature: the trainer's processed logprobs are vLLM's, bit for bit
         r = report[f"jetrl_{name}"]
         assert r["decode_exact"] and r["filtered_out"] == 0, (where, name, r)
