@@ -180,3 +180,20 @@ def test_the_rollouts_longest_sequence_is_read_from_the_config(overrides, want):
     from jetrl_megatron.rl.config import load_config
 
     assert load_config("qwen3_8b_1gpu", overrides).rollout_sequence_tokens() == want
+
+
+def test_jetrl_plan_says_how_many_sequences_the_kv_budget_holds_whole():
+    """count_150m_gpu at 4K new tokens in 8 GiB of KV (the 2026-12-05 H100 round): 12 layers x 4 KV heads x 128 x K,V
+    x 2 bytes = 24 KiB a token; 8 GiB is 21845 blocks of 16 tokens, 21844 usable; a 4128-token sequence takes 258."""
+    from jetrl_megatron.rl.config import load_config
+    from jetrl_megatron.rl.tools.run_plan import plan_report
+
+    cfg = load_config("count_150m_gpu", [
+        "policy.generation.max_new_tokens=4096", "policy.max_total_sequence_length=4160",
+        "policy.generation.vllm_cfg.max_model_len=4160",
+        "policy.generation.vllm_kwargs.kv_cache_memory_bytes=8589934592"])
+    text, _ = plan_report(cfg, 79.0, show_config=False)
+    assert f"holds {21844 // 258} of the 128 sequences per engine at 4128 tokens" in text, text
+    assert "~2 passes" in text
+    roomy = load_config("count_150m_gpu", ["policy.generation.vllm_kwargs.kv_cache_memory_bytes=17179869184"])
+    assert "sequences per engine" not in plan_report(roomy, 79.0, show_config=False)[0]
