@@ -14,7 +14,10 @@ differs saw other logits, i.e. a recomputed KV).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import sys
 import tempfile
 import time
 
@@ -26,30 +29,15 @@ from jetrl_megatron.rollout import kv_waves
 from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
 from jetrl_megatron.rollout.model_dir import hf_config_for, write_config
 
-
-def _count_preemptions(engine: RolloutEngine) -> list[int]:
-    """A counter of the in-process scheduler's preemptions (vLLM internals: a measurement aid, not product code)."""
-    scheduler = engine.llm.llm_engine.engine_core.engine_core.scheduler
-    count = [0]
-    preempt = scheduler._preempt_request
-
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return preempt(*args, **kwargs)
-
-    scheduler._preempt_request = counted
-    return count
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from vllm_preemption import count_preemptions, one_submission  # noqa: E402
 
 
-def _sample(engine: RolloutEngine, prompts, args, one_submission: bool):
-    if one_submission:
-        engine._waves = lambda lengths, n, max_tokens: [[(i, 0, n) for i in range(len(lengths))]]
+def _sample(engine: RolloutEngine, prompts, args, at_once: bool):
     t0 = time.perf_counter()
-    out = engine.generate(prompts, n=args.n, max_tokens=args.new, seed=args.seed, ignore_eos=True)
-    seconds = time.perf_counter() - t0
-    if one_submission:
-        del engine._waves
-    return out, seconds
+    with one_submission(engine) if at_once else contextlib.nullcontext():
+        out = engine.generate(prompts, n=args.n, max_tokens=args.new, seed=args.seed, ignore_eos=True)
+    return out, time.perf_counter() - t0
 
 
 def run_budget(kv_gib: float, args) -> dict:
@@ -72,11 +60,11 @@ def run_budget(kv_gib: float, args) -> dict:
             g = torch.Generator().manual_seed(args.seed)
             prompts = [torch.randint(0, min(shape.vocab_size, 1000), (args.prompt_len,), generator=g).tolist()
                        for _ in range(args.prompts)]
-            preemptions = _count_preemptions(engine)
-            waved, t_waves = _sample(engine, prompts, args, one_submission=False)
+            preemptions = count_preemptions(engine)
+            waved, t_waves = _sample(engine, prompts, args, at_once=False)
             waves, waved_preemptions = engine.last_waves, preemptions[0]
             preemptions[0] = 0
-            single, t_single = _sample(engine, prompts, args, one_submission=True)
+            single, t_single = _sample(engine, prompts, args, at_once=True)
         finally:
             engine.shutdown()
     same = sum(a.token_ids == b.token_ids and a.logprobs == b.logprobs for a, b in zip(waved, single, strict=True))

@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from vllm_preemption import count_preemptions, one_submission
 
 from jetrl_megatron.model.shapes import get_model_shape
 from jetrl_megatron.rollout import kv_waves
@@ -71,19 +72,6 @@ def small_cache_engine(tmp_path_factory):
     engine.shutdown()
 
 
-def _preemption_counter(engine) -> list[int]:
-    """Counts the in-process scheduler's preemptions (vLLM internals: a test aid)."""
-    scheduler = engine.llm.llm_engine.engine_core.engine_core.scheduler
-    count, preempt = [0], scheduler._preempt_request
-
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return preempt(*args, **kwargs)
-
-    scheduler._preempt_request = counted
-    return count
-
-
 def test_the_estimate_counts_the_blocks_vllm_reports(small_cache_engine):
     engine, kv_bytes, _, _ = small_cache_engine
     blocks, block_tokens = kv_waves.engine_kv_blocks(engine.llm)
@@ -105,7 +93,7 @@ def test_a_batch_beyond_the_cache_runs_in_waves_without_preemption_and_each_samp
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, SHAPE.vocab_size, (16,), generator=g).tolist() for _ in range(4)]
     n, new, seed = 4, 130, 7
-    count = _preemption_counter(engine)
+    count = count_preemptions(engine)
     with deadline(240, "waves"):
         waved = engine.generate(prompts, n=n, max_tokens=new, seed=seed, ignore_eos=True)
     assert engine.last_waves > 1 and count[0] == 0
@@ -122,12 +110,8 @@ def test_a_batch_beyond_the_cache_runs_in_waves_without_preemption_and_each_samp
                                     ignore_eos=True)[0]
             assert alone.token_ids == s.token_ids, s.sample_index
     count[0] = 0
-    engine._waves = lambda lengths, n, max_tokens: [[(i, 0, n) for i in range(len(lengths))]]
-    try:
-        with deadline(240, "one submission"):
-            engine.generate(prompts, n=n, max_tokens=new, seed=seed, ignore_eos=True)
-    finally:
-        del engine._waves
+    with one_submission(engine), deadline(240, "one submission"):
+        engine.generate(prompts, n=n, max_tokens=new, seed=seed, ignore_eos=True)
     assert count[0] > 0, "the cache was meant to be too small for the batch at once"
 
 
@@ -156,7 +140,7 @@ def test_a_cuda_engine_runs_a_batch_beyond_its_cache_in_waves_without_preemption
         g = torch.Generator().manual_seed(5)
         prompts = [torch.randint(0, SHAPE.vocab_size, (16,), generator=g).tolist() for _ in range(4)]
         n, new, seed = 4, 130, 7
-        count = _preemption_counter(engine)
+        count = count_preemptions(engine)
         waved = engine.generate(prompts, n=n, max_tokens=new, seed=seed, ignore_eos=True)
         assert engine.last_waves > 1 and count[0] == 0
         for s in waved[::3]:
@@ -164,8 +148,8 @@ def test_a_cuda_engine_runs_a_batch_beyond_its_cache_in_waves_without_preemption
                                     seed=seed + s.prompt_index * n + s.sample_index, ignore_eos=True)[0]
             assert alone.token_ids == s.token_ids, (s.prompt_index, s.sample_index)
         count[0] = 0
-        engine._waves = lambda lengths, n, max_tokens: [[(i, 0, n) for i in range(len(lengths))]]
-        engine.generate(prompts, n=n, max_tokens=new, seed=seed, ignore_eos=True)
+        with one_submission(engine):
+            engine.generate(prompts, n=n, max_tokens=new, seed=seed, ignore_eos=True)
         assert count[0] > 0, "the cache was meant to be too small for the batch at once"
     finally:
         engine.shutdown()

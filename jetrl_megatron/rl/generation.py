@@ -25,7 +25,6 @@ from jetrl_megatron.rl.tasks import build_task, heldout_split
 from jetrl_megatron.rollout import invariant_norm, kv_waves, swiglu_forms
 from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
 from jetrl_megatron.rollout.model_dir import read_config
-from jetrl_megatron.vllm_cpu.ops import KV_BLOCK
 
 
 def engine_groups(cfg: RunConfig) -> tuple[int, int]:
@@ -60,9 +59,9 @@ def start_engine(cfg: RunConfig, model_dir: str, recipe=None, load_format: str =
     kv_bytes = cfg.kv_cache_memory_bytes()
     if kv_bytes is not None:  # run at most what the cache holds whole: vLLM never preempts (rollout/kv_waves.py)
         shape = ModelShape.from_hf_config(read_config(model_dir))
-        block = kv_waves.DEFAULT_BLOCK_TOKENS if torch.cuda.is_available() else KV_BLOCK  # vLLM's block per platform
         seqs = max(1, min(seqs, kv_waves.sequences_without_preemption(
-            kv_bytes, shape, v.tensor_parallel_size, cfg.rollout_sequence_tokens(), block)))
+            kv_bytes, shape, v.tensor_parallel_size, cfg.rollout_sequence_tokens(),
+            kv_waves.platform_block_tokens(torch.cuda.is_available()))))
     sw = cfg.switches  # policy.jet_rl's switches, environment overrides applied at load
     return RolloutEngine(RolloutConfig(
         model_dir=model_dir, recipe=recipe or cfg.recipe, tensor_parallel_size=v.tensor_parallel_size,

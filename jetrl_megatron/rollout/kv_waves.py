@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jetrl_megatron.model.shapes import ModelShape
+from jetrl_megatron.vllm_cpu.ops import KV_BLOCK
 
 # vLLM's default KV block on GPU (CacheConfig.block_size); a started engine reports its own
 DEFAULT_BLOCK_TOKENS = 16
@@ -26,6 +27,11 @@ def kv_bytes_per_token(shape: ModelShape, tensor_parallel_size: int = 1, element
     """KV cache bytes one token takes on one rollout rank: K and V of every layer, BF16 unless told otherwise."""
     kv_heads = max(1, shape.num_kv_heads // tensor_parallel_size)
     return 2 * shape.num_layers * kv_heads * shape.head_dim * element_bytes
+
+
+def platform_block_tokens(on_cuda: bool) -> int:
+    """vLLM's default KV block before an engine reports its own: 16 tokens on GPU, 128 on CPU (vllm_cpu.ops)."""
+    return DEFAULT_BLOCK_TOKENS if on_cuda else KV_BLOCK
 
 
 def blocks_per_sequence(tokens: int, block_tokens: int) -> int:

@@ -215,7 +215,7 @@ def describe_refit_buffers(cfg: RunConfig, shape, layout: Layout) -> str:
 def kv_waves_line(cfg: RunConfig, shape, layout: Layout, kv_budget_gib: float) -> str:
     """What a KV budget below the rollout batch means: the engine runs what the cache holds whole at once (the waves
     of rollout/kv_waves.py; vLLM never preempts), so the rollout takes that many passes."""
-    rtp = cfg.policy.generation.vllm_cfg.tensor_parallel_size
+    rtp = layout.rollout_tp
     seqs = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt // layout.engines
     tokens = cfg.rollout_sequence_tokens()
     whole = kv_waves.sequences_without_preemption(int(kv_budget_gib * GiB), shape, rtp, tokens)
@@ -337,8 +337,7 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
                      out["fp8_refresh_transient"])
     out["train_phase_total"] = (resident + (out["grad_buffers"] if settings.release_grad_buffers else 0.0)
                                 + max(out["activations"], step_extra))
-    kv_heads_rank = max(1, shape.num_kv_heads // rtp)
-    kv_per_token = 2 * shape.num_layers * kv_heads_rank * shape.head_dim * 2
+    kv_per_token = kv_waves.kv_bytes_per_token(shape, rtp)
     seqs_per_engine = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt / layout.engines
     out["kv_cache_full_batch"] = kv_per_token * seqs_per_engine * cfg.policy.generation.vllm_cfg.max_model_len / GiB
     rollout_w = (pc["linear_per_layer"] * shape.num_layers * (1 if cfg.recipe.rollout_fp8 else 2)
