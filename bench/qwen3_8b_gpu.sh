@@ -27,7 +27,7 @@
 #   rollcost  bench/rollout_bench.py compare at Qwen3-8B, 128 x 1024 tokens: stock FP8, the plugin and BF16, each with
 #           the batch-invariant norms and with vLLM's own (ARMS to choose), every arm in a fresh process
 #   exact150m  count_150m_gpu from random init, the three arms side by side at LENS (default 256 1024 4096) new tokens
-#           by ignore_eos, 2 GRPO steps each: issue 26's mismatch-by-position rows at the small shape
+#           by ignore_eos, 2 GRPO steps each, KV_GIB (default 8) of KV cache per run: issue 26's mismatch-by-position rows at the small shape
 #   fuse    the SwiGLU fusions (Fp8ModelContext.fuse_swiglu_grad_quant: backward + fc1 dY FP8 quantization;
 #           swiglu_fp8_forms: forward + fc2 input; `decode` compares that kernel with vLLM's silu_and_mul): their tests,
 #           bench/kernels_bench.py's swiglu section, the Qwen3-8B layer fwd+bwd with each fusion off and on
@@ -162,7 +162,7 @@ case $mode in
         policy.jet_rl.sft_warmstart.steps=0 grpo.max_num_steps=2 grpo.val_at_start=false grpo.max_val_samples=0 \
         policy.generation.ignore_eos=true policy.generation.max_new_tokens="$len" \
         policy.max_total_sequence_length=$((len + 64)) policy.generation.vllm_cfg.max_model_len=$((len + 64)) \
-        policy.generation.vllm_kwargs.kv_cache_memory_bytes=$((8 << 30)) logger.tensorboard_enabled=false ${EXTRA:-} \
+        policy.generation.vllm_kwargs.kv_cache_memory_bytes=$((${KV_GIB:-8} << 30)) logger.tensorboard_enabled=false ${EXTRA:-} \
         > "$out/exact150m_len$len.log" 2>&1
       echo "== count_150m_gpu len $len: rc $?"; grep -A5 "^| arm | seeds" "$out/exact150m_len$len.log" | head -6
     done
