@@ -24,7 +24,7 @@
 #           and the project's SwiGLU against vLLM's silu_and_mul on every BF16 gate value
 #   probe   bench/vllm_cuda_exact.py at the Qwen3-8B shape (ARMS, default jetrl; auto GEMMs, CUDA graphs, a refit), PROMPTS x LEN,
 #           with FA_SPLITS as above: trainer vs vLLM's decode and prefill, and vLLM's decode vs its own prefill
-#   rollcost  bench/rollout_bench.py compare at Qwen3-8B, 128 x 1024 tokens: stock FP8, the plugin and BF16, each with
+#   rollcost  bench/rollout_bench.py compare at PRESET (default qwen3-8b), 128 x 1024 tokens: stock FP8, the plugin and BF16, each with
 #           the batch-invariant norms and with vLLM's own (ARMS to choose), every arm in a fresh process
 #   exact150m  count_150m_gpu from random init, the three arms side by side at LENS (default 256 1024 4096) new tokens
 #           by ignore_eos, 2 GRPO steps each, KV_GIB (default 8) of KV cache per run: issue 26's mismatch-by-position rows at the small shape
@@ -37,7 +37,8 @@
 #   te      issue 29 item 5, like for like with TransformerEngine's blockwise-FP8 guide: the layer at hidden 4096,
 #           FFN 16384, 15,872 tokens, and the Qwen3-8B layer at 16,384 tokens, each with --profile: the GEMM +
 #           quantization ratio next to TE's 1.40x (needs the bundle for DeepGEMM)
-#   round   ROUND="mode ..." runs those modes one after another in this call (each into OUT_DIR/<mode>)
+#   round   ROUND="mode ..." runs those modes one after another in this call (each into OUT_DIR/<mode>);
+#           LIMIT_<mode>=seconds gives that mode its own RUN_LIMIT
 # pytest runs under `timeout -s INT`: at its limit pytest is interrupted, not killed, and still prints which tests
 # failed and why (a killed run's log ended mid-test on 2026-12-05 with one failure and no message)
 set -uo pipefail
@@ -149,7 +150,7 @@ case $mode in
       | grep -E "vs_|bit_identical|k3" ;;
   rollcost)  # issue 26 item 5: rollout tokens/s at 8B with the batch-invariant norms vs vLLM's own, side by side
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
-    timeout "${RUN_LIMIT:-540}" python3 bench/rollout_bench.py compare --preset qwen3-8b --prompts "${PROMPTS:-128}" \
+    timeout "${RUN_LIMIT:-540}" python3 bench/rollout_bench.py compare --preset "${PRESET:-qwen3-8b}" --prompts "${PROMPTS:-128}" \
       --prompt-len 64 --new "${LEN:-1024}" --arm-timeout 170 --out "$out/rollcost.json" \
       --arms "${ARMS:-stock_fp8,jetrl,jetrl:auto:vllm,bf16,bf16:auto:vllm}" > "$out/rollcost.log" 2>&1
     echo "rollout cost rc $?"; grep -B2 -A8 "^arm " "$out/rollcost.log" | head -14 ;;
@@ -198,7 +199,8 @@ case $mode in
     # variables (ARM, LEN, RUN_LIMIT, ...) apply to every mode of the round, so keep their sum of limits under a call's
     for m in ${ROUND:?ROUND=\"mode mode ...\"}; do
       [ "$m" = round ] && { echo "round: a round cannot hold itself" >&2; exit 2; }
-      echo "== round: $m ($(date +%T))"; PACK_DG=0 bash "$0" "$m" "$out/$m"
+      limit_var=LIMIT_$m  # LIMIT_<mode>=seconds: that mode's RUN_LIMIT in this round
+      echo "== round: $m ($(date +%T))"; PACK_DG=0 RUN_LIMIT=${!limit_var:-${RUN_LIMIT:-}} bash "$0" "$m" "$out/$m"
     done ;;
   *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|waves|fuse|te|round OUT_DIR" >&2
      exit 2 ;;

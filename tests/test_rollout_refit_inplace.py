@@ -98,9 +98,11 @@ def test_inplace_refit_equals_full_reload(tmp_path, arm):
         engine.shutdown()
 
 
-def _served_after_first_refit(tmp_path, arm: str, recipe: Fp8Recipe, cuda: bool = False, **engine_kw):
+def _served_after_first_refit(tmp_path, arm: str, recipe: Fp8Recipe, cuda: bool = False,
+                              dummy_kw: dict | None = None, **engine_kw):
     """For each start ("checkpoint": from the written BF16 directory, as the loop did before; "dummy": config.json
-    alone): the live tensors, scores and samples after one in-place refit of the same trainer shards."""
+    alone, with ``dummy_kw`` on top of ``engine_kw``): the live tensors, scores and samples after one in-place refit
+    of the same trainer shards."""
     from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
     from jetrl_megatron.rollout.model_dir import hf_config_for, write_config
 
@@ -114,7 +116,8 @@ def _served_after_first_refit(tmp_path, arm: str, recipe: Fp8Recipe, cuda: bool 
         else:
             d = write_config(tmp_path / start, hf_config_for(SHAPE, None))
         with deadline(300, f"{arm} {start} engine start"):
-            engine = RolloutEngine(RolloutConfig(model_dir=d, recipe=recipe, seed=0, **engine_kw,
+            kw = engine_kw if start == "checkpoint" else {**engine_kw, **(dummy_kw or {})}
+            engine = RolloutEngine(RolloutConfig(model_dir=d, recipe=recipe, seed=0, **kw,
                                                  load_format="auto" if start == "checkpoint" else "dummy"))
         try:
             with deadline(180, f"{arm} {start}"):
@@ -148,10 +151,13 @@ def test_an_engine_started_without_weights_serves_the_first_refit_exactly(tmp_pa
 @pytest.mark.parametrize("arm", ["jetrl", "bf16"])
 def test_a_cuda_engine_started_without_weights_serves_the_first_refit_exactly(tmp_path, arm):
     """The same on GPU vLLM (CUDA graphs, sleep mode on, the trainer's shards on the GPU): its dummy values, its
-    CUDA-graph capture on them and the first refit leave nothing of the dummy start in what it serves."""
+    CUDA-graph capture on them and the first refit leave nothing of the dummy start in what it serves. Sleep mode
+    on the dummy start only, as the loop runs it: vLLM's sleep-mode allocator serves one engine per process.
+    `enforce_eager=False` with no compilation_config: the engine's default (mode 0, decode CUDA graphs)."""
     recipe = dataclasses.replace(_recipe(arm), gemm_backend="cublas")  # no cold DeepGEMM compiles in this test
     _assert_same_service(_served_after_first_refit(tmp_path, arm, recipe, cuda=True, gpu_memory_utilization=0.2,
-                                                   max_model_len=64, enable_sleep_mode=True, enforce_eager=False))
+                                                   max_model_len=64, enforce_eager=False,
+                                                   dummy_kw={"enable_sleep_mode": True}))
 
 
 def test_an_unknown_load_format_is_refused_by_name(tmp_path):

@@ -27,7 +27,7 @@ from jetrl_megatron.errors import UserError, one_line
 from jetrl_megatron.fp8.format import REFERENCE_QUANT_KEY
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
-from jetrl_megatron.rollout import invariant_norm, kv_waves, plugin, swiglu_forms, worker_ops
+from jetrl_megatron.rollout import compilation, invariant_norm, kv_waves, plugin, swiglu_forms, worker_ops
 from jetrl_megatron.rollout.model_dir import checkpoint_spec_for, quantize_model_dir, read_config
 from jetrl_megatron.rollout.refit import (
     InplaceRefit,
@@ -136,6 +136,10 @@ class RolloutEngine:
             raise ValueError(f"RolloutConfig.load_format must be one of {', '.join(LOAD_FORMATS)}, got "
                              f"{config.load_format!r}")
         self.dummy = config.load_format == "dummy"
+        # checked before anything is written: vLLM's compilation mode (rollout/compilation.py)
+        self.llm_kwargs = compilation.exact_llm_kwargs(
+            config.llm_kwargs, config.enforce_eager, self.on_cuda,
+            serves_plugin=config.stress_format is not None or self.recipe.rollout_fp8)
         hf_cfg = read_config(model_dir)
         self.shape = ModelShape.from_hf_config(hf_cfg)
         quant_cfg = hf_cfg.get("quantization_config")
@@ -262,8 +266,8 @@ class RolloutEngine:
         if self.on_cuda:
             kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = c.enable_sleep_mode
-        user_overrides = c.llm_kwargs.get("hf_overrides") or {}
-        kwargs.update(c.llm_kwargs)
+        user_overrides = self.llm_kwargs.get("hf_overrides") or {}
+        kwargs.update(self.llm_kwargs)
         if user_overrides and hf_overrides:  # the user's vllm_kwargs.hf_overrides and ours, the user's winning
             kwargs["hf_overrides"] = {**hf_overrides, **user_overrides}
         # A process group that exists already (a colocated trainer's) is reused by vLLM and must outlive us.

@@ -1,0 +1,69 @@
+"""vLLM's compilation mode for a rollout engine that must serve exactly what the trainer computes.
+
+Why: with ``enforce_eager: false`` and no ``compilation_config`` (NeMo-RL's grpo_math_8B.yaml, for one) vLLM 0.26
+compiles the model with torch.compile (its mode 3): inductor fuses vLLM's own kernels into ones no trainer calls,
+and dynamo cannot trace the ``jetrl_fp8`` linears (Triton launches), so the engine fails to start. Mode 0 keeps
+vLLM's eager CUDA ops, the ones the trainer's forward calls, and still captures CUDA graphs for decode
+(FULL_DECODE_ONLY: what every GPU exactness measurement in bench/RESULTS.md ran with).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from jetrl_megatron.errors import UserError
+
+log = logging.getLogger(__name__)
+
+EXACT_MODE = 0
+DECODE_GRAPHS = "FULL_DECODE_ONLY"
+KEY = "vllm_kwargs.compilation_config.mode"
+
+
+def requested_mode(compilation_config: Any) -> int | None:
+    """The compilation mode the user asked vLLM for (an int, a dict with ``mode`` or the older ``level``, or a vLLM
+    ``CompilationConfig``), None when none was named."""
+    if compilation_config is None:
+        return None
+    if isinstance(compilation_config, bool):
+        raise UserError(f"{KEY}: expected a compilation mode (0-3) or a mapping, got {compilation_config!r}")
+    if isinstance(compilation_config, int):
+        return compilation_config
+    if isinstance(compilation_config, Mapping):
+        mode = compilation_config.get("mode", compilation_config.get("level"))
+    else:
+        mode = getattr(compilation_config, "mode", None)
+    return None if mode is None else int(mode)
+
+
+def exact_llm_kwargs(llm_kwargs: Mapping[str, Any], enforce_eager: bool, on_cuda: bool,
+                     serves_plugin: bool) -> dict[str, Any]:
+    """``llm_kwargs`` with vLLM's compilation set for exactness: mode 0 (and decode CUDA graphs on CUDA) where the
+    user named no mode; a named mode above 0 is refused for an engine serving the ``jetrl_fp8`` plugin (it cannot
+    run traced) and kept, with a warning, for the BF16 arm (it runs, but not exactly on-policy)."""
+    kwargs = dict(llm_kwargs)
+    if enforce_eager:  # vLLM runs mode 0 without CUDA graphs
+        return kwargs
+    given = kwargs.get("compilation_config")
+    mode = requested_mode(given)
+    if mode is None:
+        config = dict(given) if isinstance(given, Mapping) else {}
+        config["mode"] = EXACT_MODE
+        if on_cuda:
+            config.setdefault("cudagraph_mode", DECODE_GRAPHS)
+        kwargs["compilation_config"] = config
+        log.info("rollout engine: vLLM compilation mode 0%s (vLLM's eager ops, which the trainer's forward calls; "
+                 "set %s to choose another)", f" with {config['cudagraph_mode']} CUDA graphs" if on_cuda else "", KEY)
+        return kwargs
+    if mode == EXACT_MODE:
+        return kwargs
+    if serves_plugin:
+        raise UserError(
+            f"{KEY}={mode}: an engine serving the jetrl_fp8 plugin runs at compilation mode 0 only (torch.compile "
+            "cannot trace its FP8 linears, and inductor's fused kernels are not the ops the trainer calls); remove "
+            "the key (mode 0 with decode CUDA graphs is the default) or set it to 0")
+    log.warning("rollout engine: %s=%d: vLLM compiles the model with its own fused kernels, which the trainer does "
+                "not reproduce; the rollout is not exactly on-policy (mode 0 is)", KEY, mode)
+    return kwargs

