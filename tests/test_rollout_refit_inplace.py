@@ -98,35 +98,65 @@ def test_inplace_refit_equals_full_reload(tmp_path, arm):
         engine.shutdown()
 
 
-def _served_after_first_refit(tmp_path, arm: str, recipe: Fp8Recipe, cuda: bool = False,
-                              dummy_kw: dict | None = None, **engine_kw):
-    """For each start ("checkpoint": from the written BF16 directory, as the loop did before; "dummy": config.json
-    alone, with ``dummy_kw`` on top of ``engine_kw``): the live tensors, scores and samples after one in-place refit
-    of the same trainer shards."""
+def _serve_one(tmp_path, arm: str, recipe: Fp8Recipe, start: str, cuda: bool = False, **engine_kw):
+    """One start ("checkpoint": from the written BF16 directory, as the loop did before; "dummy": config.json alone):
+    the live tensors (on the host), scores and samples after one in-place refit of the trainer's shards."""
     from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
     from jetrl_megatron.rollout.model_dir import hf_config_for, write_config
 
     src = megatron_from_canonical(_trainer_weights(arm, seed=1), SHAPE, tp=2)
     if cuda:
         src.states = {k: {n: t.cuda() for n, t in st.items()} for k, st in src.states.items()}
+    if start == "checkpoint":  # the trainer's BF16 weights were written (another policy here)
+        d = write_tiny_model_dir(tmp_path / start, seed=0)
+    else:
+        d = write_config(tmp_path / start, hf_config_for(SHAPE, None))
+    with deadline(300, f"{arm} {start} engine start"):
+        engine = RolloutEngine(RolloutConfig(model_dir=d, recipe=recipe, seed=0, **engine_kw,
+                                             load_format="auto" if start == "checkpoint" else "dummy"))
+    try:
+        with deadline(180, f"{arm} {start}"):
+            report = engine.refit_from_shards(src, rank=0)
+            assert report.num_bytes > 0 and (report.verified or cuda)
+            return ({n: t.cpu() for n, t in _snapshot(engine).items()}, engine.score(SEQS),
+                    [(x.token_ids, x.logprobs) for x in engine.generate(SEQS, n=2, max_tokens=6, seed=3)])
+    finally:
+        engine.shutdown()
+
+
+def _served_after_first_refit(tmp_path, arm: str, recipe: Fp8Recipe):
+    return {start: _serve_one(tmp_path, arm, recipe, start) for start in ("checkpoint", "dummy")}
+
+
+def _serve_one_to_file(tmp_dir: str, arm: str, start: str, out: str, engine_kw_json: str) -> None:
+    """A child process's part of the CUDA test: one start, its service saved to ``out``."""
+    import json
+    import pathlib
+
+    # cuBLAS on CUDA: no cold DeepGEMM compiles in this test
+    recipe = dataclasses.replace(_recipe(arm), gemm_backend="cublas" if torch.cuda.is_available() else "auto")
+    torch.save(_serve_one(pathlib.Path(tmp_dir), arm, recipe, start, cuda=torch.cuda.is_available(),
+                          **json.loads(engine_kw_json)), out)
+
+
+def _served_in_children(tmp_path, arm: str, kw_by_start: dict[str, dict]):
+    """Each start in its own Python process: vLLM 0.26 keeps its CUDA-graph memory pool (and sleep mode its CuMem
+    allocator) per process, and a second CUDA-graph engine in one process failed in graph capture on the H100
+    ("use_count > 0 INTERNAL ASSERT FAILED" in the caching allocator)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
     served = {}
-    for start in ("checkpoint", "dummy"):
-        if start == "checkpoint":  # the trainer's BF16 weights were written (another policy here)
-            d = write_tiny_model_dir(tmp_path / start, seed=0)
-        else:
-            d = write_config(tmp_path / start, hf_config_for(SHAPE, None))
-        with deadline(300, f"{arm} {start} engine start"):
-            kw = engine_kw if start == "checkpoint" else {**engine_kw, **(dummy_kw or {})}
-            engine = RolloutEngine(RolloutConfig(model_dir=d, recipe=recipe, seed=0, **kw,
-                                                 load_format="auto" if start == "checkpoint" else "dummy"))
-        try:
-            with deadline(180, f"{arm} {start}"):
-                report = engine.refit_from_shards(src, rank=0)
-                assert report.num_bytes > 0 and (report.verified or cuda)
-                served[start] = (_snapshot(engine), engine.score(SEQS),
-                                 [(x.token_ids, x.logprobs) for x in engine.generate(SEQS, n=2, max_tokens=6, seed=3)])
-        finally:
-            engine.shutdown()
+    for start, kw in kw_by_start.items():
+        out = tmp_path / f"{start}.pt"
+        args = ", ".join(repr(a) for a in (str(tmp_path), arm, start, str(out), json.dumps(kw)))
+        code = (f"import sys; sys.path[:0] = {[os.path.dirname(os.path.abspath(__file__))]!r}; "
+                f"import test_rollout_refit_inplace as t; t._serve_one_to_file({args})")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{arm} {start} child failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
+        served[start] = torch.load(out, weights_only=False)
     return served
 
 
@@ -152,12 +182,11 @@ def test_an_engine_started_without_weights_serves_the_first_refit_exactly(tmp_pa
 def test_a_cuda_engine_started_without_weights_serves_the_first_refit_exactly(tmp_path, arm):
     """The same on GPU vLLM (CUDA graphs, sleep mode on, the trainer's shards on the GPU): its dummy values, its
     CUDA-graph capture on them and the first refit leave nothing of the dummy start in what it serves. Sleep mode
-    on the dummy start only, as the loop runs it: vLLM's sleep-mode allocator serves one engine per process.
-    `enforce_eager=False` with no compilation_config: the engine's default (mode 0, decode CUDA graphs)."""
-    recipe = dataclasses.replace(_recipe(arm), gemm_backend="cublas")  # no cold DeepGEMM compiles in this test
-    _assert_same_service(_served_after_first_refit(tmp_path, arm, recipe, cuda=True, gpu_memory_utilization=0.2,
-                                                   max_model_len=64, enforce_eager=False,
-                                                   dummy_kw={"enable_sleep_mode": True}))
+    on the dummy start, as the loop runs it; each start in its own process. `enforce_eager=False` with no
+    compilation_config: the engine's default (mode 0, decode CUDA graphs)."""
+    kw = dict(gpu_memory_utilization=0.2, max_model_len=64, enforce_eager=False)
+    _assert_same_service(_served_in_children(tmp_path, arm, {"checkpoint": kw,
+                                                              "dummy": {**kw, "enable_sleep_mode": True}}))
 
 
 def test_an_unknown_load_format_is_refused_by_name(tmp_path):
