@@ -65,6 +65,17 @@ def test_a_traced_mode_is_kept_with_a_warning_for_the_bf16_engine(caplog):
     assert "not exactly on-policy" in caplog.text
 
 
+@pytest.mark.parametrize("ops, warned", [(["all", "-rotary_embedding"], True), (["none"], True), (["all"], False)])
+def test_custom_ops_turned_off_are_named_in_a_warning_on_cuda(ops, warned, caplog):
+    """As NeMo-RL's grpo-deepscaler-1.5b-8K.yaml sets it: {backend: eager, custom_ops: [all, -rotary_embedding]}."""
+    given = {"backend": "eager", "custom_ops": ops}
+    with caplog.at_level(logging.WARNING, logger="jetrl_megatron.rollout.compilation"):
+        out = exact_llm_kwargs({"compilation_config": given}, enforce_eager=False, on_cuda=True, serves_plugin=True)
+    assert out["compilation_config"] == {**given, "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert ("not exactly on-policy" in caplog.text) is warned
+    assert ("-rotary_embedding" in caplog.text) is ("-rotary_embedding" in ops)
+
+
 def test_a_boolean_is_refused():
     with pytest.raises(UserError, match="compilation_config.mode: expected a compilation mode"):
         exact_llm_kwargs({"compilation_config": True}, enforce_eager=False, on_cuda=False, serves_plugin=False)

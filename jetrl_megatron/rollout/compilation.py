@@ -44,9 +44,10 @@ def exact_llm_kwargs(llm_kwargs: Mapping[str, Any], enforce_eager: bool, on_cuda
     user named no mode; a named mode above 0 is refused for an engine serving the ``jetrl_fp8`` plugin (it cannot
     run traced) and kept, with a warning, for the BF16 arm (it runs, but not exactly on-policy)."""
     kwargs = dict(llm_kwargs)
+    given = kwargs.get("compilation_config")
+    _warn_on_disabled_custom_ops(given, on_cuda)
     if enforce_eager:  # vLLM runs mode 0 without CUDA graphs
         return kwargs
-    given = kwargs.get("compilation_config")
     mode = requested_mode(given)
     if mode is None:
         config = dict(given) if isinstance(given, Mapping) else {}
@@ -67,3 +68,13 @@ def exact_llm_kwargs(llm_kwargs: Mapping[str, Any], enforce_eager: bool, on_cuda
     log.warning("rollout engine: %s=%d: vLLM compiles the model with its own fused kernels, which the trainer does "
                 "not reproduce; the rollout is not exactly on-policy (mode 0 is)", KEY, mode)
     return kwargs
+
+
+def _warn_on_disabled_custom_ops(compilation_config: Any, on_cuda: bool) -> None:
+    """NeMo-RL's deepscaler recipes turn vLLM's rotary op off (``custom_ops: ["all", "-rotary_embedding"]``): the
+    engine then runs the op's torch form while the trainer calls vLLM's CUDA op, so a token's bytes can differ."""
+    ops = compilation_config.get("custom_ops") if isinstance(compilation_config, Mapping) else None
+    off = [op for op in ops or [] if op == "none" or str(op).startswith("-")]
+    if on_cuda and off:
+        log.warning("rollout engine: vllm_kwargs.compilation_config.custom_ops turns vLLM's CUDA ops off (%s); the "
+                    "trainer calls those ops, so the rollout is not exactly on-policy", ", ".join(map(str, off)))

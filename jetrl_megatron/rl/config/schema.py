@@ -154,7 +154,9 @@ class VllmCfg:
     expert_parallel_size: int = key(1, note=MOE_NOTE, allowed=(1,))
     gpu_memory_utilization: float = key(0.5, bounds=within(0, 1, lo_open=True))
     max_model_len: int = key(512, bounds=at_least(1))
-    enforce_eager: bool = True
+    enforce_eager: bool = key(True, note="false: CUDA graphs for decode at vLLM compilation mode 0 (FULL_DECODE_ONLY) "
+                              "unless vllm_kwargs.compilation_config.mode names a mode; modes above 0 are refused "
+                              "for the FP8 arms (torch.compile cannot trace their linears; rollout/compilation.py)")
     kv_cache_dtype: str = key("auto", note="an FP8 KV cache would quantize attention in the rollout only, a mismatch "
                               "outside Jet-RL's contract", allowed=("auto",))
     use_deep_gemm: bool = False  # FP8 GEMMs of the rollout on DeepGEMM (NeMo-RL: VLLM_USE_DEEP_GEMM=1, E8M0 off)
@@ -197,8 +199,9 @@ class GenerationCfg:
                            "to max_new_tokens, stop_token_ids still stop it)")
     colocated: ColocatedCfg = field(default_factory=ColocatedCfg)
     vllm_cfg: VllmCfg = field(default_factory=VllmCfg)
-    # NeMo-RL's pass-through to ``vllm.LLM(...)``, e.g. ``kv_cache_memory_bytes`` or ``compilation_config: {mode: 0,
-    # cudagraph_mode: FULL_DECODE_ONLY}``. CPU engines get kv_cache_memory_bytes = 64 MiB unless set here.
+    # NeMo-RL's pass-through to ``vllm.LLM(...)``, e.g. ``kv_cache_memory_bytes`` or ``compilation_config``. CPU
+    # engines get kv_cache_memory_bytes = 64 MiB unless set here; with enforce_eager false and no compilation mode
+    # named, engines run mode 0 (rollout/compilation.py).
     vllm_kwargs: dict[str, Any] = key(factory=dict, note="passed to vllm.LLM(...); kv_cache_memory_bytes sizes the KV "
                                       "cache (CPU default 64 MiB)", below=(
         KeyRule("speculative_config.**", REFUSED, "speculative decoding is not implemented (the rollout must sample "
