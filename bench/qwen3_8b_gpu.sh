@@ -18,7 +18,9 @@
 #           ignore_eos, STEPS steps; the run directory (metrics.jsonl, summary.json, config.yaml, log) as one .tgz;
 #           PACK_DG=1 (any mode) then packs DeepGEMM's JIT cache (for the next round: carry it back as .dgc/dg_cache.tgz);
 #           FA_SPLITS=N sets vLLM's FA3 KV-split cap for CUDA-graph decode (attention_config, vLLM's default 32);
-#           PROFILE=N profiles step N (profile_stepN.md in the run directory); EXTRA="key=value ..." appends overrides; LAYER=1 then runs check's layer cost benchmark
+#           PROFILE=N profiles step N (profile_stepN.md in the run directory); EXTRA="key=value ..." appends overrides; LAYER=1 then runs check's layer cost benchmark;
+#           CARD=h100: the overrides that fit 8B on an 80 GB card (optimizer offload 0.8, level-2 sleep, micro-batches
+#           2 / 4, KV_GIB (default 14) of KV cache: the rollout in waves), checked by the plan against 79 GiB
 #   decode  bench/decode_invariance.py at the Qwen3-8B shape: which of vLLM's ops give a token other bytes in a decode
 #           step than in a prefill (norms, SiLU-and-mul, FP8 linears per backend, BF16 lm_head, FA3 decode vs prefill),
 #           and the project's SwiGLU against vLLM's silu_and_mul on every BF16 gate value
@@ -108,13 +110,20 @@ case $mode in
     base=/tmp; [ "$(stat -f -c %T /tmp)" = tmpfs ] && base=$PWD/..
     dir=$base/r8b/len${len}_$arm; rm -rf "$dir"; mkdir -p "$dir"
     kv=$(( (len <= 1024 ? 20 : 80) * 1073741824 ))
+    card=()
+    if [ "${CARD:-h200}" = h100 ]; then  # 8B on an 80 GB card (jetrl plan: rollout 75.4 GiB, update 74.3, host 109.8)
+      kv=$(( ${KV_GIB:-14} * 1073741824 ))  # fewer sequences than the batch at once: the rollout runs in waves
+      card=(policy.jet_rl.plan_gpu_mem_gib=79 policy.jet_rl.engine_sleep_level=2 policy.train_micro_batch_size=2
+            policy.logprob_batch_size=4)
+      FRACTION=${FRACTION:-0.8}
+    fi
     timeout "${RUN_LIMIT:-520}" python3 -m jetrl_megatron.cli run --recipe qwen3_8b_1gpu --arm "$arm" \
       grpo.max_num_steps="$steps" policy.generation.ignore_eos=true policy.generation.max_new_tokens="$len" \
       policy.max_total_sequence_length=$((len + 32)) policy.generation.vllm_cfg.max_model_len=$((len + 32)) \
       policy.generation.vllm_kwargs.kv_cache_memory_bytes=$kv logger.tensorboard_enabled=false \
       policy.megatron_cfg.optimizer.optimizer_offload_fraction="${FRACTION:-0.75}" logger.log_dir="$dir" \
       ${FA_SPLITS:++policy.generation.vllm_kwargs.attention_config.flash_attn_max_num_splits_for_cuda_graph=$FA_SPLITS} \
-      ${PROFILE:+policy.jet_rl.profile_step=$PROFILE} ${EXTRA:-} > "$dir/run.log" 2>&1 &
+      ${PROFILE:+policy.jet_rl.profile_step=$PROFILE} "${card[@]}" ${EXTRA:-} > "$dir/run.log" 2>&1 &
     pid=$!
     while kill -0 $pid 2>/dev/null; do  # host and GPU memory every 5 s (the run's own metrics hold the per-phase peaks)
       echo "$(date +%T) $(free -m | awk '/Mem:/ {print "host_used_mib", $3}') $(nvidia-smi --query-gpu=memory.used \
