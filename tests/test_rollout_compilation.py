@@ -17,6 +17,7 @@ from jetrl_megatron.rollout.compilation import exact_llm_kwargs, requested_mode
 
 @pytest.mark.parametrize("given, want", [
     (None, None), (3, 3), (0, 0), ({"mode": 2}, 2), ({"level": 3}, 3), ({"cudagraph_mode": "FULL"}, None),
+    ({"mode": "VLLM_COMPILE"}, 3), ({"mode": "none"}, 0), ({"mode": "3"}, 3),
 ])
 def test_the_requested_mode_is_read_from_each_form_vllm_accepts(given, want):
     assert requested_mode(given) == want
@@ -74,6 +75,11 @@ def test_custom_ops_turned_off_are_named_in_a_warning_on_cuda(ops, warned, caplo
     assert out["compilation_config"] == {**given, "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     assert ("not exactly on-policy" in caplog.text) is warned
     assert ("-rotary_embedding" in caplog.text) is ("-rotary_embedding" in ops)
+
+
+def test_an_unknown_mode_name_is_refused_naming_the_key():
+    with pytest.raises(UserError, match=r"compilation_config.mode: 'FAST' is not a vLLM compilation mode"):
+        requested_mode({"mode": "FAST"})
 
 
 def test_a_boolean_is_refused():

@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 EXACT_MODE = 0
 DECODE_GRAPHS = "FULL_DECODE_ONLY"
 KEY = "vllm_kwargs.compilation_config.mode"
+# vLLM's CompilationMode names (a YAML may spell the mode by name)
+MODE_NAMES = {"NONE": 0, "STOCK_TORCH_COMPILE": 1, "DYNAMO_TRACE_ONCE": 2, "VLLM_COMPILE": 3}
 
 
 def requested_mode(compilation_config: Any) -> int | None:
@@ -35,7 +37,13 @@ def requested_mode(compilation_config: Any) -> int | None:
         mode = compilation_config.get("mode", compilation_config.get("level"))
     else:
         mode = getattr(compilation_config, "mode", None)
-    return None if mode is None else int(mode)
+    if mode is None:
+        return None
+    if isinstance(mode, str) and not mode.strip().isdigit():
+        if mode.upper() not in MODE_NAMES:
+            raise UserError(f"{KEY}: {mode!r} is not a vLLM compilation mode (0-3 or {', '.join(MODE_NAMES)})")
+        return MODE_NAMES[mode.upper()]
+    return int(mode)
 
 
 def exact_llm_kwargs(llm_kwargs: Mapping[str, Any], enforce_eager: bool, on_cuda: bool,
