@@ -30,6 +30,17 @@ def test_an_object_config_is_read_by_its_mode_attribute():
     assert requested_mode(Config()) == 3
 
 
+def test_a_config_object_without_a_mode_is_passed_on_untouched_with_a_warning(caplog):
+    class Config:
+        mode = None
+        cudagraph_capture_sizes = [1, 2]
+
+    given = Config()
+    with caplog.at_level(logging.WARNING, logger="jetrl_megatron.rollout.compilation"):
+        out = exact_llm_kwargs({"compilation_config": given}, enforce_eager=False, on_cuda=True, serves_plugin=True)
+    assert out["compilation_config"] is given and "give mode 0" in caplog.text
+
+
 def test_eager_engines_are_left_alone():
     kw = {"compilation_config": {"mode": 3}, "max_num_batched_tokens": 512}
     assert exact_llm_kwargs(kw, enforce_eager=True, on_cuda=True, serves_plugin=True) == kw

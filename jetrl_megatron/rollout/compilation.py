@@ -57,8 +57,12 @@ def exact_llm_kwargs(llm_kwargs: Mapping[str, Any], enforce_eager: bool, on_cuda
     if enforce_eager:  # vLLM runs mode 0 without CUDA graphs
         return kwargs
     mode = requested_mode(given)
+    if mode is None and given is not None and not isinstance(given, Mapping):
+        log.warning("rollout engine: a %s without a mode is passed to vLLM as it is (vLLM's default mode may compile "
+                    "the model; give mode 0 for the exact rollout)", type(given).__name__)
+        return kwargs
     if mode is None:
-        config = dict(given) if isinstance(given, Mapping) else {}
+        config = dict(given or {})
         config["mode"] = EXACT_MODE
         if on_cuda:
             config.setdefault("cudagraph_mode", DECODE_GRAPHS)
