@@ -20,7 +20,7 @@
 #           FA_SPLITS=N sets vLLM's FA3 KV-split cap for CUDA-graph decode (attention_config, vLLM's default 32);
 #           PROFILE=N profiles step N (profile_stepN.md in the run directory); EXTRA="key=value ..." appends overrides; LAYER=1 then runs check's layer cost benchmark;
 #           CARD=h100: the overrides that fit 8B on an 80 GB card (optimizer offload 0.8, level-2 sleep, micro-batches
-#           2 / 4, KV_GIB (default 14) of KV cache: the rollout in waves), checked by the plan against 79 GiB
+#           2 / 4, KV_GIB (default 12) of KV cache: the rollout in waves), checked by the plan against 79 GiB
 #   decode  bench/decode_invariance.py at the Qwen3-8B shape: which of vLLM's ops give a token other bytes in a decode
 #           step than in a prefill (norms, SiLU-and-mul, FP8 linears per backend, BF16 lm_head, FA3 decode vs prefill),
 #           and the project's SwiGLU against vLLM's silu_and_mul on every BF16 gate value
@@ -111,8 +111,9 @@ case $mode in
     dir=$base/r8b/len${len}_$arm; rm -rf "$dir"; mkdir -p "$dir"
     kv=$(( (len <= 1024 ? 20 : 80) * 1073741824 ))
     card=()
-    if [ "${CARD:-h200}" = h100 ]; then  # 8B on an 80 GB card (jetrl plan: rollout 75.4 GiB, update 74.3, host 109.8)
-      kv=$(( ${KV_GIB:-14} * 1073741824 ))  # fewer sequences than the batch at once: the rollout runs in waves
+    if [ "${CARD:-h200}" = h100 ]; then  # 8B on an 80 GB card (jetrl plan: rollout 73.4 GiB, update 74.3 at the FP8
+      # refresh, host 109.8; torch reports 79.2 GiB, ~2.1 GiB of which the CUDA context and vLLM's graph pool hold)
+      kv=$(( ${KV_GIB:-12} * 1073741824 ))  # 82 of the 128 sequences at once: the rollout runs in two waves
       card=(policy.jet_rl.plan_gpu_mem_gib=79 policy.jet_rl.engine_sleep_level=2 policy.train_micro_batch_size=2
             policy.logprob_batch_size=4)
       FRACTION=${FRACTION:-0.8}
