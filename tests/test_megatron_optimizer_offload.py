@@ -302,6 +302,16 @@ def test_plan_counts_gpu_and_host_memory_of_the_offload():
     assert ok and "host 118.2 GiB per node of 128 GiB: fits\n" in text + "\n" and "TIGHT" not in text, text
     text, ok = plan_report(off, 139.0, show_config=False, host_mem_gib=125.0)  # the jetrl arm: 13.2 GiB left
     assert "TIGHT" not in text, text
+    # the GPU side too: the 8B run on an 80 GB card (bench/qwen3_8b_gpu.sh CARD=h100) peaks at 74.3 of 79 GiB,
+    # leaving 4.7 GiB where a GPU process holds up to 5 GiB the plan does not count
+    h100 = load_config("qwen3_8b_1gpu", ["policy.megatron_cfg.optimizer.optimizer_offload_fraction=0.8",
+                                         "policy.jet_rl.engine_sleep_level=2", "policy.train_micro_batch_size=2",
+                                         "policy.logprob_batch_size=4",
+                                         f"policy.generation.vllm_kwargs.kv_cache_memory_bytes={12 << 30}"])
+    text, ok = plan_report(h100, 79.0, show_config=False, host_mem_gib=125.0)
+    assert ok and "peak 74.3 GiB of 79 GiB: fits, but TIGHT: 4.7 GiB left" in text, text
+    text, ok = plan_report(h100, 81.0, show_config=False, host_mem_gib=125.0)
+    assert ok and "peak 74.3 GiB of 81 GiB: fits\n" in text + "\n", text
 
 
 def test_plan_names_the_offload_fractions_that_fit():

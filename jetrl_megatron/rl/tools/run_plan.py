@@ -483,6 +483,10 @@ def plan_report(cfg: RunConfig, gpu_mem_gib: float | None = None, show_config: b
     if cfg.is_gpu:
         peak = gpu_peak(mem)
         verdict = "fits" if peak <= gpu_mem_gib else "DOES NOT FIT"
+        if peak <= gpu_mem_gib < peak + GPU_UNCOUNTED_GIB:
+            verdict += (f", but TIGHT: {gpu_mem_gib - peak:.1f} GiB left for what the plan does not count (up to "
+                        f"{GPU_UNCOUNTED_GIB:g} GiB per GPU process measured at 8B: the CUDA context, vLLM's graph "
+                        "pool, torch's cache)")
         lines.append(f"  peak {peak:.1f} GiB of {gpu_mem_gib:.0f} GiB: {verdict}")
         if mem["kv_cache_full_batch"] > mem["kv_cache_budget"]:
             lines.append(f"  note: {kv_waves_line(cfg, shape, layout, mem['kv_cache_budget'])}")
