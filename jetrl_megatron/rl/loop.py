@@ -46,13 +46,7 @@ from jetrl_megatron.rl.batch import (
 )
 from jetrl_megatron.rl.config import RunConfig, to_yaml
 from jetrl_megatron.rl.dist import dist_rank, dist_world, init_distributed, is_main, say, seed_everything, warn
-from jetrl_megatron.rl.generation import (
-    engine_groups,
-    rollout,
-    start_engine,
-    validate,
-    validation_split,
-)
+from jetrl_megatron.rl.generation import engine_groups, rollout, start_engine, validate, validation_split
 from jetrl_megatron.rl.metrics import position_bins
 from jetrl_megatron.rl.outputs.checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint
 from jetrl_megatron.rl.outputs.metric_log import RunLogger
