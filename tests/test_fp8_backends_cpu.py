@@ -79,12 +79,16 @@ def test_derived_cache_recomputes_after_in_place_change_and_forgets_freed_tensor
     w.add_(1.0)  # in-place update bumps the version: the derived tensor must be rebuilt
     c = _layout.derived(w, "double", make)
     assert len(calls) == 2 and torch.equal(c, w * 2)
-    key = (id(w), "double")
-    assert key in _layout._cache
-    del w, a, b, c
+    key = id(w)
+    assert key in _layout._cache and _layout.derived_bytes() >= c.numel() * 4
+    _layout.forget_derived(w)  # dropped now, rebuilt on next use
+    assert _layout._cache[key][1] == {}
+    d = _layout.derived(w, "double", make)
+    assert len(calls) == 3 and torch.equal(d, w * 2)
+    del w, a, b, c, d
     assert key not in _layout._cache
     with torch.inference_mode():
         v = torch.randn(2, 2)
     _layout.derived(v, "double", make)
     _layout.derived(v, "double", make)
-    assert len(calls) == 4  # inference tensors carry no version: never cached
+    assert len(calls) == 5  # inference tensors carry no version: never cached

@@ -167,3 +167,26 @@ def test_named_modes_of_each_arm():
         assert (r.trainer_gemm, r.rollout_weights, r.switches) == (gemm, weights, switches), arm
         assert r.trains_fp8 == (gemm == "fp8") and r.rollout_fp8 == (weights != "bf16")
     assert all(Fp8Recipe(mode=arm).switches == switches for switches, arm in ARM_BY_SWITCHES.items())
+
+
+def test_refresh_drops_the_layouts_derived_from_the_old_bytes():
+    """DGrad's K-major codes of a cached FP8 weight are stale once the step's refresh rewrites it: dropped there
+    (not held through the rollout until the next backward replaces them) and rebuilt from the new bytes on use."""
+    from jetrl_megatron.fp8.backends._layout import _cache, derived, derived_bytes
+
+    def kmajor(q: torch.Tensor) -> torch.Tensor:
+        return q.view(torch.uint8).t().contiguous()
+
+    params = _params()
+    cache = Fp8WeightCache()
+    cache.refresh(params.items())
+    q, _ = cache.get(params["a"])
+    before = derived_bytes()
+    old = derived(q, "kmajor_t", kmajor)
+    assert derived_bytes() == before + old.numel()
+    with torch.no_grad():
+        params["a"].mul_(-3.0)
+    cache.refresh(params.items())
+    assert derived_bytes() == before and _cache[id(q)][1] == {}
+    new = derived(q, "kmajor_t", kmajor)
+    assert torch.equal(new, q.view(torch.uint8).t()) and not torch.equal(new, old)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from jetrl_megatron.fp8 import quant_dispatch
+from jetrl_megatron.fp8.backends._layout import forget_derived
 from jetrl_megatron.recipe import Fp8Recipe
 
 
@@ -59,7 +60,9 @@ class Fp8WeightCache:
         """Quantize every given master weight. All-or-nothing: a non-finite weight aborts before any entry changes.
 
         An entry that exists already is overwritten in place (same tensors, same storage), so anything planned on
-        the cache's tensors - the resharder's refit program, a CUDA graph of it - stays valid across steps.
+        the cache's tensors - the resharder's refit program, a CUDA graph of it - stays valid across steps. The
+        layouts derived from an overwritten entry (DGrad's K-major codes, re-laid-out scales) are stale and dropped
+        here, before the rollout, not held until the next backward rebuilds them.
         """
         items = list(named_params)
         for name, p in items:
@@ -81,6 +84,8 @@ class Fp8WeightCache:
                     # that derived layouts (e.g. DGrad's transposed codes) are keyed on.
                     old.q.copy_(entry.q)
                     old.s.copy_(entry.s)
+                    forget_derived(old.q)
+                    forget_derived(old.s)
                     entry.q, entry.s = old.q, old.s
         self._entries.update(fresh)
         self.generation = generation

@@ -66,8 +66,9 @@ def checkpointed_inputs_bytes(cfg: RunConfig, tokens: int, hidden: int, layers: 
 def dgrad_weight_transposes_bytes(fp8_linear_params: float) -> float:
     """The FP8 arm's K-major copies of every FP8 weight that DGrad reads (``fp8/backends/_layout.derived``, tag
     ``kmajor_t``, on the cuBLAS, DeepGEMM and Triton backends alike) plus their transposed FP32 block scales: made
-    by the first backward, cached per weight tensor, and replaced (not freed) by the next backward after each
-    refresh, so from the first update on they stay in every phase: 1 B/param + 4 B per 128 x 128 block."""
+    by the update's first backward, cached per weight tensor, and dropped by the cache refresh after the optimizer
+    step (stale from then on; ``Fp8WeightCache.refresh``), so the update phase only: 1 B/param + 4 B per 128 x 128
+    block."""
     return fp8_linear_params * (1 + 4 / (BLOCK * BLOCK))
 
 

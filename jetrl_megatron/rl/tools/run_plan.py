@@ -238,8 +238,8 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     the trainer from.
 
     - BF16 model weights (2 B/param); the jetrl arm adds its per-step FP8 copy of every FP8 linear (1 B/param +
-      FP32 scale per 128x128 block) and DGrad's cached K-major copies of them (``dgrad_weight_transposes``, the same
-      size, kept from the first backward on); gradients in the DDP grad buffers (2 B/param in BF16, 4 with
+      FP32 scale per 128x128 block) and, in the update only, DGrad's cached K-major copies of them
+      (``dgrad_weight_transposes``, the same size, made by its first backward, dropped by the refresh); gradients in the DDP grad buffers (2 B/param in BF16, 4 with
       grad_reduce_in_fp32; full-size under the distributed optimizer too), held in the train phase only when
       ``release_grad_buffers`` (the loop frees them after each update: megatron/grad_buffers.py);
     - Adam: FP32 master + 2 moments = 12 B/param, divided by DP under the distributed optimizer;
@@ -325,8 +325,8 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     }
     out = {k: v / GiB for k, v in out.items()}
     # held in every phase of a steady step (the grad buffers too when the loop keeps them)
-    resident = (out["weights_bf16"] + out["fp8_weight_copies"] + out["dgrad_weight_transposes"]
-                + out["optimizer_adam"] + out["refit_buffers"] + out["refit_quantize_scratch"]
+    resident = (out["weights_bf16"] + out["fp8_weight_copies"] + out["optimizer_adam"] + out["refit_buffers"]
+                + out["refit_quantize_scratch"]
                 + (out["main_grads_fp32"] if offload else 0.0))
     if not settings.release_grad_buffers:
         resident += out["grad_buffers"]
@@ -336,7 +336,7 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     step_extra = max(out["optimizer_step_scratch"] + (0.0 if offload else out["main_grads_fp32"]),
                      out["fp8_refresh_transient"])
     out["train_phase_total"] = (resident + (out["grad_buffers"] if settings.release_grad_buffers else 0.0)
-                                + max(out["activations"], step_extra))
+                                + out["dgrad_weight_transposes"] + max(out["activations"], step_extra))
     kv_per_token = kv_waves.kv_bytes_per_token(shape, rtp)
     seqs_per_engine = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt / layout.engines
     out["kv_cache_full_batch"] = kv_per_token * seqs_per_engine * cfg.policy.generation.vllm_cfg.max_model_len / GiB
