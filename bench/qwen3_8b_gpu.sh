@@ -111,8 +111,9 @@ case $mode in
     dir=$base/r8b/len${len}_$arm; rm -rf "$dir"; mkdir -p "$dir"
     kv=$(( (len <= 1024 ? 20 : 80) * 1073741824 ))
     card=()
-    if [ "${CARD:-h200}" = h100 ]; then  # 8B on an 80 GB card (jetrl plan: rollout 73.4 GiB, update 74.3 at the FP8
-      # refresh, host 109.8; torch reports 79.2 GiB, ~2.1 GiB of which the CUDA context and vLLM's graph pool hold)
+    if [ "${CARD:-h200}" = h100 ]; then  # 8B on an 80 GB card (jetrl plan: rollout 66.9 GiB, update 74.3 at the FP8
+      # refresh, host 109.8; torch reports 79.2 GiB, ~2.1 GiB of which the CUDA context and vLLM's graph pool hold;
+      # measured at step 2 with 64 responses: rollout 72.0, update 78.0, 2026-12-05 bench/qwen3_8b_1gpu/20261205e_h100)
       kv=$(( ${KV_GIB:-12} * 1073741824 ))  # 82 of the 128 sequences at once: the rollout runs in two waves
       card=(policy.jet_rl.plan_gpu_mem_gib=79 policy.jet_rl.engine_sleep_level=2 policy.train_micro_batch_size=2
             policy.logprob_batch_size=4)

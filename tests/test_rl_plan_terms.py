@@ -1,6 +1,6 @@
 """`jetrl plan`'s per-phase GPU terms (rl/tools/plan_terms.py) against sizes computed here from the model shape, and
-the Qwen3-8B one-H200 estimate against the GPU peaks that run measured (bench/qwen3_8b_1gpu/20261203b). CPU,
-arithmetic only."""
+the Qwen3-8B one-H100 estimate of each arm against the step-2 GPU peaks those runs measured
+(bench/qwen3_8b_1gpu/20261205e_h100). CPU, arithmetic only."""
 
 from __future__ import annotations
 
@@ -13,8 +13,15 @@ from jetrl_megatron.rl.config import load_config
 from jetrl_megatron.rl.config.run_config import arm_overrides
 from jetrl_megatron.rl.tools.run_plan import GiB, memory_estimate, model_shape, parallel_layout
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "qwen3_8b_1gpu" / "20261203b"
-# the measured run's overrides (bench/qwen3_8b_gpu.sh grpo, LEN=1024, FA_SPLITS=1)
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "qwen3_8b_1gpu" / "20261205e_h100"
+# the measured runs' overrides (bench/qwen3_8b_gpu.sh grpo, CARD=h100 LEN=1024, 64 responses a step)
+RUN_H100 = ["grpo.max_num_steps=2", "policy.generation.ignore_eos=true", "policy.generation.max_new_tokens=1024",
+            "policy.max_total_sequence_length=1056", "policy.generation.vllm_cfg.max_model_len=1056",
+            f"policy.generation.vllm_kwargs.kv_cache_memory_bytes={12 << 30}",
+            "policy.megatron_cfg.optimizer.optimizer_offload_fraction=0.8", "policy.jet_rl.engine_sleep_level=2",
+            "policy.train_micro_batch_size=2", "policy.logprob_batch_size=4", "grpo.num_generations_per_prompt=8",
+            "policy.train_global_batch_size=64"]
+# the one-H200 recipe's shape (LEN=1024) for the arithmetic tests
 RUN = ["grpo.max_num_steps=2", "policy.generation.ignore_eos=true", "policy.generation.max_new_tokens=1024",
        "policy.max_total_sequence_length=1056", "policy.generation.vllm_cfg.max_model_len=1056",
        f"policy.generation.vllm_kwargs.kv_cache_memory_bytes={20 << 30}",
@@ -81,15 +88,20 @@ def test_hybrid_optimizer_fp32_grads_stay_resident_and_the_step_scratch():
         assert m["refit_phase_total"] == pytest.approx(m["resident_all_phases"] + m["vllm_weights"] + 20.0)
 
 
+@pytest.mark.parametrize("arm", ["jetrl", "bf16", "bf16_train_fp8_rollout"])
 @pytest.mark.parametrize("phase", ["logprob", "update", "refit", "rollout"])
-def test_qwen3_8b_estimate_within_15_percent_of_the_measured_peak(phase):
-    """The jetrl arm's step-2 peaks on one H200. The measured run predates the cache release after the refit, so
-    its rollout peak still holds torch's cached blocks from the update; the plan counts none (the loop frees them)."""
-    rows = [json.loads(line) for line in (BENCH / "len1024_jetrl" / "metrics.jsonl").read_text().splitlines()]
+def test_qwen3_8b_estimate_within_15_percent_of_the_measured_peak(arm, phase):
+    """Each arm's step-2 peaks on one H100 (every buffer the first update creates exists by then). The plan counts
+    no CUDA context, CUDA-graph pool or engine activations (``GPU_UNCOUNTED_GIB`` covers them), so it must stay
+    under the measurement, and within 15% of it. The jetrl arm's run is the one whose refresh dropped DGrad's stale
+    K-major copies: before that (``len1024_jetrl_128seq_before_refresh_drop``) step 2's engine could not wake."""
+    rows = [json.loads(line) for line in (BENCH / f"len1024_{arm}" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2
     measured = rows[-1][f"memory/gpu_peak_gib_{phase}"]
-    m = _estimate("jetrl")
+    cfg = load_config("qwen3_8b_1gpu", [*RUN_H100, *arm_overrides(arm)])
+    m = memory_estimate(cfg, model_shape(cfg), parallel_layout(cfg), 79.0)
     planned = m[{"update": "train_phase_total"}.get(phase, f"{phase}_phase_total")]
-    assert planned <= measured and planned >= 0.85 * measured, (phase, planned, measured)
+    assert 0.85 * measured <= planned <= measured, (arm, phase, planned, measured)
 
 
 @pytest.mark.parametrize("extra, want", [

@@ -239,8 +239,9 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
 
     - BF16 model weights (2 B/param); the jetrl arm adds its per-step FP8 copy of every FP8 linear (1 B/param +
       FP32 scale per 128x128 block) and, in the update only, DGrad's cached K-major copies of them
-      (``dgrad_weight_transposes``, the same size, made by its first backward, dropped by the refresh); gradients in the DDP grad buffers (2 B/param in BF16, 4 with
-      grad_reduce_in_fp32; full-size under the distributed optimizer too), held in the train phase only when
+      (``dgrad_weight_transposes``, the same size, made by its first backward, dropped by the refresh); gradients
+      in the DDP grad buffers (2 B/param in BF16, 4 with grad_reduce_in_fp32; full-size under the distributed
+      optimizer too), held in the train phase only when
       ``release_grad_buffers`` (the loop frees them after each update: megatron/grad_buffers.py);
     - Adam: FP32 master + 2 moments = 12 B/param, divided by DP under the distributed optimizer;
     - FP32 copies of the gradients (4 B/param, /DP distributed): Megatron's distributed optimizer makes them in the
