@@ -41,6 +41,7 @@ import torch
 
 from jetrl_megatron.megatron.cpu import host_offload_scope
 from jetrl_megatron.megatron.grad_buffers import GradBuffersReleasedError
+from jetrl_megatron.megatron.host_pinning import PinnedHostMasters
 from jetrl_megatron.megatron.model import refresh_fp8_cache, unwrap
 
 __all__ = ["Fp8RefreshingOptimizer", "OptimizerStats", "te_fused_adam_available"]
@@ -167,6 +168,7 @@ class Fp8RefreshingOptimizer:
         self.optimizer = optimizer
         self.model_chunks = list(model_chunks)
         self.stats = OptimizerStats()
+        self.pinned_masters: list[PinnedHostMasters] = []
 
     @property
     def distributed(self) -> bool:
@@ -177,6 +179,13 @@ class Fp8RefreshingOptimizer:
     def offloaded(self) -> bool:
         """True when Megatron's hybrid CPU-offload optimizer holds the FP32 masters and Adam state."""
         return any(_hybrid(o) is not None for o in _inner_optimizers(self.optimizer))
+
+    def pin_host_masters(self, **kwargs: Any) -> list[PinnedHostMasters]:
+        """Page-lock the hybrid optimizers' host FP32 masters in place (``megatron/host_pinning.py``: Megatron's
+        ``pin_cpu_params``, which its hybrid optimizer does not apply to them); held by this wrapper."""
+        self.pinned_masters += [PinnedHostMasters.of(h, **kwargs) for o in _inner_optimizers(self.optimizer)
+                                if (h := _hybrid(o)) is not None]
+        return self.pinned_masters
 
     def _scope(self) -> contextlib.AbstractContextManager:
         """Calls into the hybrid optimizer: its offload path on a CPU-only box, and an FP32 gradient norm."""

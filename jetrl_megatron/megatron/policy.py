@@ -11,6 +11,7 @@ one order, so none of that can be written.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from jetrl_megatron.megatron.optim import Fp8RefreshingOptimizer, te_fused_adam_
 from jetrl_megatron.megatron.optimizer_settings import OptimizerSettings
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
+
+log = logging.getLogger(__name__)
 
 __all__ = ["OptimizerSettings", "Policy", "build_policy"]
 
@@ -141,7 +144,8 @@ def _megatron_adam(model: ReleasableGradDDP, settings: OptimizerSettings, *,
                              f"optimizer_cpu_offload=true, got {s.optimizer_offload_fraction}")
         cfg = OptimizerConfig(**common, use_distributed_optimizer=True, optimizer_cpu_offload=True,
                               optimizer_offload_fraction=s.optimizer_offload_fraction,
-                              overlap_cpu_optimizer_d2h_h2d=s.overlap_cpu_optimizer_d2h_h2d, **optimizer_config)
+                              overlap_cpu_optimizer_d2h_h2d=s.overlap_cpu_optimizer_d2h_h2d,
+                              pin_cpu_params=s.pin_cpu_params, **optimizer_config)
         # The precision-aware path, set after construction: OptimizerConfig's check of it asks TransformerEngine's
         # version even with CPU offload (which does not use TransformerEngine) and fails on None without it. These
         # are the values its __post_init__ gives with offload on and no TransformerEngine 2.1.
@@ -149,7 +153,11 @@ def _megatron_adam(model: ReleasableGradDDP, settings: OptimizerSettings, *,
         cfg.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
         cfg.store_param_remainders = False
         with host_offload_scope():
-            return Fp8RefreshingOptimizer(get_megatron_optimizer(cfg, [model]), [model])
+            wrapped = Fp8RefreshingOptimizer(get_megatron_optimizer(cfg, [model]), [model])
+        if s.pin_cpu_params and torch.cuda.is_available():
+            for pinned in wrapped.pin_host_masters():
+                log.info("optimizer CPU offload: %s", pinned.summary())
+        return wrapped
     if use_precision_aware_optimizer:
         if not s.use_distributed_optimizer:
             raise ValueError("use_precision_aware_optimizer needs use_distributed_optimizer (Megatron's rule)")
