@@ -4,6 +4,7 @@ Run on the H200 machine with vLLM 0.26 installed (docs/vllm_gpu.md); skipped wit
 - sleep(level=1) must release GPU memory (weights offloaded, KV cache freed) and wake_up() must restore the exact
   weights: the same seeded generation afterwards gives the same tokens and logprobs, bit for bit, and a refit after
   wake_up is served. After sleep(level=2) (weights discarded) a refit of the same weights must restore every byte.
+  A wake-up the GPU has no room for fails with one line naming the memory and the keys (rl/engine_wake.py).
 - A TP=2 engine (two GPUs) serves the same FP8 model: its prompt logprobs agree with the TP=1 engine's within a
   stated bound (not bit for bit: the row-parallel all-reduce changes the summation order), and a refit reaches
   both ranks (the logprobs move to the new weights' TP=1 values).
@@ -103,6 +104,27 @@ def test_level2_sleep_then_a_refit_serves_the_same_bytes(tmp_path):
         assert engine.score(seqs) == scores
     finally:
         engine.shutdown()
+
+
+def test_an_engine_that_cannot_wake_names_the_memory_and_the_keys(tmp_path):
+    """With the GPU filled while the engine sleeps (as the trainer's state filled an 80 GB card at 8B, 2026-12-05),
+    vLLM's real out-of-memory failure at wake-up reaches the loop as one line naming the KV budget and the keys."""
+    from jetrl_megatron.rl.config import load_config
+    from jetrl_megatron.rl.engine_wake import EngineWakeOutOfMemory, wake_engine
+
+    cfg = load_config("qwen3_8b_1gpu", [f"policy.generation.vllm_kwargs.kv_cache_memory_bytes={12 << 30}"])
+    engine = _engine(_model(tmp_path), sleep=True)
+    try:
+        assert engine.sleep(level=1)
+        filler = torch.empty(torch.cuda.mem_get_info()[0] - (256 << 20), dtype=torch.uint8, device="cuda")
+        with pytest.raises(EngineWakeOutOfMemory, match=r"kv_cache_memory_bytes = 12\.0 GiB.*GPU had 0\.\d+ of "):
+            wake_engine(engine.wake_up, cfg)
+        del filler
+    finally:
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - a half-woken engine may not shut down cleanly; its process ends here
+            pass
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

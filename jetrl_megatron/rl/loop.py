@@ -46,6 +46,7 @@ from jetrl_megatron.rl.batch import (
 )
 from jetrl_megatron.rl.config import RunConfig, to_yaml
 from jetrl_megatron.rl.dist import dist_rank, dist_world, init_distributed, is_main, say, seed_everything, warn
+from jetrl_megatron.rl.engine_wake import wake_engine
 from jetrl_megatron.rl.generation import engine_groups, rollout, start_engine, validate, validation_split
 from jetrl_megatron.rl.metrics import position_bins
 from jetrl_megatron.rl.outputs.checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -287,7 +288,7 @@ class TrainPhase:
 
     def wake_up(self) -> None:
         if self.asleep:
-            self.ro.engine.wake_up()
+            wake_engine(self.ro.engine.wake_up, self.cfg)  # out of memory: which keys to change (rl/engine_wake.py)
             self.asleep = False
 
     @contextmanager

@@ -1,0 +1,84 @@
+"""Waking the colocated rollout engine after the trainer's phase, with a message a user can act on when the GPU
+cannot give vLLM its memory back.
+
+Why: the engine's wake-up is where a colocated run that planned too tightly fails, and vLLM's own message there
+(``CUDA Error: out of memory at .../cumem_allocator.cpp:163`` and a 20-frame traceback) names neither what holds the
+memory nor which key to change. The first 8B step on an 80 GB H100 (2026-12-05) failed exactly there, at step 2: after
+the first update the trainer holds state the first rollout did not see (the GPU part of the Adam state), so a run can
+pass step 1 and stop at step 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from jetrl_megatron.errors import UserError, one_line
+from jetrl_megatron.rl.config import RunConfig
+from jetrl_megatron.rl.phase_memory import cache_breakdown
+
+__all__ = ["EngineWakeOutOfMemory", "wake_engine"]
+
+GiB = float(1 << 30)
+
+
+class EngineWakeOutOfMemory(UserError):
+    """The rollout engine could not take its weights and KV cache back after the trainer's phase."""
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _gpu_free_total() -> tuple[float, float] | None:
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return free / GiB, total / GiB
+
+
+def trainer_gpu_gib() -> float | None:
+    """GiB of this process's tensors outside private pools (the trainer's: vLLM's sleeping pool still counts its
+    allocations as torch-allocated); None without CUDA or when the allocator snapshot fails."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        pools = cache_breakdown(torch.cuda.memory_snapshot())["private_pools_allocated"]
+    except Exception:  # noqa: BLE001 - a diagnostic inside an error message must not replace the error
+        return None
+    return torch.cuda.memory_allocated() / GiB - pools
+
+
+def wake_message(cfg: RunConfig, cause: BaseException, gpu: tuple[float, float] | None,
+                 trainer_gib: float | None) -> str:
+    """One line: what was asked, what the GPU had, which keys lower the engine's share or the trainer's."""
+    kv = cfg.kv_cache_memory_bytes()
+    budget = (f"its KV cache (policy.generation.vllm_kwargs.kv_cache_memory_bytes = {kv / GiB:.1f} GiB)" if kv
+              else "its KV cache (policy.generation.vllm_cfg.gpu_memory_utilization = "
+                   f"{cfg.policy.generation.vllm_cfg.gpu_memory_utilization})")
+    have = ""
+    if gpu is not None:
+        have = f"; the GPU had {gpu[0]:.1f} of {gpu[1]:.1f} GiB free"
+        if trainer_gib is not None:
+            have += f", the trainer holding {trainer_gib:.1f} GiB"
+    offload = cfg.policy.megatron_cfg.optimizer
+    lever = ("raise policy.megatron_cfg.optimizer.optimizer_offload_fraction (now "
+             f"{offload.optimizer_offload_fraction})" if offload.optimizer_cpu_offload
+             else "turn on policy.megatron_cfg.optimizer.optimizer_cpu_offload")
+    return one_line(
+        f"the rollout engine could not wake up after the trainer's phase: out of GPU memory taking back its weights "
+        f"and {budget}{have}. Lower the KV cache (the rollout then runs in waves, still exact), {lever}, or lower "
+        f"policy.train_micro_batch_size; `jetrl plan` prints each phase's estimate for this config (vLLM: "
+        f"{one_line(cause, 120)})", limit=900)
+
+
+def wake_engine(wake: Callable[[], object], cfg: RunConfig,
+                trainer_gib: Callable[[], float | None] = trainer_gpu_gib) -> None:
+    """``wake()``, with an out-of-memory failure turned into :class:`EngineWakeOutOfMemory` (other errors pass)."""
+    try:
+        wake()
+    except (RuntimeError, torch.OutOfMemoryError) as exc:
+        if not _is_out_of_memory(exc):
+            raise
+        raise EngineWakeOutOfMemory(wake_message(cfg, exc, _gpu_free_total(), trainer_gib())) from exc
