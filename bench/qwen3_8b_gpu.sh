@@ -1,7 +1,7 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|waves|fuse|te|round OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|optcost|decode|probe|rollcost|exact150m|waves|fuse|te|round OUT_DIR
 #   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
 #           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
 #   stage1, stage2  copy .vc/p1, .vc/p2 (one 44 MiB part per call: a call takes at most 64 MiB with the tree) for a
@@ -21,6 +21,11 @@
 #           PROFILE=N profiles step N (profile_stepN.md in the run directory); EXTRA="key=value ..." appends overrides; LAYER=1 then runs check's layer cost benchmark;
 #           CARD=h100: the overrides that fit 8B on an 80 GB card (optimizer offload 0.8, level-2 sleep, micro-batches
 #           2 / 4, KV_GIB (default 12) of KV cache: the rollout in waves), checked by the plan against 79 GiB
+#           TAG=name suffixes the run directory (len<LEN>_<ARM>_<TAG>)
+#   optcost the optimizer CPU offload's copies (issue 27 item 4), side by side in one call: grpo with CARD=h100 and the
+#           same ARM / LEN / STEPS / EXTRA three times, the host FP32 masters pageable (pin_cpu_params=false, the
+#           before), page-locked (the default), and page-locked with overlap_cpu_optimizer_d2h_h2d=true; then a table
+#           of each run's last step (update, optimizer step, step) from its metrics; LIMIT_OPT=seconds per run
 #   decode  bench/decode_invariance.py at the Qwen3-8B shape: which of vLLM's ops give a token other bytes in a decode
 #           step than in a prefill (norms, SiLU-and-mul, FP8 linears per backend, BF16 lm_head, FA3 decode vs prefill),
 #           and the project's SwiGLU against vLLM's silu_and_mul on every BF16 gate value
@@ -44,7 +49,7 @@
 # pytest runs under `timeout -s INT`: at its limit pytest is interrupted, not killed, and still prints which tests
 # failed and why (a killed run's log ended mid-test on 2026-12-05 with one failure and no message)
 set -uo pipefail
-mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|waves|fuse|te|round}
+mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|optcost|decode|probe|rollcost|exact150m|waves|fuse|te|round}
 out=${2:?OUT_DIR}
 mkdir -p /tmp/vc "$out"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -108,7 +113,7 @@ case $mode in
     arm=${ARM:?ARM} len=${LEN:-1024} steps=${STEPS:-3}
     # the run directory (logs, the profile; the engine starts from config.json alone): on disk, not in a tmpfs
     base=/tmp; [ "$(stat -f -c %T /tmp)" = tmpfs ] && base=$PWD/..
-    dir=$base/r8b/len${len}_$arm; rm -rf "$dir"; mkdir -p "$dir"
+    name=len${len}_$arm${TAG:+_$TAG}; dir=$base/r8b/$name; rm -rf "$dir"; mkdir -p "$dir"
     kv=$(( (len <= 1024 ? 20 : 80) * 1073741824 ))
     card=()
     if [ "${CARD:-h200}" = h100 ]; then  # 8B on an 80 GB card (jetrl plan: rollout 66.9 GiB, update 74.3 at the FP8
@@ -131,10 +136,30 @@ case $mode in
       echo "$(date +%T) $(free -m | awk '/Mem:/ {print "host_used_mib", $3}') $(nvidia-smi --query-gpu=memory.used \
         --format=csv,noheader,nounits | head -1) gpu_used_mib" >> "$dir/memory_trace.txt"; sleep 5
     done
-    wait $pid; echo "== run $arm len $len: rc $?"
+    wait $pid; echo "== run $name: rc $?"
     grep -E "^step|rollout engine|Error|error:|Killed|CUDA out" "$dir/run.log" | tail -12
-    (cd "$dir/.." && tar czf "$out/grpo8b_len${len}_$arm.tgz" --exclude='model_init_engine*' "$(basename "$dir")")
+    (cd "$dir/.." && tar czf "$out/grpo8b_$name.tgz" --exclude='model_init_engine*' "$name")
     [ "${LAYER:-0}" = 1 ] && layer_cost ;;
+  optcost)  # the host masters pageable / page-locked / page-locked + overlapped copies, one run each, side by side
+    opt=policy.megatron_cfg.optimizer
+    for v in "pageable:$opt.pin_cpu_params=false" "pinned:" "overlap:$opt.overlap_cpu_optimizer_d2h_h2d=true"; do
+      CARD=h100 TAG=${v%%:*} RUN_LIMIT=${LIMIT_OPT:-170} EXTRA="${EXTRA:-} ${v#*:}" bash "$0" grpo "$out"
+    done
+    python3 - "$out" <<'PY'
+import io, json, sys, tarfile
+from pathlib import Path
+print("| run | step | update s | optimizer s | step s | k3 |")
+print("|---|---|---|---|---|---|")
+for tgz in sorted(Path(sys.argv[1]).glob("grpo8b_*.tgz")):
+    with tarfile.open(tgz) as tar:
+        member = next((m for m in tar.getmembers() if m.name.endswith("metrics.jsonl")), None)
+        rows = [json.loads(x) for x in io.TextIOWrapper(tar.extractfile(member))] if member else []
+    last = rows[-1] if rows else {}
+    print(f"| {tgz.stem[len('grpo8b_'):]} | {last.get('step', '-')} | {last.get('time/update', float('nan')):.2f} | "
+          f"{last.get('time/optimizer', float('nan')):.2f} | {last.get('time/step', float('nan')):.2f} | "
+          f"{last.get('mismatch/k3_kl', float('nan')):.2e} |")
+PY
+    ;;
   vtests)  # issue 26's GPU tests alone: vLLM's own CUDA ops, trainer == engine decode/prefill, the decode-matched trainer,
     # the batch-invariant norms (one launch, FP8 forms), the engine's sleep / wake / refit, the loop's phase memory
     # (cache release order, cache breakdown), the in-place refit (an engine started without weights); VTESTS=-k-expression
@@ -213,7 +238,7 @@ case $mode in
       limit_var=LIMIT_$m  # LIMIT_<mode>=seconds: that mode's RUN_LIMIT in this round
       echo "== round: $m ($(date +%T))"; PACK_DG=0 RUN_LIMIT=${!limit_var:-${RUN_LIMIT:-}} bash "$0" "$m" "$out/$m"
     done ;;
-  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|decode|probe|rollcost|exact150m|waves|fuse|te|round OUT_DIR" >&2
+  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|optcost|decode|probe|rollcost|exact150m|waves|fuse|te|round OUT_DIR" >&2
      exit 2 ;;
 esac
 # PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz, and
