@@ -53,6 +53,10 @@ def test_large_storages_registered_once_small_ones_left_and_release_unregisters(
     pinned.release()
     pinned.release()  # idempotent
     assert reg.live == {} and pinned.count == 0 and pinned.bytes == 0
+    again = PinnedHostMasters(ts, register=reg.register, unregister=reg.unregister)
+    assert again.count == 2
+    del again  # collected: unregistered before its storages can be freed
+    assert reg.live == {}
 
 
 def test_a_failed_registration_stops_with_one_message_and_keeps_what_was_pinned(caplog):

@@ -97,6 +97,13 @@ class PinnedHostMasters:
             self._unregister(address)
         self.bytes = 0
 
+    def __del__(self) -> None:
+        # a registered range must be unregistered before its memory is freed: the storages go with this object
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - at interpreter shutdown CUDA may already be gone
+            pass
+
     def summary(self) -> str:
         if self.error:
             return self.error
