@@ -93,8 +93,9 @@ def test_upstream_fp8_recipes_select_the_arm_and_plan(upstream, name, preset):
 UNSUPPORTED_ARCHITECTURES = {"nemotron_h": "NemotronHForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration"}
 
 
-# NeMo-RL recipes that exceed 80 GiB here by the in-place FP8 refit's BF16 scratch alone (see the test below)
-SCRATCH_OVER_80 = {"grpo-llama3.1-8b-instruct-1n8g-megatron-fp8-rollouts.v3.yaml",
+# NeMo-RL's FP8-rollout recipes (bf16_train_fp8_rollout, PP 2): before the in-place refit quantized the weights of
+# its own pipeline stage one at a time, a BF16 scratch of every FP8 weight (13 GiB) took them to 81.4 GiB
+FP8_ROLLOUT_PP2 = {"grpo-llama3.1-8b-instruct-1n8g-megatron-fp8-rollouts.v3.yaml",
                    "grpo-llama3.1-8b-instruct-1n8g-megatron-fp8-rollouts.v3-tq_simple.yaml"}
 
 def test_every_loading_yaml_plans_unchanged_from_a_local_hub_cache(upstream, tmp_path, monkeypatch):
@@ -129,15 +130,9 @@ def test_every_loading_yaml_plans_unchanged_from_a_local_hub_cache(upstream, tmp
                 ln.strip() for ln in text.splitlines() if "REFUSED" in ln or "DOES NOT FIT" in ln)
         except (ConfigError, UserError) as e:
             outcome[y.path.name] = str(e)
-    # The in-place refit of the bf16_train_fp8_rollout arm keeps a BF16 scratch of every FP8-served weight
-    # (refit_quantize_scratch: 13 GiB for the whole Llama-3.1-8B engine, measured at Qwen3-8B: 12.8): with it these
-    # two recipes plan 81.4 GiB on an 80 GiB GPU. They must fit without it (the scratch is the only term over).
-    over = {n: o for n, o in outcome.items() if n in SCRATCH_OVER_80}
-    for name in over:
-        assert over[name].startswith("peak ") and "DOES NOT FIT" in over[name], (name, over[name])
-        peak = float(over[name].split()[1])
-        assert peak - scratch[name] <= 80.0, (name, peak, scratch[name])
-        outcome[name] = "OK"
+    # the streamed half of the scratch (the other stage's weights, 6.5 GiB) stays: they plan OK with it on 80 GiB
+    for name in FP8_ROLLOUT_PP2:
+        assert outcome.get(name) == "OK" and 6.0 < scratch[name] < 7.0, (name, outcome.get(name), scratch.get(name))
     passed = sorted(n for n, o in outcome.items() if o == "OK")
     unsupported = {n: arch for n, o in outcome.items() for arch, cls in UNSUPPORTED_ARCHITECTURES.items()
                    if o.startswith("policy.model_name:") and f"model_type='{arch}'" in o and cls in o}

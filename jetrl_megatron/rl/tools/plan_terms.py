@@ -79,14 +79,33 @@ def fp8_refresh_transient_bytes(fp8_linear_params: float) -> float:
     return fp8_linear_params * (1 + 4 / (BLOCK * BLOCK))
 
 
-def refit_quantize_scratch_bytes(cfg: RunConfig, fp8_linear_params_per_engine_rank: float) -> float:
-    """The self-quantizing arms' (bf16_train_fp8_rollout, fake_quant) BF16 scratch of every FP8 weight of this vLLM
-    rank: the in-place refit program copies the trainer's BF16 slabs into it and quantizes it into the live FP8
-    tensors (``rollout/refit.py`` ``InplaceRefit.quantize``); built with the program at the first refit and kept by
-    it: 2 B/param in every phase. None for jetrl (FP8 bytes copied as they are) and bf16 (BF16 served)."""
+def streamed_scratch_fraction(tp: int, pp: int, rollout_tp: int) -> float:
+    """The share of an engine rank's FP8 weights whose BF16 slabs reach it from trainer peers through the refit
+    exchange (the self-quantizing arms' scratches ``InplaceRefit`` keeps allocated): every layer of the other
+    pipeline stages, and this stage's too unless its vLLM slice lies inside this rank's own TP shard (trainer TP 1,
+    or rollout TP = trainer TP; colocated rank r is trainer TP rank r % TP and vLLM rank r % rollout TP)."""
+    own_stage_local = tp == 1 or rollout_tp == tp
+    return (pp - 1) / pp if own_stage_local else 1.0
+
+
+def refit_quantize_scratch_bytes(cfg: RunConfig, fp8_linear_params_per_engine_rank: float,
+                                 streamed_fraction: float) -> float:
+    """The self-quantizing arms' (bf16_train_fp8_rollout, fake_quant) BF16 scratch of the FP8 weights a trainer
+    peer's slabs stream into (``streamed_scratch_fraction``; ``rollout/refit.py`` ``InplaceRefit``): allocated at the
+    first refit and kept, 2 B/param in every phase. None for jetrl (FP8 bytes copied as they are) and bf16."""
     if cfg.recipe.rollout_weights != "self_quantized":
         return 0.0
-    return 2 * fp8_linear_params_per_engine_rank
+    return 2 * fp8_linear_params_per_engine_rank * streamed_fraction
+
+
+def refit_quantize_one_weight_bytes(cfg: RunConfig, largest_fp8_weight_per_engine_rank: float,
+                                    streamed_fraction: float) -> float:
+    """The self-quantizing arms' scratch of the weights quantized one at a time (the rest: every weight whose slabs
+    are this rank's own), each allocated, filled, quantized and released in turn during the refit: 2 B x the
+    largest FP8 weight, refit phase only."""
+    if cfg.recipe.rollout_weights != "self_quantized" or streamed_fraction >= 1.0:
+        return 0.0
+    return 2 * largest_fp8_weight_per_engine_rank
 
 
 def optimizer_step_scratch_bytes(largest_param: float, shard: int) -> float:

@@ -266,7 +266,9 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     - refit exchange buffers (trainer TP x PP > 1): the busiest rank's send + receive staging buffers, exactly as
       `RefitExchange` allocates them (:func:`refit_buffers`; at most ``policy.refit_buffer_size_gb``, 2 GiB unset);
       allocated at the first refit, before the first step, and held in every phase; the self-quantizing arms' BF16
-      scratch of the engine's FP8 weights (``refit_quantize_scratch``) likewise;
+      scratch of the engine's FP8 weights that a trainer peer's slabs stream into (``refit_quantize_scratch``)
+      likewise, and in the refit phase the scratch of the largest weight quantized on its own
+      (``refit_quantize_one_weight``);
     - KV cache: vLLM may use gpu_memory_utilization of the GPU for its weights + KV (colocated; freed while training),
       or exactly vllm_kwargs.kv_cache_memory_bytes of KV plus its weights when that key is set;
       the batch needs 2 x layers x kv_heads/rollout_TP x head_dim x 2 B per token for all sequences of one engine;
@@ -308,6 +310,10 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     offload = settings.optimizer.optimizer_cpu_offload
     rtp = layout.rollout_tp
     fp8_lin_engine = pc["linear_per_layer"] * shape.num_layers / rtp if cfg.recipe.rollout_fp8 else 0.0
+    kv_width = shape.num_kv_heads * shape.head_dim
+    largest_fp8_engine = (max(2 * f * h, (q + 2 * kv_width) * h, q * h, f * h) / rtp) if cfg.recipe.rollout_fp8 \
+        else 0.0
+    streamed = plan_terms.streamed_scratch_fraction(tp, pp, rtp)
     out = {
         "weights_bf16": 2 * params,
         "fp8_weight_copies": (lin * (1 + 4 / (128 * 128))) if fp8_train else 0.0,
@@ -322,7 +328,8 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
         "activations": acts,
         "logprob_logits": plan_terms.logprob_logits_bytes(cfg, lp_rows, seq, vocab, tp) if last_stage else 0,
         "refit_buffers": busiest[1].buffers if (busiest := refit_buffers(cfg, shape, layout)) else 0,
-        "refit_quantize_scratch": plan_terms.refit_quantize_scratch_bytes(cfg, fp8_lin_engine),
+        "refit_quantize_scratch": plan_terms.refit_quantize_scratch_bytes(cfg, fp8_lin_engine, streamed),
+        "refit_quantize_one_weight": plan_terms.refit_quantize_one_weight_bytes(cfg, largest_fp8_engine, streamed),
     }
     out = {k: v / GiB for k, v in out.items()}
     # held in every phase of a steady step (the grad buffers too when the loop keeps them)
@@ -352,7 +359,7 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
         vllm_budget = cfg.policy.generation.vllm_cfg.gpu_memory_utilization * gpu_mem_gib
         out["kv_cache_budget"] = max(0.0, vllm_budget - rollout_w)
     # the refit runs with the engine awake (wake_up first); its copies go straight into the live parameters
-    out["refit_phase_total"] = resident + vllm_budget
+    out["refit_phase_total"] = resident + vllm_budget + out["refit_quantize_one_weight"]
     out["rollout_phase_total"] = resident + vllm_budget
     # host memory (per rank, then per node): the offloaded optimizer share, the pinned BF16 copy Megatron's hybrid
     # optimizer makes of each offloaded parameter on its way to the FP32 master (freed, but kept by torch's pinned
