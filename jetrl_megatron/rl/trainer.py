@@ -30,6 +30,7 @@ from jetrl_megatron.rl.dist import (
     dp_slice,
     say,
     torch_dist,
+    warn,
 )
 from jetrl_megatron.rl.outputs.metric_log import RunLogger
 from jetrl_megatron.rl.stress_arms import trainer_stress
@@ -88,6 +89,8 @@ def build_trainer(cfg: RunConfig) -> Trainer:
                  if mc.activation_checkpointing else {"recompute_granularity": None})
     policy = build_policy(shape, recipe, weights=resolve_model_weights(cfg), sequence_parallel=mc.sequence_parallel,
                           seed=cfg.grpo.seed, **model_numerics(cfg), **recompute, **settings.policy_kwargs())
+    for pinned in policy.optimizer.pinned_masters:  # optimizer CPU offload on CUDA (megatron/host_pinning.py)
+        (warn if pinned.error else say)(f"optimizer CPU offload: {pinned.summary()}")
     return Trainer(policy.model, policy.optimizer, None, shape, recipe)
 
 
