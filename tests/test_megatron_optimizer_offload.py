@@ -77,11 +77,18 @@ def _step(ddp, opt, batch, grads: bool = False) -> dict:
 
 def _placement(opt) -> dict:
     """Where the hybrid optimizer put this rank's FP32 masters (elements), read from its own maps."""
+    from jetrl_megatron.megatron.host_pinning import host_masters
+
     hdo = opt.optimizer.optimizer
     host = sum(p.numel() for p in hdo.gpu_params_map_cpu_copy)
     total = sum(p.numel() for g in hdo.param_groups for p in g["params"])
+    masters = host_masters(hdo)  # what megatron/host_pinning.py page-locks on CUDA: the host FP32 copies themselves
     return {"type": type(hdo).__name__, "host": host, "total": total, "device_opt": hdo.gpu_optimizer is not None,
-            "host_opts": len(hdo.cpu_optimizers)}
+            "host_opts": len(hdo.cpu_optimizers),
+            "masters_are_host_copies": {id(t) for t in masters} == {id(t) for t in hdo.cpu_copys_map_gpu_param}
+            and len(masters) == len(hdo.cpu_copys_map_gpu_param),
+            "masters_fp32": all(t.dtype == torch.float32 for t in masters), "masters_numel": sum(
+                t.numel() for t in masters)}
 
 
 def _run(rank: int, world_size: int, out_dir: str) -> None:
@@ -172,6 +179,8 @@ def test_hybrid_optimizer_is_built_and_places_the_fraction_on_the_host(ranks):
         # Megatron's rule: parameters in order until the host part reaches the fraction (one parameter past it)
         assert half["device_opt"] and half["host_opts"] == 1
         assert 0.5 * half["total"] <= half["host"] < half["total"], half
+        for p in (full, half):  # the tensors host_pinning registers: exactly the host part's FP32 masters
+            assert p["masters_are_host_copies"] and p["masters_fp32"] and p["masters_numel"] == p["host"], p
 
 
 @pytest.mark.parametrize(("off", "base", "bound"), [("off1", "base", 1e-4), ("off05", "base", 1e-4),
