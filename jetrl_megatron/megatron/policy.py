@@ -11,7 +11,6 @@ one order, so none of that can be written.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,8 +26,6 @@ from jetrl_megatron.megatron.optim import Fp8RefreshingOptimizer, te_fused_adam_
 from jetrl_megatron.megatron.optimizer_settings import OptimizerSettings
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
-
-log = logging.getLogger(__name__)
 
 __all__ = ["OptimizerSettings", "Policy", "build_policy"]
 
@@ -155,8 +152,7 @@ def _megatron_adam(model: ReleasableGradDDP, settings: OptimizerSettings, *,
         with host_offload_scope():
             wrapped = Fp8RefreshingOptimizer(get_megatron_optimizer(cfg, [model]), [model])
         if s.pin_cpu_params and torch.cuda.is_available():
-            for pinned in wrapped.pin_host_masters():
-                log.info("optimizer CPU offload: %s", pinned.summary())
+            wrapped.pin_host_masters()  # what it pinned: wrapped.pinned_masters (the run reports it, rl/trainer.py)
         return wrapped
     if use_precision_aware_optimizer:
         if not s.use_distributed_optimizer:
