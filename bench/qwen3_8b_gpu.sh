@@ -25,7 +25,8 @@
 #   optcost the optimizer CPU offload's copies (issue 27 item 4), side by side in one call: grpo with CARD=h100 and the
 #           same ARM / LEN / STEPS / EXTRA three times, the host FP32 masters pageable (pin_cpu_params=false, the
 #           before), page-locked (the default), and page-locked with overlap_cpu_optimizer_d2h_h2d=true; then a table
-#           of each run's last step (update, optimizer step, step) from its metrics; LIMIT_OPT=seconds per run
+#           of each run's last step (update, optimizer step, step) from its metrics; LIMIT_OPT=seconds per run;
+#           OPT_VARIANTS="pageable pinned" runs those alone (a call holds at most 600 s)
 #   decode  bench/decode_invariance.py at the Qwen3-8B shape: which of vLLM's ops give a token other bytes in a decode
 #           step than in a prefill (norms, SiLU-and-mul, FP8 linears per backend, BF16 lm_head, FA3 decode vs prefill),
 #           and the project's SwiGLU against vLLM's silu_and_mul on every BF16 gate value
@@ -143,6 +144,7 @@ case $mode in
   optcost)  # the host masters pageable / page-locked / page-locked + overlapped copies, one run each, side by side
     opt=policy.megatron_cfg.optimizer
     for v in "pageable:$opt.pin_cpu_params=false" "pinned:" "overlap:$opt.overlap_cpu_optimizer_d2h_h2d=true"; do
+      [[ " ${OPT_VARIANTS:-pageable pinned overlap} " == *" ${v%%:*} "* ]] || continue
       CARD=h100 TAG=${v%%:*} RUN_LIMIT=${LIMIT_OPT:-170} EXTRA="${EXTRA:-} ${v#*:}" bash "$0" grpo "$out"
     done
     python3 - "$out" <<'PY'
