@@ -1,7 +1,7 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|optcost|decode|probe|rollcost|exact150m|waves|fuse|te|round OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|te|round OUT_DIR
 #   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
 #           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
 #   stage1, stage2  copy .vc/p1, .vc/p2 (one 44 MiB part per call: a call takes at most 64 MiB with the tree) for a
@@ -40,6 +40,8 @@
 #           swiglu_fp8_forms: forward + fc2 input; `decode` compares that kernel with vLLM's silu_and_mul): their tests,
 #           bench/kernels_bench.py's swiglu section, the Qwen3-8B layer fwd+bwd with each fusion off and on
 #           (GRAPH=1: also each arm with the layer captured as CUDA graphs, issue 29 item 3)
+#   hostgap the Qwen3-8B layer fwd+bwd at SEQ (default 2048: the 8B update's micro-batch of 2 x ~1.1K tokens), eager and
+#           captured as CUDA graphs, jetrl and bf16, with cProfile of one fwd+bwd's host side (issue 29 item 3)
 #   waves   bench/rollout_waves.py at PRESET (default qwen3-0.6b), 128 x LEN tokens, per KV_GIB budget: the rollout in
 #           waves that fit the cache (no preemption) against one submission (vLLM preempts), seconds and samples
 #   te      issue 29 item 5, like for like with TransformerEngine's blockwise-FP8 guide: the layer at hidden 4096,
@@ -50,7 +52,7 @@
 # pytest runs under `timeout -s INT`: at its limit pytest is interrupted, not killed, and still prints which tests
 # failed and why (a killed run's log ended mid-test on 2026-12-05 with one failure and no message)
 set -uo pipefail
-mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|optcost|decode|probe|rollcost|exact150m|waves|fuse|te|round}
+mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|te|round}
 out=${2:?OUT_DIR}
 mkdir -p /tmp/vc "$out"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -227,6 +229,13 @@ PY
       --elementwise triton --fuse-swiglu-grad-quant off,on --swiglu-fp8-forms off,on ${GRAPH:+--cuda-graph} \
       --out "$out/layer_fuse.json" > "$out/layer_fuse.log" 2>&1
     echo "layer bench rc $?"; grep "^|" "$out/layer_fuse.log" | tail -16 ;;
+  hostgap)  # issue 29 item 3 at the size the 8B update runs (micro-batch 2 x ~1.1K tokens): the Qwen3-8B layer fwd+bwd
+    # eager vs captured as CUDA graphs, jetrl and bf16 side by side, and cProfile of the host side of one fwd+bwd
+    wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
+    timeout "${RUN_LIMIT:-200}" python3 bench/megatron_layer_bench.py --seq "${SEQ:-2048}" --iters 30 --warmup 5 \
+      --backends auto --lean-swiglu --elementwise triton --cuda-graph --host-profile \
+      --out "$out/layer_hostgap_seq${SEQ:-2048}.json" > "$out/layer_hostgap.log" 2>&1
+    echo "layer bench rc $?"; grep "^|" "$out/layer_hostgap.log" | tail -40 ;;
   waves)  # a KV cache smaller than the batch: waves (no preemption) vs one submission (vLLM preempts), per budget
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     timeout "${RUN_LIMIT:-240}" python3 bench/rollout_waves.py --preset "${PRESET:-qwen3-0.6b}" --prompts 8 --n 16 \
@@ -240,7 +249,7 @@ PY
       limit_var=LIMIT_$m  # LIMIT_<mode>=seconds: that mode's RUN_LIMIT in this round
       echo "== round: $m ($(date +%T))"; PACK_DG=0 RUN_LIMIT=${!limit_var:-${RUN_LIMIT:-}} bash "$0" "$m" "$out/$m"
     done ;;
-  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|optcost|decode|probe|rollcost|exact150m|waves|fuse|te|round OUT_DIR" >&2
+  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|te|round OUT_DIR" >&2
      exit 2 ;;
 esac
 # PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz, and
