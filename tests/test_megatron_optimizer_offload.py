@@ -348,4 +348,4 @@ def test_plan_names_the_offload_fractions_that_fit():
     text, ok = rp.plan_report(cfg, 139.0, show_config=False, host_mem_gib=125.0)
     assert ok and f"optimizer_offload_fraction: {lo:g} up to {hi:g} fits this GPU" in text
     text, ok = rp.plan_report(cfg, 80.0, show_config=False, host_mem_gib=125.0)
-    assert not ok and "no value fits both" in text
+    assert not ok and "no value keeps both" in text

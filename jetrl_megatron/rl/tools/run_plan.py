@@ -555,8 +555,9 @@ def describe_offload_choice(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: 
         return f"optimizer_offload_fraction: no value fits {gpu_mem_gib:.0f} GiB with {spare} (now {now:g})"
     host = "" if host_mem_gib is None else f" and the host ({host_mem_gib:.0f} GiB, margin as above)"
     if hi is not None and lo > hi:
-        return (f"optimizer_offload_fraction: the GPU needs >= {lo:g} and the host <= {hi:g}: no value fits both "
-                f"(now {now:g})")
+        return (f"optimizer_offload_fraction: with both margins kept ({spare}; the host's as above) the GPU needs "
+                f">= {lo:g} and the host <= {hi:g}: no value keeps both (now {now:g}; the fit above is without the "
+                "GPU margin)")
     upper = "" if hi is None or host_mem_gib is None else f" up to {hi:g}"
     return (f"optimizer_offload_fraction: {lo:g}{upper} fits this GPU ({spare}){host} (now {now:g}); the smallest "
             "steps the least Adam on the host CPUs, the fastest step")
