@@ -52,8 +52,15 @@ def test_logit_terms_from_the_micro_batch_and_vocabulary():
     # the torch logprob path (BF16 SDPA trainer): FP32 upcast and FP32 log-softmax, FP32 residual stream
     t = _estimate("jetrl", ("policy.jet_rl.attn_impl=bf16",))
     assert t["logprob_logits"] == pytest.approx(8 * 1056 * vocab * (2 + 4 + 4) / GiB)
-    assert t["update_logits"] == pytest.approx(4 * 1056 * vocab * 14 / GiB)
+    # saved FP32 log-softmax output + the gather backward's FP32 zeros and its out-of-place scatter (measured op by op
+    # in tests/test_megatron_logprob_chunks.py)
+    assert t["update_logits"] == pytest.approx(4 * 1056 * vocab * 12 / GiB)
     assert t["checkpointed_inputs"] == pytest.approx(2 * m["checkpointed_inputs"])
+    # policy.logprob_chunk_size: the kept BF16 logits and their BF16 gradient buffer, plus one 256-position chunk's
+    c = _estimate("jetrl", ("policy.logprob_chunk_size=256",))
+    assert c["update_logits"] == pytest.approx((4 * 1056 * vocab * (2 + 2) + 4 * 256 * vocab * 16) / GiB)
+    assert c["logprob_logits"] == pytest.approx((8 * 1056 * vocab * 2 + 8 * 256 * vocab * 2) / GiB)
+    assert c["activations"] == pytest.approx(c["checkpointed_inputs"] + c["update_logits"])
 
 
 def test_arm_specific_terms_from_the_shape():

@@ -19,6 +19,7 @@ positions are 0..s-1 for every row (no packing).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from jetrl_megatron.fp8.stress import StressFormat
 from jetrl_megatron.megatron.context import Fp8ModelContext
 from jetrl_megatron.megatron.cpu import enable_cpu_mode
 from jetrl_megatron.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear
+from jetrl_megatron.megatron.logprob_chunks import chunked_shifted_logprobs
 from jetrl_megatron.megatron.spec import check_fp8_gemm_shapes, gpt_model_spec
 from jetrl_megatron.model.layout import padded_vocab_size, pp_layer_range
 from jetrl_megatron.model.shapes import ModelShape
@@ -269,8 +271,20 @@ def _vllm_cuda_logprobs(full: torch.Tensor, tokens: torch.Tensor, temperature: f
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, *,
                          vocab_parallel: bool = False, sampling: LogitsSampling | None = None,
-                         vllm_cuda: bool = False) -> torch.Tensor:
+                         vllm_cuda: bool = False, chunk: int | None = None) -> torch.Tensor:
     """(b, s, V/tp) vocab-parallel BF16 logits + (b, s) tokens -> (b, s-1) FP32 logprobs of tokens[:, 1:].
+
+    ``chunk`` (``policy.logprob_chunk_size``): that many positions at a time, the backward recomputing each chunk
+    (:mod:`jetrl_megatron.megatron.logprob_chunks`): less memory, the same numbers bit for bit; None: all at once.
+    The other arguments are :func:`_whole_logprobs`'s."""
+    fn = functools.partial(_whole_logprobs, vocab_size=vocab_size, vocab_parallel=vocab_parallel, sampling=sampling,
+                           vllm_cuda=vllm_cuda)
+    return chunked_shifted_logprobs(logits, tokens, fn, chunk)
+
+
+def _whole_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, vocab_size: int, vocab_parallel: bool,
+                    sampling: LogitsSampling | None, vllm_cuda: bool) -> torch.Tensor:
+    """:func:`logprobs_from_logits` on all positions at once.
 
     Default (exact): gathers the full BF16 logits over TP (autograd: split in backward), drops vocab padding, FP32
     log_softmax over the whole vocabulary — vLLM's rounding. ``vocab_parallel=True``: Megatron's
@@ -382,10 +396,10 @@ def _as_chunks(model) -> list[torch.nn.Module]:
 
 
 def _logprob_step(gpt: GPTModel, vocab_parallel: bool, loss_for: Callable, sampling: LogitsSampling | None = None,
-                  unfiltered: bool = False) -> Callable:
+                  unfiltered: bool = False, chunk: int | None = None) -> Callable:
     """Megatron ``forward_step_func``: the micro-batch's token logprobs on the last stage, with ``loss_for(mb)``.
     ``unfiltered`` (with a top-k / top-p ``sampling``): ``mb["logp_unfiltered"]`` holds the temperature-only
-    logprobs too, with autograd (NeMo-RL's KL term uses them)."""
+    logprobs too, with autograd (NeMo-RL's KL term uses them). ``chunk``: :func:`logprobs_from_logits`'s."""
     vocab = fp8_context(gpt).shape.vocab_size
     vllm_cuda = fp8_context(gpt).vllm_cuda_kernels
 
@@ -395,10 +409,10 @@ def _logprob_step(gpt: GPTModel, vocab_parallel: bool, loss_for: Callable, sampl
         if not gpt.post_process:
             return out, None
         lp = logprobs_from_logits(out, mb["tokens"], vocab, vocab_parallel=vocab_parallel, sampling=sampling,
-                                  vllm_cuda=vllm_cuda)
+                                  vllm_cuda=vllm_cuda, chunk=chunk)
         if unfiltered and sampling is not None and sampling.filters:
             mb = {**mb, "logp_unfiltered": logprobs_from_logits(out, mb["tokens"], vocab, vocab_parallel=vocab_parallel,
-                                                                sampling=sampling.unfiltered())}
+                                                                sampling=sampling.unfiltered(), chunk=chunk)}
         return lp, loss_for(mb)
 
     return step
@@ -407,7 +421,7 @@ def _logprob_step(gpt: GPTModel, vocab_parallel: bool, loss_for: Callable, sampl
 def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None = None,
                    vocab_parallel: bool = False, sampling: LogitsSampling | None = None,
                    lengths: torch.Tensor | None = None, decode_from: torch.Tensor | None = None,
-                   observer: PassObserver | None = None) -> torch.Tensor:
+                   observer: PassObserver | None = None, logprob_chunk: int | None = None) -> torch.Tensor:
     """FP32 logprobs (b, s-1) of ``tokens`` (b, s) under ``model``; forward only; identical on all PP stages.
 
     ``model``: the GPTModel of this rank (or a DDP-wrapped one, or a one-element list). Every TP/PP rank of a
@@ -415,6 +429,7 @@ def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None 
     ``lengths`` (b,): the real length of each right-padded row (logprobs past it are meaningless); None = all s.
     ``decode_from`` (b,): each row's prompt length (with ``lengths``; read by ``attn_match="decode"`` attention).
     ``observer``: told as each micro-batch begins and when all are done (:class:`PassObserver`).
+    ``logprob_chunk``: positions per chunk of the logits -> logprobs step (:func:`logprobs_from_logits`).
     """
     chunks = _as_chunks(model)
     gpt = unwrap(chunks[0])
@@ -431,7 +446,7 @@ def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None 
     for c in chunks:
         c.eval()
     step = _logprob_step(gpt, vocab_parallel, lambda mb: lambda o: (o.sum() * 0.0, {"logprobs": o.detach()}),
-                         sampling)
+                         sampling, chunk=logprob_chunk)
 
     # Megatron's forward_only schedule leaves autograd on: without no_grad every micro-batch would keep its whole
     # activation graph (eval mode: no recompute) until its logprobs are detached -- at Qwen3-8B with 8 x 1056-token
@@ -469,13 +484,15 @@ LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, d
 def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int,
                      grad_scale_func: Callable | None = None, vocab_parallel: bool = False,
                      sampling: LogitsSampling | None = None, unfiltered: bool = False,
-                     observer: PassObserver | None = None) -> tuple[float, dict[str, float]]:
+                     observer: PassObserver | None = None, logprob_chunk: int | None = None
+                     ) -> tuple[float, dict[str, float]]:
     """Forward+backward over micro-batches through ``get_forward_backward_func`` (no optimizer step).
 
     Gradients end up in the DDP grad buffers (``param.main_grad``), reduced over DP / TP (sequence-parallel
     norms) / PP (tied embeddings) by Megatron's ``finalize_model_grads``; grad buffers released between updates are
     re-allocated (zeroed) by the ``zero_grad_buffer()`` here. Returns (mean loss, mean metrics), valid on every rank.
-    See :func:`train_step` for ``batch``, ``loss_fn``, ``sampling``, ``unfiltered`` and ``observer``.
+    See :func:`train_step` for ``batch``, ``loss_fn``, ``sampling``, ``unfiltered``, ``observer`` and
+    ``logprob_chunk``.
     """
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
@@ -504,7 +521,7 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
 
         return loss_func
 
-    step = _logprob_step(gpt, vocab_parallel, loss_for, sampling, unfiltered)
+    step = _logprob_step(gpt, vocab_parallel, loss_for, sampling, unfiltered, chunk=logprob_chunk)
 
     store = get_forward_backward_func()(
         forward_step_func=step, data_iterator=_observed(mbatches, observer), model=chunks,
@@ -525,7 +542,8 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
 
 def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn, *,
                micro_batch_size: int, vocab_parallel: bool = False, sampling: LogitsSampling | None = None,
-               unfiltered: bool = False, observer: PassObserver | None = None) -> StepResult:
+               unfiltered: bool = False, observer: PassObserver | None = None,
+               logprob_chunk: int | None = None) -> StepResult:
     """One optimizer step: forward+backward over micro-batches (grad accumulation), DP/TP/PP reductions, step.
 
     ``batch``: this DP rank's tensors with a common leading dim, at least ``"tokens"`` (b, s); it is split into
@@ -537,11 +555,14 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn
     are of the rollout's processed distribution (:func:`logprobs_from_logits`); ``unfiltered``: with a top-k / top-p
     filter, the micro-batch also carries ``"logp_unfiltered"`` (temperature only, with autograd). ``observer``: told
     as each micro-batch begins and when all are done, before the optimizer step (:class:`PassObserver`).
+    ``logprob_chunk``: positions per chunk of the logits -> logprobs step and its backward (same numbers, less
+    memory: :func:`logprobs_from_logits`).
     """
     optimizer.zero_grad()
     loss, metrics = forward_backward(model, batch, loss_fn, micro_batch_size=micro_batch_size,
                                      grad_scale_func=optimizer.scale_loss, vocab_parallel=vocab_parallel,
-                                     sampling=sampling, unfiltered=unfiltered, observer=observer)
+                                     sampling=sampling, unfiltered=unfiltered, observer=observer,
+                                     logprob_chunk=logprob_chunk)
     _sync(model)
     t0 = time.perf_counter()
     ok, grad_norm, _ = optimizer.step()

@@ -166,7 +166,8 @@ def trainer_logprobs(cfg: RunConfig, model, tokens: torch.Tensor, sampling: Logi
     mbs = math.gcd(cfg.policy.logprob_batch_size, mine.shape[0])
     lp = token_logprobs(model, mine, micro_batch_size=mbs, sampling=sampling,
                         lengths=None if lengths is None else dp_slice(lengths),
-                        decode_from=None if prompt_lengths is None else dp_slice(prompt_lengths), observer=observer)
+                        decode_from=None if prompt_lengths is None else dp_slice(prompt_lengths), observer=observer,
+                        logprob_chunk=cfg.policy.logprob_chunk_size)
     return dp_gather(lp.float().cpu())
 
 
@@ -224,7 +225,8 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
         norm = loss.normalizer(keep[sl], batch.truncated[sl], gbs, n_micro, dp)
         set_lr(trainer.optimizer, lr_at(cfg, step))
         results.append(train_step(trainer.model, trainer.optimizer, data, loss.for_batch(norm), micro_batch_size=mbs,
-                                  sampling=sampling, unfiltered=unfiltered, observer=observer))
+                                  sampling=sampling, unfiltered=unfiltered, observer=observer,
+                                  logprob_chunk=cfg.policy.logprob_chunk_size))
     m = {
         "train/loss": sum(r.loss for r in results) * 1.0,
         # the micro-batch metrics are not divided by Megatron (only the loss is): their mean is already the token
@@ -270,7 +272,8 @@ def sft_warmstart(cfg: RunConfig, trainer: Trainer, task, indices: list[int], lo
         norm = float(mask.sum()) / (n_micro * dp)
         set_lr(trainer.optimizer, w.lr)
         res = train_step(trainer.model, trainer.optimizer, {"tokens": dp_slice(tokens), "mask": dp_slice(mask)},
-                         lambda lp, mb, norm=norm: (grpo.sft_loss(lp, mb["mask"], norm), {}), micro_batch_size=mbs)
+                         lambda lp, mb, norm=norm: (grpo.sft_loss(lp, mb["mask"], norm), {}), micro_batch_size=mbs,
+                         logprob_chunk=cfg.policy.logprob_chunk_size)
         losses.append(per_token_loss(res.loss))
         if w.stop_at_loss is not None and len(losses) >= w.stop_window \
                 and sum(losses[-w.stop_window:]) / w.stop_window <= w.stop_at_loss:

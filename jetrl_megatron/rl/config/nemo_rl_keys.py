@@ -91,7 +91,6 @@ OFF_SCHEMA_RULES: tuple[KeyRule, ...] = (
     _r("policy.dynamic_batching.**", IGNORED, "token-budget micro-batching: " + _THROUGHPUT),
     _r("policy.sequence_packing.**", IGNORED, "sequence packing: " + _THROUGHPUT
        + " (micro-batches are padded; the loss is normalized over the global batch either way)"),
-    _r("policy.logprob_chunk_size", IGNORED, "a memory knob of the logprob pass; same numbers"),
     _r("policy.offload_optimizer_for_logprob", IGNORED, "a memory knob for colocated Ray workers"),
     _r("policy.worker_cls", IGNORED, "the Jet-RL worker for NeMo-RL's driver (read by NeMo-RL with patches/nemo-rl-"
        "v0.7.0-jetrl-worker.patch); the standalone runner is its own loop", (

@@ -26,17 +26,27 @@ def _vllm_cuda_logprobs(cfg: RunConfig) -> bool:
     return trainer_runs_vllm_cuda(cfg) and not filtered
 
 
+def _chunk_positions(cfg: RunConfig, seq: int) -> int | None:
+    """Positions per chunk of the logits -> logprobs step (``policy.logprob_chunk_size``), None when one chunk holds
+    every scored position (``megatron/logprob_chunks.chunked_shifted_logprobs`` then runs the whole at once)."""
+    chunk = cfg.policy.logprob_chunk_size
+    return chunk if chunk is not None and chunk < seq - 1 else None
+
+
 def logprob_logits_bytes(cfg: RunConfig, rows: int, seq: int, vocab: int, tp: int) -> int:
     """The logprob pass's largest transient (forward only, ``torch.no_grad``): one micro-batch's logits.
 
-    ``rows`` x ``seq`` tokens of BF16 logits (the output layer's, ``vocab`` / TP per rank, plus the TP gather's full
-    copy when TP > 1), then ``megatron/model.py``: with GPU vLLM's kernels a contiguous BF16 copy of rows[:, :-1]
+    ``rows`` x ``seq`` tokens of BF16 logits (the output layer's, ``vocab`` / TP per rank), plus, per chunk of
+    positions (the whole micro-batch without ``policy.logprob_chunk_size``), the TP gather's full copy when TP > 1
+    and then ``megatron/model.py``: with GPU vLLM's kernels a contiguous BF16 copy of the scored rows
     (``_vllm_cuda_logprobs``; its Triton log-softmax reads it and writes one FP32 value per token), i.e. 2 + 2 B per
-    (token, vocab entry) at TP 1; otherwise an FP32 upcast and the FP32 ``log_softmax`` of it (2 + 4 + 4 B).
+    (token, vocab entry) at TP 1 unchunked; otherwise an FP32 upcast and the FP32 ``log_softmax`` of it (2 + 4 + 4 B).
     """
     entries = rows * seq * vocab
-    local = 2 * entries // tp + (2 * entries if tp > 1 else 0)
-    return local + (2 if _vllm_cuda_logprobs(cfg) else 8) * entries
+    chunk = _chunk_positions(cfg, seq)
+    worked = entries if chunk is None else rows * chunk * vocab
+    gathered = 2 * worked if tp > 1 else 0
+    return 2 * entries // tp + gathered + (2 if _vllm_cuda_logprobs(cfg) else 8) * worked
 
 
 def update_logits_bytes(cfg: RunConfig, rows: int, seq: int, vocab: int, tp: int) -> int:
@@ -46,12 +56,20 @@ def update_logits_bytes(cfg: RunConfig, rows: int, seq: int, vocab: int, tp: int
     GPU vLLM's kernels (``_VllmCudaLogprobFn``): the saved contiguous BF16 logits (2 B per entry), and in its backward
     the FP32 upcast (4), the FP32 softmax it scales in place (4), its division by the temperature (4, a new tensor even
     at T = 1) and the BF16 gradient (2): 16 B per (token, vocab entry) at once. The torch path: the saved FP32
-    log-softmax output (4), the gather's FP32 gradient (4), log-softmax's FP32 input gradient (4) and the BF16 cast
-    (2): 14 B. TP > 1 adds the gathered full copy's gradient (2 B) to the vocab-parallel one.
+    log-softmax output (4) and the gather's backward, FP32 zeros (4) and the out-of-place scatter into them (4): 12 B
+    (measured op by op, tests/test_megatron_logprob_chunks.py; log-softmax's input gradient and the BF16 cast come
+    after those are freed). TP > 1 adds the gathered full copy's gradient (2 B) to the vocab-parallel one.
+    With ``policy.logprob_chunk_size`` (``megatron/logprob_chunks.py``) those are one chunk's, recomputed in turn,
+    next to the whole micro-batch's BF16 logits kept for it and the BF16 gradient buffer each chunk writes into
+    (2 + 2 B per entry, vocab / TP per rank).
     """
     entries = rows * seq * vocab
-    per = 16 if _vllm_cuda_logprobs(cfg) else 14
-    return per * entries + (2 * entries if tp > 1 else 0)
+    per = 16 if _vllm_cuda_logprobs(cfg) else 12
+    chunk = _chunk_positions(cfg, seq)
+    if chunk is None:
+        return per * entries + (2 * entries if tp > 1 else 0)
+    worked = rows * chunk * vocab
+    return 4 * entries // tp + per * worked + (2 * worked if tp > 1 else 0)
 
 
 def checkpointed_inputs_bytes(cfg: RunConfig, tokens: int, hidden: int, layers: int, tp: int) -> int:

@@ -258,7 +258,8 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
       checkpointing each layer's input in the residual stream's dtype (``checkpointed_inputs``) plus the larger of one
       recomputed layer's full set (34 x S x h bytes / TP, flash attention, Korthikanti et al.; the jetrl arm saving its
       linear inputs in FP8: -(2h + q + f) B per token / TP) and the logits' backward peak (``update_logits``: 16 B
-      per token and vocab entry with GPU vLLM's logprob kernels); without checkpointing every layer's full set plus
+      per token and vocab entry with GPU vLLM's logprob kernels, 4 B plus one chunk's 16 with
+      ``policy.logprob_chunk_size``); without checkpointing every layer's full set plus
       the logits' peak; the optimizer step adds one parameter's FP32 copy at a time (``optimizer_step_scratch``), and
       the jetrl arm's cache refresh after it a second FP8 copy (``fp8_refresh_transient``);
     - the logprob pass (forward only, no autograd graph): one logprob_batch_size micro-batch's logits
