@@ -57,3 +57,19 @@ def test_other_failures_pass_unchanged():
     calls = []
     wake_engine(lambda: calls.append("woke"), cfg, trainer_gib=lambda: None)
     assert calls == ["woke"]
+
+
+def test_a_failing_memory_query_does_not_replace_the_out_of_memory_error(monkeypatch):
+    """The free/total query runs inside the error path: when it fails too (a device in a bad state), the one-line
+    error still comes, without the figures."""
+    import torch
+
+    def broken():
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", broken)
+    cfg = load_config("qwen3_8b_1gpu", H100)
+    with pytest.raises(EngineWakeOutOfMemory) as info:
+        wake_engine(_raise(RuntimeError(VLLM_OOM)), cfg, trainer_gib=lambda: None)
+    assert "GiB free" not in str(info.value) and "kv_cache_memory_bytes" in str(info.value)

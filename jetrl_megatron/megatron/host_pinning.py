@@ -7,15 +7,18 @@ step post-hook copies into the GPU parameters. Its ``pin_cpu_params`` (default t
 one H100 at Qwen3-8B (offload 0.8) the copies cost 2.93 s of ``Memcpy HtoD (Pageable -> Device)`` in a 18.4 s update
 (bench/qwen3_8b_1gpu/20261205e_h100/len1024_jetrl_profiled/profile_step2.md).
 
-How: ``cudaHostRegister`` on each master's storage, in place: no copy, no second host buffer (``Tensor.pin_memory()``
-would copy into torch's caching host allocator, which rounds blocks up to a power of two: up to 2x the 26 GB of
-masters at 8B on a host already 87% full). Tensors under ``MIN_PIN_BYTES`` are left alone: their copies cost nothing,
-and small allocations share pages with other heap memory, which a registration may not overlap. The registrations
-hold references to the storages, so none is freed while registered; ``release()`` unregisters them.
+How: ``cuMemHostRegister`` (the driver's ``cudaHostRegister``) on each master's storage, in place: no copy, no
+second host buffer (``Tensor.pin_memory()`` would copy into torch's caching host allocator, which rounds blocks up to
+a power of two: up to 2x the 26 GB of masters at 8B on a host already 87% full). Tensors under ``MIN_PIN_BYTES`` are
+left alone: their copies cost nothing, and small allocations share pages with other heap memory, which a registration
+may not overlap. The registrations hold references to the storages, so none is freed while registered; ``release()``
+unregisters them (``Fp8RefreshingOptimizer`` releases and re-pins after a checkpoint load, which rebuilds the masters).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 from collections.abc import Callable, Iterable
 
@@ -27,7 +30,7 @@ log = logging.getLogger(__name__)
 
 MIN_PIN_BYTES = 1 << 20
 
-Register = Callable[[int, int], int]  # (address, bytes) -> CUDA error code, 0 = success
+Register = Callable[[int, int], int]  # (address, bytes) -> CUDA driver error code, 0 = success
 Unregister = Callable[[int], int]
 
 
@@ -41,12 +44,27 @@ def host_masters(hybrid_optimizer) -> list[torch.Tensor]:
     return list(seen.values())
 
 
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    """The CUDA driver library (already loaded by torch), with the two calls used here declared."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    lib.cuMemHostRegister_v2.restype = ctypes.c_int
+    lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+    lib.cuMemHostUnregister.restype = ctypes.c_int
+    return lib
+
+
+# Through the driver API, not the runtime's cudaHostRegister (torch.cuda.cudart()): a failed runtime call leaves its
+# error pending on the thread, and torch's check after the next kernel launch (cudaGetLastError) would raise it there,
+# far from its cause; a driver call's failure is only its return code.
 def _cuda_register(address: int, nbytes: int) -> int:
-    return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))
+    torch.cuda.synchronize()  # the device's primary context is current on this thread
+    return int(_driver().cuMemHostRegister_v2(address, nbytes, 0))
 
 
 def _cuda_unregister(address: int) -> int:
-    return int(torch.cuda.cudart().cudaHostUnregister(address))
+    return int(_driver().cuMemHostUnregister(address))
 
 
 class PinnedHostMasters:
@@ -73,7 +91,7 @@ class PinnedHostMasters:
                 continue
             code = register(address, nbytes)
             if code != 0:  # e.g. the host cannot lock more memory: the rest stay pageable, the step is unchanged
-                self.error = (f"cudaHostRegister of a {nbytes / 2**20:.1f} MiB host master failed (CUDA error "
+                self.error = (f"cuMemHostRegister of a {nbytes / 2**20:.1f} MiB host master failed (CUDA error "
                               f"{code}); {self.bytes / 2**30:.2f} GiB pinned, the rest stay pageable")
                 log.warning("optimizer CPU offload: %s", self.error)
                 break

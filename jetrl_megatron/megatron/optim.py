@@ -169,6 +169,7 @@ class Fp8RefreshingOptimizer:
         self.model_chunks = list(model_chunks)
         self.stats = OptimizerStats()
         self.pinned_masters: list[PinnedHostMasters] = []
+        self._pin_kwargs: dict[str, Any] | None = None  # how pin_host_masters was called (None: never)
 
     @property
     def distributed(self) -> bool:
@@ -182,10 +183,25 @@ class Fp8RefreshingOptimizer:
 
     def pin_host_masters(self, **kwargs: Any) -> list[PinnedHostMasters]:
         """Page-lock the hybrid optimizers' host FP32 masters in place (``megatron/host_pinning.py``: Megatron's
-        ``pin_cpu_params``, which its hybrid optimizer does not apply to them); held by this wrapper."""
+        ``pin_cpu_params``, which its hybrid optimizer does not apply to them); held by this wrapper, and pinned
+        again after a checkpoint load, which replaces the masters (:meth:`load_checkpoint_state`)."""
+        self._pin_kwargs = dict(kwargs)
         self.pinned_masters += [PinnedHostMasters.of(h, **kwargs) for o in _inner_optimizers(self.optimizer)
                                 if (h := _hybrid(o)) is not None]
         return self.pinned_masters
+
+    def _repin_host_masters(self) -> None:
+        """After a load: Megatron's hybrid optimizer rebuilds its host FP32 masters (``_init_sub_optimizers`` in its
+        load hook), so the registrations would hold the old ones (memory the step no longer uses) while the new
+        ones stay pageable. Unregister the old (once no copy may still read them) and pin the new."""
+        if self._pin_kwargs is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for pinned in self.pinned_masters:
+            pinned.release()
+        self.pinned_masters = []
+        self.pin_host_masters(**self._pin_kwargs)
 
     def _scope(self) -> contextlib.AbstractContextManager:
         """Calls into the hybrid optimizer: its offload path on a CPU-only box, and an FP32 gradient norm."""
@@ -263,6 +279,7 @@ class Fp8RefreshingOptimizer:
         if state.get("format") != "jetrl_optimizer_v1":
             if not self.distributed:  # a plain Megatron state_dict (checkpoints written before this format)
                 self.optimizer.load_state_dict(state)
+                self._repin_host_masters()
                 return
             raise ValueError("optimizer checkpoint holds no distributed-optimizer shards (it was written with "
                              "use_distributed_optimizer=false): set policy.megatron_cfg.optimizer."
@@ -300,6 +317,7 @@ class Fp8RefreshingOptimizer:
             for st in opt.optimizer.state.values():
                 if isinstance(st.get("step"), torch.Tensor):
                     st["step"] = st["step"].clone()
+        self._repin_host_masters()
 
     def __getattr__(self, name: str) -> Any:  # zero_grad, scale_loss, state_dict, param_groups, ...
         return getattr(self.optimizer, name)

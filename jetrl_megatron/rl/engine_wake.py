@@ -34,7 +34,10 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 def _gpu_free_total() -> tuple[float, float] | None:
     if not torch.cuda.is_available():
         return None
-    free, total = torch.cuda.mem_get_info()
+    try:
+        free, total = torch.cuda.mem_get_info()
+    except Exception:  # noqa: BLE001 - a diagnostic inside an error message must not replace the error
+        return None
     return free / GiB, total / GiB
 
 
