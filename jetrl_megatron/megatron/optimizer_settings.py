@@ -49,8 +49,8 @@ class OptimizerSettings:
     pin_cpu_params: bool = key(
         True, note="with optimizer_cpu_offload on CUDA: the host FP32 masters page-locked in place (cuMemHostRegister; "
         "again after a checkpoint load, which rebuilds them), so each step's copy of the new weights back to the GPU "
-        "is a DMA instead of a staged pageable copy (Megatron's key and default; its hybrid optimizer pins only the BF16 clone it converts them from). No "
-        "effect without offload or CUDA")
+        "is a DMA instead of a staged pageable copy (Megatron's key and default; its hybrid optimizer pins only the "
+        "BF16 clone it converts them from). No effect without offload or CUDA")
 
     @property
     def host_fraction(self) -> float:
