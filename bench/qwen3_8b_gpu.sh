@@ -20,7 +20,9 @@
 #           FA_SPLITS=N sets vLLM's FA3 KV-split cap for CUDA-graph decode (attention_config, vLLM's default 32);
 #           PROFILE=N profiles step N (profile_stepN.md in the run directory); EXTRA="key=value ..." appends overrides; LAYER=1 then runs check's layer cost benchmark;
 #           CARD=h100: the overrides that fit 8B on an 80 GB card (optimizer offload 0.8, level-2 sleep, micro-batches
-#           2 / 4, KV_GIB (default 12) of KV cache: the rollout in waves), checked by the plan against 79 GiB
+#           2 / 4, KV_GIB (default 12) of KV cache: the rollout in waves), checked by the plan against 79 GiB; above
+#           LEN 1024 micro-batches 1 / 2 and policy.logprob_chunk_size 256 (1K with micro-batches of 4:
+#           EXTRA="policy.logprob_chunk_size=256 policy.train_micro_batch_size=4 policy.logprob_batch_size=8")
 #           TAG=name suffixes the run directory (len<LEN>_<ARM>_<TAG>)
 #   optcost the optimizer CPU offload's copies (issue 27 item 4), side by side in one call: grpo with CARD=h100 and the
 #           same ARM / LEN / STEPS / EXTRA three times, the host FP32 masters pageable (pin_cpu_params=false, the
@@ -125,6 +127,9 @@ case $mode in
       kv=$(( ${KV_GIB:-12} * 1073741824 ))  # 82 of the 128 sequences at once: the rollout runs in two waves
       card=(policy.jet_rl.plan_gpu_mem_gib=79 policy.jet_rl.engine_sleep_level=2 policy.train_micro_batch_size=2
             policy.logprob_batch_size=4)
+      # longer responses: one sequence per micro-batch and its logits turned into logprobs 256 positions at a time
+      # (plan: 74.3 GiB at 4K, as at 1K above; 9.3 GiB of logits without the chunks)
+      (( len > 1024 )) && card+=(policy.train_micro_batch_size=1 policy.logprob_batch_size=2 policy.logprob_chunk_size=256)
       FRACTION=${FRACTION:-0.8}
     fi
     timeout "${RUN_LIMIT:-520}" python3 -m jetrl_megatron.cli run --recipe qwen3_8b_1gpu --arm "$arm" \
