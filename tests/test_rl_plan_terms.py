@@ -59,7 +59,8 @@ def test_logit_terms_from_the_micro_batch_and_vocabulary():
     # policy.logprob_chunk_size: the kept BF16 logits and their BF16 gradient buffer, plus one 256-position chunk's
     c = _estimate("jetrl", ("policy.logprob_chunk_size=256",))
     assert c["update_logits"] == pytest.approx((4 * 1056 * vocab * (2 + 2) + 4 * 256 * vocab * 16) / GiB)
-    assert c["logprob_logits"] == pytest.approx((8 * 1056 * vocab * 2 + 8 * 256 * vocab * 2) / GiB)
+    # the logprob pass then peaks when GPTModel copies its (s, b, V) logits into (b, s, V): two BF16 copies
+    assert c["logprob_logits"] == pytest.approx(8 * 1056 * vocab * 4 / GiB)
     assert c["activations"] == pytest.approx(c["checkpointed_inputs"] + c["update_logits"])
 
 

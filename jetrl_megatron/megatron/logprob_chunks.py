@@ -7,10 +7,13 @@ reference to the logits and computes each chunk's logprobs under ``no_grad``; th
 time with autograd and writes its gradient into one buffer of the logits' shape. The peak becomes the logits and
 their gradient (2 + 2 B per entry in BF16) plus one chunk's FP32 work.
 
-Same numbers, bit for bit: the function handed in must be row-local (a position's logprob and its gradient depend on
+Same numbers, bit for bit, where the function handed in is row-local (a position's logprob and its gradient depend on
 that position's logits alone, computed by kernels whose per-row work does not depend on how many rows they are given):
-the log-softmax, temperature, top-k / top-p filters and GPU vLLM's logprob kernels all are (``tests/
-test_megatron_logprob_chunks.py`` checks every path against the whole computation).
+GPU vLLM's logprob kernels (one Triton program per row; the trainer's exact path on CUDA) and its temperature kernel,
+torch's log-softmax and, on CPU, every path (``tests/test_megatron_logprob_chunks.py`` checks each against the whole
+computation, the CUDA one on the GPU). Not on CUDA under a top-k / top-p filter or with ``vocab_parallel``: torch's
+cumulative sum and row sums there pick their kernel by the number of rows, so a chunk's last bits may differ from the
+whole's (as they already differ between micro-batch sizes); neither path is bit-exact against vLLM's sampler anyway.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.autograd.function import once_differentiable
 
 # fn(logits (b, c + 1, V), tokens (b, c + 1)) -> (b, c) FP32 logprobs of tokens[:, 1:] under logits[:, :-1]
 ShiftedLogprobs = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -36,6 +40,7 @@ class _ChunkedShiftedLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         logits, tokens = ctx.saved_tensors
         grad = torch.zeros_like(logits, memory_format=torch.contiguous_format)

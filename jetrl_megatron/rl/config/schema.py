@@ -332,9 +332,10 @@ class PolicyCfg:
     logprob_chunk_size: int | None = key(None, bounds=at_least(1), note="positions per chunk when the logits become "
                                          "logprobs, in every pass (NeMo-RL's meaning: the sequence dimension); the "
                                          "update's backward recomputes one chunk at a time. The same numbers bit for "
-                                         "bit (each op is row-local), less memory: the logits' peak falls from 14-16 "
-                                         "B to 4 B per (token, vocabulary entry) plus one chunk's FP32 work, counted "
-                                         "by jetrl plan; null: the whole micro-batch at once")
+                                         "bit on the exact paths (GPU vLLM's logprob kernels, torch's log-softmax; "
+                                         "on CUDA not under a top-k / top-p filter), less memory: the logits' peak "
+                                         "falls from 12-16 B to 4 B per (token, vocabulary entry) plus one chunk's "
+                                         "FP32 work, counted by jetrl plan; null: the whole micro-batch at once")
     max_total_sequence_length: int = key(64, bounds=at_least(2))
     precision: str = key("bfloat16", note="the trainer's compute dtype: BF16 (FP8 GEMMs come from fp8_cfg)",
                          allowed=("bfloat16",))

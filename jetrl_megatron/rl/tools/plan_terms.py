@@ -19,11 +19,34 @@ def trainer_runs_vllm_cuda(cfg: RunConfig) -> bool:
     return cfg.policy.jet_rl.attn_impl in ("auto", "vllm_cuda")
 
 
+def _filtered(cfg: RunConfig) -> bool:
+    """The rollout samples under a top-k / top-p filter, which the trainer's logprobs then apply too."""
+    g = cfg.policy.generation
+    return (g.top_k is not None and g.top_k > 0) or (g.top_p is not None and g.top_p < 1.0)
+
+
 def _vllm_cuda_logprobs(cfg: RunConfig) -> bool:
     """The logprobs go through GPU vLLM's kernels only without a top-k / top-p filter (``logprobs_from_logits``)."""
-    g = cfg.policy.generation
-    filtered = (g.top_k is not None and g.top_k > 0) or (g.top_p is not None and g.top_p < 1.0)
-    return trainer_runs_vllm_cuda(cfg) and not filtered
+    return trainer_runs_vllm_cuda(cfg) and not _filtered(cfg)
+
+
+def _filtered_work_bytes(tokens: int, vocab: int, update: bool) -> int:
+    """The torch logprob path under a top-k / top-p filter, one call over ``tokens`` scored positions, beyond its
+    BF16 logits: forward (``sampling_logits``: FP32 upcast, scaling, the filter's mask and fill, then the FP32
+    log-softmax) 8 B per entry, plus ``keep_mask``'s sort, cumulative sum and masks over at most ``ROW_CHUNK`` rows
+    at a time, 16 B per entry of such a block; the update's backward peaks at 11 B per entry. Fitted to live tensor
+    bytes measured op by op at 512 to 6,400 rows (within 10%; tests/test_megatron_logprob_chunks.py)."""
+    from jetrl_megatron.sampling import ROW_CHUNK
+
+    entries = tokens * vocab
+    forward = 8 * entries + 16 * min(tokens, ROW_CHUNK) * vocab
+    return max(forward, 11 * entries) if update else forward
+
+
+def _logprob_calls(cfg: RunConfig) -> int:
+    """How many logprob computations one training micro-batch makes from its logits: two under a filter with the KL
+    term, which uses the temperature-only logprobs too (``grpo.PolicyLoss.uses_unfiltered_kl``)."""
+    return 2 if _filtered(cfg) and cfg.loss_fn.reference_policy_kl_penalty else 1
 
 
 def _chunk_positions(cfg: RunConfig, seq: int) -> int | None:
@@ -40,13 +63,21 @@ def logprob_logits_bytes(cfg: RunConfig, rows: int, seq: int, vocab: int, tp: in
     positions (the whole micro-batch without ``policy.logprob_chunk_size``), the TP gather's full copy when TP > 1
     and then ``megatron/model.py``: with GPU vLLM's kernels a contiguous BF16 copy of the scored rows
     (``_vllm_cuda_logprobs``; its Triton log-softmax reads it and writes one FP32 value per token), i.e. 2 + 2 B per
-    (token, vocab entry) at TP 1 unchunked; otherwise an FP32 upcast and the FP32 ``log_softmax`` of it (2 + 4 + 4 B).
+    (token, vocab entry) at TP 1 unchunked; otherwise an FP32 upcast and the FP32 ``log_softmax`` of it (2 + 4 + 4 B);
+    under a top-k / top-p filter :func:`_filtered_work_bytes`.
     """
     entries = rows * seq * vocab
     chunk = _chunk_positions(cfg, seq)
-    worked = entries if chunk is None else rows * chunk * vocab
+    scored = rows * (seq if chunk is None else chunk)
+    worked = scored * vocab
     gathered = 2 * worked if tp > 1 else 0
-    return 2 * entries // tp + gathered + (2 if _vllm_cuda_logprobs(cfg) else 8) * worked
+    if _filtered(cfg):
+        work = _filtered_work_bytes(scored, vocab, update=False)
+    else:
+        work = (2 if _vllm_cuda_logprobs(cfg) else 8) * worked
+    # GPTModel hands out its (s, b, V) logits as a contiguous (b, s, V) copy: both exist for a moment when b > 1
+    transposed = 4 * entries // tp if rows > 1 else 0
+    return max(transposed, 2 * entries // tp + gathered + work)
 
 
 def update_logits_bytes(cfg: RunConfig, rows: int, seq: int, vocab: int, tp: int) -> int:
@@ -55,21 +86,30 @@ def update_logits_bytes(cfg: RunConfig, rows: int, seq: int, vocab: int, tp: int
 
     GPU vLLM's kernels (``_VllmCudaLogprobFn``): the saved contiguous BF16 logits (2 B per entry), and in its backward
     the FP32 upcast (4), the FP32 softmax it scales in place (4), its division by the temperature (4, a new tensor even
-    at T = 1) and the BF16 gradient (2): 16 B per (token, vocab entry) at once. The torch path: the saved FP32
-    log-softmax output (4) and the gather's backward, FP32 zeros (4) and the out-of-place scatter into them (4): 12 B
-    (measured op by op, tests/test_megatron_logprob_chunks.py; log-softmax's input gradient and the BF16 cast come
-    after those are freed). TP > 1 adds the gathered full copy's gradient (2 B) to the vocab-parallel one.
+    at T = 1) and the BF16 gradient (2): 16 B per (token, vocab entry) at once. The torch path without a filter: the
+    saved FP32 log-softmax output (4) and the gather's backward, FP32 zeros (4) and the out-of-place scatter into them
+    (4): 12 B (log-softmax's input gradient and the BF16 cast come after those are freed). Under a top-k / top-p filter:
+    the BF16 logits (2 B, held through that path's forward) and :func:`_filtered_work_bytes`. The torch paths measured
+    op by op on CPU (tests/test_megatron_logprob_chunks.py). TP > 1 adds the gathered full copy's gradient (2 B) to
+    the vocab-parallel one.
     With ``policy.logprob_chunk_size`` (``megatron/logprob_chunks.py``) those are one chunk's, recomputed in turn,
-    next to the whole micro-batch's BF16 logits kept for it and the BF16 gradient buffer each chunk writes into
-    (2 + 2 B per entry, vocab / TP per rank).
+    next to the whole micro-batch's BF16 logits kept for it and a BF16 gradient buffer per logprob computation each
+    chunk writes into (2 + 2 B per entry, vocab / TP per rank; 2 + 4 B with the filter's KL term, ``_logprob_calls``).
     """
     entries = rows * seq * vocab
-    per = 16 if _vllm_cuda_logprobs(cfg) else 12
     chunk = _chunk_positions(cfg, seq)
-    if chunk is None:
-        return per * entries + (2 * entries if tp > 1 else 0)
-    worked = rows * chunk * vocab
-    return 4 * entries // tp + per * worked + (2 * worked if tp > 1 else 0)
+    scored = rows * (seq if chunk is None else chunk)
+    worked = scored * vocab
+    if _filtered(cfg):
+        work = _filtered_work_bytes(scored, vocab, update=True)
+    else:
+        work = (16 if _vllm_cuda_logprobs(cfg) else 12) * worked
+    gathered = 2 * worked if tp > 1 else 0
+    if chunk is None:  # the logits themselves are freed once turned into logprobs, except under a filter's forward;
+        # the KL term's temperature-only logprobs keep their FP32 log-softmax output (4 B) for their own backward
+        second = 4 * worked if _logprob_calls(cfg) == 2 else 0
+        return work + gathered + second + (2 * entries // tp if _filtered(cfg) else 0)
+    return (2 + 2 * _logprob_calls(cfg)) * entries // tp + work + gathered
 
 
 def checkpointed_inputs_bytes(cfg: RunConfig, tokens: int, hidden: int, layers: int, tp: int) -> int:
