@@ -415,3 +415,26 @@ def test_export_reads_run_checkpoints_of_any_tp_pp(tmp_path):
         for name, t in ref.items():
             assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
             assert torch.equal(got[name].view(torch.uint8), t.contiguous().view(torch.uint8)), name
+
+
+def test_resume_refuses_a_checkpoint_of_another_layout_model_or_arm(mp, tmp_path):
+    """Before anything is loaded: one line naming what differs and the key that decides it."""
+    import json
+    from types import SimpleNamespace
+
+    from jetrl_megatron.model.shapes import get_model_shape
+    from jetrl_megatron.recipe import Fp8Recipe
+    from jetrl_megatron.rl.outputs.checkpoint_io import check_compatible
+
+    shape = get_model_shape("tiny")
+    trainer = SimpleNamespace(shape=shape, recipe=Fp8Recipe(mode="jetrl"))
+    meta = json.loads(json.dumps({"tp": 1, "pp": 1, "model": {"hf_config": shape.to_hf_config()},
+                                  "jet_rl": Fp8Recipe(mode="jetrl", gemm_backend="emulated").to_dict()}))
+    check_compatible(tmp_path, meta, trainer)  # another GEMM backend: the same contract, accepted
+    cases = [({"tp": 2}, "TP 2, this run has TP 1"),
+             ({"model": {"hf_config": {**meta["model"]["hf_config"], "rope_theta": 1.0}}}, "its rope_theta is 1.0"),
+             ({"jet_rl": {**meta["jet_rl"], "mode": "bf16"}}, "mode 'bf16' there, 'jetrl' here")]
+    for change, want in cases:
+        with pytest.raises(UserError, match=want) as e:
+            check_compatible(tmp_path, {**meta, **change}, trainer)
+        assert "\n" not in str(e.value) and "checkpointing.checkpoint_dir" in str(e.value)

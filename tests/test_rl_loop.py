@@ -238,3 +238,37 @@ def test_stale_vllm_shm_segment_gets_one_actionable_line(tmp_path):
     finally:
         for f in stale:
             Path(f).unlink(missing_ok=True)
+
+
+def test_resume_with_the_kl_term_continues_bit_for_bit(tmp_path):
+    """With the KL term the reference policy is the run's start: a resumed run keeps it (saved with the checkpoint),
+    and restores the RNGs after its start-up has reseeded them, so step 2's checkpoint of the resumed run holds the
+    same tensors as the uninterrupted run's, RNG states included."""
+    import torch
+
+    kl = ("loss_fn.reference_policy_kl_penalty=0.5", "grpo.max_num_steps=2", "checkpointing.enabled=true",
+          "checkpointing.save_period=1")
+    a = tmp_path / "a"
+    rows = _run(a, *arm_overrides("jetrl"), *kl)
+    assert rows[1]["train/kl_ref"] > 0
+    b = tmp_path / "b"
+    (b / "ckpt").mkdir(parents=True)
+    shutil.copytree(a / "ckpt" / "step_1", b / "ckpt" / "step_1")
+    rows_b = _run(b, *arm_overrides("jetrl"), *kl)
+    assert [r["step"] for r in rows_b] == [2]
+    for k in ("train/loss", "train/kl_ref", "train/grad_norm", "reward/mean", "mismatch/k3_kl"):
+        assert rows_b[0][k] == rows[1][k], (k, rows_b[0][k], rows[1][k])
+
+    def flat(x, prefix=""):
+        if isinstance(x, dict):
+            return {k: v for key, val in x.items() for k, v in flat(val, f"{prefix}/{key}").items()}
+        if isinstance(x, (list, tuple)):
+            return {k: v for i, val in enumerate(x) for k, v in flat(val, f"{prefix}/{i}").items()}
+        return {prefix: x}
+
+    want = flat(torch.load(a / "ckpt" / "step_2" / "rank_0.pt", weights_only=True))
+    got = flat(torch.load(b / "ckpt" / "step_2" / "rank_0.pt", weights_only=True))
+    assert set(got) == set(want) and any(k.startswith("/reference/") for k in want)
+    differ = [k for k in want if not (torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor)
+                                      else got[k] == want[k])]
+    assert differ == [], differ

@@ -274,16 +274,15 @@ class Fp8RefreshingOptimizer:
                           "state": state, "param_state": shards})
         return {"format": "jetrl_optimizer_v1", "parts": parts}
 
-    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        """Inverse of :func:`checkpoint_state`; refuses a checkpoint cut for another optimizer kind or DP size."""
+    def check_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Raise ValueError, touching nothing, when :meth:`load_checkpoint_state` would refuse ``state``: written for
+        another optimizer kind (distributed or not) or DP size."""
         if state.get("format") != "jetrl_optimizer_v1":
-            if not self.distributed:  # a plain Megatron state_dict (checkpoints written before this format)
-                self.optimizer.load_state_dict(state)
-                self._repin_host_masters()
-                return
-            raise ValueError("optimizer checkpoint holds no distributed-optimizer shards (it was written with "
-                             "use_distributed_optimizer=false): set policy.megatron_cfg.optimizer."
-                             "use_distributed_optimizer=false to resume it")
+            if self.distributed:
+                raise ValueError("optimizer checkpoint holds no distributed-optimizer shards (it was written with "
+                                 "use_distributed_optimizer=false): set policy.megatron_cfg.optimizer."
+                                 "use_distributed_optimizer=false to resume it")
+            return  # a plain Megatron state_dict (checkpoints written before this format)
         inner = _inner_optimizers(self.optimizer)
         if len(state["parts"]) != len(inner):
             raise ValueError(f"optimizer checkpoint has {len(state['parts'])} part(s), this optimizer {len(inner)}")
@@ -294,13 +293,22 @@ class Fp8RefreshingOptimizer:
                     f"optimizer checkpoint was written with use_distributed_optimizer={part['kind'] == 'distributed'}, "
                     f"this run has use_distributed_optimizer={kind == 'distributed'}: set "
                     "policy.megatron_cfg.optimizer.use_distributed_optimizer as in the run that wrote it")
-            if kind == "megatron":
-                opt.load_state_dict(part["state"])
-                continue
-            dp = opt.data_parallel_group.size()
-            if part["dp_size"] != dp:
+            if kind == "distributed" and part["dp_size"] != (dp := opt.data_parallel_group.size()):
                 raise ValueError(f"distributed-optimizer checkpoint was sharded over DP={part['dp_size']}, this run "
                                  f"has DP={dp}: resharding optimizer state is not supported")
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Inverse of :func:`checkpoint_state`; refuses (:meth:`check_checkpoint_state`, before loading anything) a
+        checkpoint cut for another optimizer kind or DP size."""
+        self.check_checkpoint_state(state)
+        if state.get("format") != "jetrl_optimizer_v1":
+            self.optimizer.load_state_dict(state)
+            self._repin_host_masters()
+            return
+        for opt, part in zip(_inner_optimizers(self.optimizer), state["parts"], strict=True):
+            if part["kind"] == "megatron":
+                opt.load_state_dict(part["state"])
+                continue
             if (hdo := _hybrid(opt)) is not None:  # the classes checkpoint_state dropped, from this optimizer
                 classes = {k: v for k, v in hdo.defaults.items() if isinstance(v, type)}
                 groups = [{**classes, **g} for g in part["state"]["optimizer"]["param_groups"]]

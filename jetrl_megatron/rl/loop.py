@@ -49,6 +49,7 @@ from jetrl_megatron.rl.dist import dist_rank, dist_world, init_distributed, is_m
 from jetrl_megatron.rl.engine_wake import wake_engine
 from jetrl_megatron.rl.generation import engine_groups, rollout, start_engine, validate, validation_split
 from jetrl_megatron.rl.metrics import position_bins
+from jetrl_megatron.rl.outputs.checkpoint_format import set_rng_state
 from jetrl_megatron.rl.outputs.checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint
 from jetrl_megatron.rl.outputs.metric_log import RunLogger
 from jetrl_megatron.rl.outputs.step_profile import StepProfile
@@ -109,10 +110,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         say(f"grpo.max_num_epochs = {g.max_num_epochs}: the run stops after step {last_step} "
             f"({len(train_idx)} training prompts, {g.num_prompts_per_step} per step)")
 
-    start_step = 0
+    start_step, resumed = 0, None
     ckpt = latest_checkpoint(cfg) if cfg.checkpointing.enabled else None
     if ckpt is not None:
-        start_step = load_checkpoint(ckpt, trainer, stream)
+        resumed = load_checkpoint(ckpt, trainer, stream)
+        start_step = resumed.step
         logger.truncate_after(start_step)
         say(f"resumed from {ckpt} (step {start_step})")
     elif Path(logger.path).exists() and is_main():
@@ -126,9 +128,15 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         if g.max_num_steps == 0:
             return warm_start_only(cfg, logger, sft_losses)
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
+        reference = None if resumed is None else resumed.reference
+        if resumed is not None and reference is None:
+            warn(f"warning: checkpoint {ckpt} holds no reference policy (written without the KL term): the KL term's "
+                 "reference is the resumed policy")
         with startup.time("reference_model"):
-            trainer.ref_model = make_reference(cfg, trainer)
+            trainer.ref_model = make_reference(cfg, trainer, reference)
     ro = start_rollout(cfg, trainer, task, stream, log_dir / f"model_init_engine{engine_index}", startup)
+    if resumed is not None:  # now: building the reference model and starting the engine reseed the RNGs
+        set_rng_state(resumed.rng)
 
     val_prompts = [val_task.prompt(i) for i in val_idx]
     if val_prompts and start_step == 0 and g.val_at_start:

@@ -131,12 +131,13 @@ def resolve_model_weights(cfg: RunConfig) -> str | None:
     return str(snapshot(name, cfg.hub, key="policy.model_name", need=WEIGHT_FILES))
 
 
-def make_reference(cfg: RunConfig, trainer: Trainer):
-    """A frozen copy of the current policy (for the KL penalty), same shards and arm."""
+def make_reference(cfg: RunConfig, trainer: Trainer, weights: dict[str, torch.Tensor] | None = None):
+    """A frozen copy of the current policy (for the KL penalty), same shards and arm; ``weights``: a saved
+    reference's instead (a resumed run keeps the reference of the run it continues)."""
     from jetrl_megatron.megatron.model import build_gpt
 
     ref = build_gpt(trainer.shape, trainer.recipe, seed=cfg.grpo.seed, **model_numerics(cfg))
-    ref.load_state_dict(trainer.gpt.state_dict(), strict=True)
+    ref.load_state_dict(trainer.gpt.state_dict() if weights is None else weights, strict=True)
     from jetrl_megatron.megatron.model import refresh_fp8_cache
 
     for p in ref.parameters():
