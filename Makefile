@@ -43,14 +43,19 @@ TEST_WORKERS ?= 2
 test: setup
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 tests
 
-# The GPU tests (they skip without CUDA, and say so). ENV=system: in the Python environment already on the PATH
-# (python3 with this project's dependencies installed, e.g. an offline GPU node's image plus vLLM), no venv, no
-# install. One pytest process: vLLM's start-up memory profiling fails when another process frees GPU memory meanwhile
-# (measured: two processes sharing the H200 failed 4 engine tests).
+# ENV=system (test-gpu, run, compare, dose-response, plan, sbatch, lint): in the Python environment already on the
+# PATH (python3 with this project's dependencies installed: an offline GPU node's image plus vLLM, or a venv the user
+# activated), no venv of the Makefile's, no install.
 ENV ?= venv
-GPU_PY = $(if $(filter system,$(ENV)),python3,$(VPY))
-test-gpu: $(if $(filter system,$(ENV)),,setup)
-	$(GPU_PY) -m pytest -q -rs -p no:cacheprovider --durations=25 -m gpu tests
+SYSTEM = $(filter system,$(ENV))
+SETUP = $(if $(SYSTEM),,setup)
+ENV_PY = $(if $(SYSTEM),python3,$(VPY))
+JETRL = $(if $(SYSTEM),python3 -m jetrl_megatron.cli,$(VENV)/bin/jetrl)
+
+# The GPU tests (they skip without CUDA, and say so). One pytest process: vLLM's start-up memory profiling fails when
+# another process frees GPU memory meanwhile (measured: two processes sharing the H200 failed 4 engine tests).
+test-gpu: $(SETUP)
+	$(ENV_PY) -m pytest -q -rs -p no:cacheprovider --durations=25 -m gpu tests
 
 # What an offline Hopper test machine needs carried to it (docs/vllm_gpu.md): the xz-compressed vLLM 0.26 bundle in
 # 44 MiB parts (.vc/p0, p1) and the wheels its image lacks (.whl); both git-ignored, built from the package index.
@@ -58,14 +63,14 @@ gpu-bundle:
 	bash tools/vllm_gpu_bundle.sh
 	bash tools/gpu_wheels.sh
 
-lint: setup
-	$(VENV)/bin/ruff check .
+lint: $(SETUP)
+	$(ENV_PY) -m ruff check .
 
-run: setup
-	$(VENV)/bin/jetrl run --recipe $(RECIPE) $(if $(ARM),--arm $(ARM)) $(OVERRIDES)
+run: $(SETUP)
+	$(JETRL) run --recipe $(RECIPE) $(if $(ARM),--arm $(ARM)) $(OVERRIDES)
 
-compare: setup
-	$(VENV)/bin/jetrl compare --recipe $(RECIPE) --seeds $(SEEDS) $(OVERRIDES)
+compare: $(SETUP)
+	$(JETRL) compare --recipe $(RECIPE) --seeds $(SEEDS) $(OVERRIDES)
 
 # The mismatch dose-response (docs/rl.md; experiment only, CPU): bf16 and, per stress format of fp8/stress.py, the
 # off-policy arm (BF16 trainer, stressed rollout) and the unified arm (trainer forward stressed the same way), every
@@ -85,18 +90,18 @@ DOSE_COUNT_TASK = data.train.dataset_name=synthetic_count data.train.num_terms=8
 comma := ,
 space := $(subst ,, )
 DOSE_ARMS = $(subst $(space),$(comma),bf16 $(foreach f,$(DOSE_FORMATS),offpolicy_$(f) unified_$(f)))
-dose-response: setup
-	$(VENV)/bin/jetrl compare --recipe tiny_cpu --seeds $(SEEDS) --parallel $(DOSE_PARALLEL) --arms $(DOSE_ARMS) \
+dose-response: $(SETUP)
+	$(JETRL) compare --recipe tiny_cpu --seeds $(SEEDS) --parallel $(DOSE_PARALLEL) --arms $(DOSE_ARMS) \
 	  --out $(DOSE_OUT) grpo.max_num_steps=$(DOSE_STEPS) grpo.val_period=10 policy.jet_rl.progress_bars=false \
 	  $(if $(filter count,$(DOSE_TASK)),$(DOSE_COUNT_TASK)) $(OVERRIDES)
-	$(VPY) -m jetrl_megatron.rl.tools.dose_response $(DOSE_OUT)
+	$(ENV_PY) -m jetrl_megatron.rl.tools.dose_response $(DOSE_OUT)
 
-plan: setup
-	$(VENV)/bin/jetrl plan --recipe $(RECIPE) $(if $(ARM),--arm $(ARM)) $(OVERRIDES)
+plan: $(SETUP)
+	$(JETRL) plan --recipe $(RECIPE) $(if $(ARM),--arm $(ARM)) $(OVERRIDES)
 
 sbatch: DEVICE := $(if $(filter command line environment,$(origin DEVICE)),$(DEVICE),$(RECIPE_DEVICE))
-sbatch: setup
-	$(VENV)/bin/jetrl sbatch --recipe $(RECIPE) --nodes $(NODES) $(if $(SUBMIT),--submit) $(if $(ARM),--arm $(ARM)) \
+sbatch: $(SETUP)
+	$(JETRL) sbatch --recipe $(RECIPE) --nodes $(NODES) $(if $(SUBMIT),--submit) $(if $(ARM),--arm $(ARM)) \
 	  $(OVERRIDES)
 
 clean:

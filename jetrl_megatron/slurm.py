@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 from jetrl_megatron.errors import UserError, one_line
 from jetrl_megatron.rl.config import REPO_ROOT, RunConfig, load_config
@@ -27,8 +28,20 @@ from jetrl_megatron.rl.config import REPO_ROOT, RunConfig, load_config
 # forever unless the site sets EnforcePartLimits): too many nodes or too long for the partition, unknown features.
 NEVER_STARTS = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints")
 
-GPU_VENV_FIX = ("rebuild it with the GPU build: `rm -rf .venv && make setup DEVICE=gpu` in the repository (pip needs "
-                "no GPU, a login node will do), then resubmit")
+def gpu_venv_fix(venv: str | None = None) -> str:
+    """How to rebuild ``venv`` (this environment by default) with the GPU build."""
+    venv = venv or sys.prefix
+    default = Path(venv).resolve() == (REPO_ROOT / ".venv").resolve()
+    where = ".venv" if default else venv
+    return (f"rebuild it with the GPU build: `rm -rf {where} && make setup DEVICE=gpu"
+            f"{'' if default else f' VENV={venv}'}` in the repository (pip needs no GPU, a login node will do), then "
+            "resubmit")
+
+
+def job_venv() -> str | None:
+    """The environment the job's ranks should run in: this one (the one `jetrl sbatch` checked), or None when it is
+    the repository's own ``.venv``, the template's default."""
+    return None if Path(sys.prefix).resolve() == (REPO_ROOT / ".venv").resolve() else sys.prefix
 
 
 def ranks_per_node(cfg: RunConfig) -> int:
@@ -65,7 +78,7 @@ def login_venv_problem(cfg: RunConfig, version: str | None) -> str | None:
     if cfg.is_gpu and version.endswith("+cpu"):
         return (f"{venv} has torch {version}, the CPU-only build (`make setup` installs it on a machine without "
                 f"nvidia-smi), but recipe {cfg.name!r} is a GPU job whose ranks would all stop with 'CUDA is not "
-                f"available'; {GPU_VENV_FIX}")
+                f"available'; {gpu_venv_fix()}")
     return None
 
 
@@ -81,7 +94,7 @@ def node_venv_problem(cfg: RunConfig) -> str | None:
     if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
         return (f"{sys.prefix} has torch {torch.__version__}, the CPU-only build (`make setup` installs it on a "
                 f"machine without nvidia-smi), so CUDA is not available on {host} for GPU recipe {cfg.name!r}; "
-                f"{GPU_VENV_FIX}")
+                f"{gpu_venv_fix()}")
     if not torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
         return (f"CUDA is not available on {host} (torch {torch.__version__}, CUDA_VISIBLE_DEVICES={visible}): the "
@@ -117,6 +130,8 @@ def sbatch_command(recipe: str, nodes: int, overrides: list[str], gres: str, par
     env = [f"RECIPE={recipe}"]
     if overrides:
         env.append(f"OVERRIDES={' '.join(overrides)}")
+    if (venv := job_venv()) is not None:  # the ranks run in the environment checked here, not the template's default
+        env.append(f"VENV={venv}")
     script = str(REPO_ROOT / "slurm" / "jetrl.sbatch")
     return ["env", *env, "sbatch", *(["--parsable"] if parsable else []), f"--nodes={nodes}", f"--gres={gres}",
             f"--chdir={REPO_ROOT}", script]

@@ -54,6 +54,19 @@ def test_cpu_recipe_gets_a_command_without_gres(capsys):
     assert "--gres=gpu:8" in out and "--nodes=2" in out and "cluster.num_nodes=2" in out
 
 
+def test_the_job_runs_in_the_environment_that_was_checked(monkeypatch, capsys):
+    """`jetrl sbatch` checks the environment it runs in (sys.prefix): the printed job line names it as VENV unless it
+    is the repository's own .venv (the template's default), and the fix it suggests rebuilds that one."""
+    monkeypatch.setattr(sys, "prefix", "/opt/envs/jetrl")
+    assert main(["sbatch", "--recipe", "tiny_cpu"]) == 0
+    assert "VENV=/opt/envs/jetrl" in capsys.readouterr().out
+    assert "rm -rf /opt/envs/jetrl && make setup DEVICE=gpu VENV=/opt/envs/jetrl" in slurm.gpu_venv_fix()
+    monkeypatch.setattr(sys, "prefix", str(REPO_ROOT / ".venv"))
+    assert main(["sbatch", "--recipe", "tiny_cpu"]) == 0
+    assert "VENV=" not in capsys.readouterr().out
+    assert "`rm -rf .venv && make setup DEVICE=gpu`" in slurm.gpu_venv_fix()
+
+
 def test_cpu_ranks_per_node_is_the_model_parallel_size():
     def ranks(*ov: str) -> int:
         return slurm.ranks_per_node(load_config("tiny_cpu", list(ov)))
