@@ -438,3 +438,11 @@ def test_resume_refuses_a_checkpoint_of_another_layout_model_or_arm(mp, tmp_path
         with pytest.raises(UserError, match=want) as e:
             check_compatible(tmp_path, {**meta, **change}, trainer)
         assert "\n" not in str(e.value) and "checkpointing.checkpoint_dir" in str(e.value)
+
+
+def test_a_misspelled_override_names_the_closest_key():
+    from jetrl_megatron.rl.config import load_config
+
+    with pytest.raises(UserError, match=r"did you mean policy\.train_micro_batch_size\?") as e:
+        load_config("tiny_cpu", ["policy.train_micro_batch_szie=2"])
+    assert "\n" not in str(e.value) and "+policy.train_micro_batch_szie=" in str(e.value)

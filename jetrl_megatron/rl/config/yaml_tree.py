@@ -9,6 +9,7 @@ NeMo-RL YAML mean the same thing here. Typing and key accounting happen afterwar
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,17 @@ def _has_key(tree: DictConfig, key: str) -> bool:
     return isinstance(parent, DictConfig) and leaf in parent
 
 
+def _closest_key(key: str, keys: list[str]) -> str | None:
+    """The existing key ``key`` most likely misspells: a sibling with a close name, else a close full path."""
+    parent, _, leaf = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == parent}
+    near = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.75)
+    if near:
+        return siblings[near[0]]
+    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.9)
+    return near[0] if near else None
+
+
 def apply_overrides(tree: DictConfig, overrides: list[str]) -> DictConfig:
     """Apply Hydra-style overrides as NeMo-RL's ``run_grpo.py`` does: ``a.b=v`` changes a key that exists,
     ``+a.b=v`` adds one that does not, ``++a.b=v`` sets either way, ``~a.b`` (or ``~a.b=v``, checked) deletes."""
@@ -137,7 +149,10 @@ def apply_overrides(tree: DictConfig, overrides: list[str]) -> DictConfig:
             raise ConfigError(f"override {text!r}: {key} already exists; change it with {key}=... "
                               f"(or force with ++{key}=...)")
         if not (ov.is_add() or ov.is_force_add()) and not exists:
-            raise ConfigError(f"override {text!r}: {key} is not in the config; add it with +{key}=...")
+            near = _closest_key(key, list(leaf_paths(OmegaConf.to_container(tree, resolve=False))))
+            hint = f" (did you mean {near}?)" if near else ""
+            raise ConfigError(f"override {text!r}: {key} is not in the config{hint}; add it with +{key}=... if it is "
+                              "a new key")
         try:
             OmegaConf.update(tree, key, value, merge=False, force_add=True)
         except OmegaConfBaseException as e:

@@ -16,8 +16,8 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from jetrl_megatron.megatron.optimizer_settings import OptimizerSettings
-from jetrl_megatron.model.hub import is_hub_id, snapshot
-from jetrl_megatron.model.shapes import get_model_shape
+from jetrl_megatron.model.hub import HubLookupError, is_hub_id, snapshot
+from jetrl_megatron.model.shapes import get_model_shape, preset_names
 from jetrl_megatron.rl.config import ConfigError, RunConfig, to_yaml
 from jetrl_megatron.rl.config.nemo_rl_keys import IGNORED, IMPLEMENTED
 from jetrl_megatron.rollout import kv_waves
@@ -39,7 +39,11 @@ def model_shape(cfg: RunConfig):
         if not is_hub_id(name):
             raise ConfigError(f"policy.model_name: {e}; set policy.jet_rl.model_preset=<preset> or point "
                               "policy.model_name at a local HF model directory or a hub id") from None
-    folder = snapshot(name, cfg.hub, key="policy.model_name")
+    try:
+        folder = snapshot(name, cfg.hub, key="policy.model_name")
+    except HubLookupError as e:  # the plan needs only the architecture: a preset stands in for config.json
+        raise HubLookupError(f"{e}; to plan without it, name its architecture: policy.jet_rl.model_preset=<one of "
+                             f"{', '.join(preset_names())}>") from None
     try:
         return get_model_shape(folder).with_name(name)
     except ValueError as e:
