@@ -136,11 +136,12 @@ def test_qwen3_8b_estimate_within_15_percent_of_the_measured_peak(arm, phase):
     ((), "false fits this GPU too"),
     (("policy.train_micro_batch_size=16",), "needed here"),
     (("policy.megatron_cfg.activation_checkpointing=false",), "false; true would peak at"),
+    (("policy.generation.vllm_kwargs.kv_cache_memory_bytes=48318382080",), "leaves the peak where it is"),
 ])
 def test_plan_says_whether_the_run_fits_the_other_way_of_activation_checkpointing(extra, want):
     """The recompute line: at 1K tokens x 4 rows the 8B run fits one H200 without recompute (the recipe's default
     recomputes); at 16 rows it does not; a run without it is told its peak with it. The peak quoted is the plan's
-    own estimate of the other setting."""
+    own estimate of the other setting; with a 45 GiB KV cache the rollout phase is the peak either way."""
     from jetrl_megatron.rl.tools.run_plan import GPU_UNCOUNTED_GIB, gpu_peak, plan_report
 
     cfg = load_config("qwen3_8b_1gpu", [*RUN, *extra])

@@ -581,6 +581,9 @@ def describe_recompute_choice(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib
     fits = peak + GPU_UNCOUNTED_GIB <= gpu_mem_gib
     spare = f"with {GPU_UNCOUNTED_GIB:g} GiB to spare"
     if now:
+        if peak <= gpu_peak(memory_estimate(cfg, shape, layout, gpu_mem_gib)) + 0.05:
+            return (f"activation_checkpointing: false leaves the peak where it is ({peak:.1f} GiB, another phase's): "
+                    "the update would skip the recompute (one layer forward per micro-batch fewer)")
         return (f"activation_checkpointing: false fits this GPU too (peak {peak:.1f} GiB {spare}): the update would "
                 "skip the recompute (one layer forward per micro-batch fewer)" if fits else
                 f"activation_checkpointing: needed here (false peaks at {peak:.1f} GiB)")
