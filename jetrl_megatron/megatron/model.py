@@ -275,7 +275,8 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, vocab_size:
     """(b, s, V/tp) vocab-parallel BF16 logits + (b, s) tokens -> (b, s-1) FP32 logprobs of tokens[:, 1:].
 
     ``chunk`` (``policy.logprob_chunk_size``): that many positions at a time, the backward recomputing each chunk
-    (:mod:`jetrl_megatron.megatron.logprob_chunks`): less memory, the same numbers bit for bit; None: all at once.
+    (:mod:`jetrl_megatron.megatron.logprob_chunks`): less memory, the same numbers bit for bit on the exact paths
+    (not on CUDA under a top-k / top-p filter or with ``vocab_parallel``: that module's docstring); None: all at once.
     The other arguments are :func:`_whole_logprobs`'s."""
     fn = functools.partial(_whole_logprobs, vocab_size=vocab_size, vocab_parallel=vocab_parallel, sampling=sampling,
                            vllm_cuda=vllm_cuda)
