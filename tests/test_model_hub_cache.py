@@ -141,3 +141,14 @@ def test_plan_and_tiny_cpu_run_from_the_cache(tmp_path):
     steps = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if s["step"] > 0] == [1, 2]
     assert json.loads((log_dir / "summary.json").read_text())["ok"]
+
+
+def test_a_plan_missing_the_config_names_the_preset_key(hub):
+    """Planning needs only the architecture: the hub miss says how to name it without the cache."""
+    from jetrl_megatron.rl.tools.run_plan import model_shape
+
+    cfg = load_config("tiny_cpu", ["policy.model_name=meta-llama/Llama-3.1-8B-Instruct",
+                                   "policy.jet_rl.model_preset=null", *GPU_1B])
+    with pytest.raises(HubLookupError, match=r"policy\.jet_rl\.model_preset=<one of .*llama3\.1-8b") as e:
+        model_shape(cfg)
+    assert "\n" not in str(e.value)

@@ -93,11 +93,3 @@ def test_bad_config_rejected():
     with pytest.raises(ValueError, match="num_kv_heads"):
         ModelShape.from_hf_config(bad)
 
-
-def test_post_trained_hub_ids_resolve_to_their_base_architecture():
-    """NeMo-RL's recipes start from Instruct / Base checkpoints; their shape is the base model's preset."""
-    from jetrl_megatron.model.shapes import get_model_shape
-
-    assert get_model_shape("meta-llama/Llama-3.1-8B-Instruct") == get_model_shape("meta-llama/Llama-3.1-8B")
-    assert get_model_shape("Qwen/Qwen3-8B-Base") == get_model_shape("qwen3-8b")
-    assert get_model_shape("Qwen/Qwen2.5-7B-Instruct") == get_model_shape("qwen2.5-7b")

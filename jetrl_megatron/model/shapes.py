@@ -281,9 +281,6 @@ _ALIASES = {
     "meta-llama/llama-3.1-8b": "llama3.1-8b", "meta-llama/meta-llama-3.1-8b": "llama3.1-8b",
     "llama-3.1-8b": "llama3.1-8b", "qwen/qwen2.5-7b": "qwen2.5-7b",
 }
-# The post-trained checkpoints NeMo-RL's recipes start from share their base model's architecture (the shape)
-_ALIASES.update({f"{k}{suffix}": v for k, v in list(_ALIASES.items()) if "/" in k
-                 for suffix in ("-base", "-instruct")})
 
 
 def preset_names() -> list[str]:
