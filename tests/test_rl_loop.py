@@ -256,7 +256,7 @@ def test_resume_with_the_kl_term_continues_bit_for_bit(tmp_path):
     shutil.copytree(a / "ckpt" / "step_1", b / "ckpt" / "step_1")
     rows_b = _run(b, *arm_overrides("jetrl"), *kl)
     assert [r["step"] for r in rows_b] == [2]
-    for k in ("train/loss", "train/kl_ref", "train/grad_norm", "reward/mean", "mismatch/k3_kl"):
+    for k in ("train/loss", "train/kl_ref", "train/grad_norm", "reward/mean", "mismatch/k3_kl", "train/fp8_generation"):
         assert rows_b[0][k] == rows[1][k], (k, rows_b[0][k], rows[1][k])
 
     def flat(x, prefix=""):

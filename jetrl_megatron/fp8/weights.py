@@ -90,6 +90,13 @@ class Fp8WeightCache:
         self._entries.update(fresh)
         self.generation = generation
 
+    def continue_count(self, generation: int) -> None:
+        """Number the current entries ``generation`` and count on from there: a resumed run's refreshes continue the
+        count of the run it resumes (the metric ``train/fp8_generation``), not restart at the load's own refresh."""
+        self.generation = generation
+        for entry in self._entries.values():
+            entry.generation = generation
+
     def invalidate(self) -> None:
         """Mark every entry stale (e.g. after an out-of-band weight load through `param.data`)."""
         for entry in self._entries.values():

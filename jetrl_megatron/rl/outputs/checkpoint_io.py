@@ -52,6 +52,8 @@ def save_checkpoint(cfg: RunConfig, trainer: Trainer, step: int, stream: PromptS
                     metrics: dict[str, Any] | None = None) -> Path:
     """Atomic: every rank writes into step_N.tmp, rank 0 renames to step_N and marks it COMPLETE. The step's metrics
     (NeMo-RL names) go with it, and checkpointing.keep_top_k / metric_name decide which older ones are removed."""
+    from jetrl_megatron.megatron.model import fp8_context
+
     root = ckpt_root(cfg)
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     if is_main():
@@ -64,6 +66,7 @@ def save_checkpoint(cfg: RunConfig, trainer: Trainer, step: int, stream: PromptS
              "rng": rng_state(), "stream": stream.state(), "step": step}
     if trainer.ref_model is not None:  # the KL term's frozen policy: the run's start, not what a resume loads
         state["reference"] = trainer.ref_model.state_dict()
+    state["fp8_generation"] = fp8_context(trainer.gpt).cache.generation
     part = tmp / f"rank_{dist_rank()}.pt"
     torch.save(state, str(part) + ".part")
     os.replace(str(part) + ".part", part)
@@ -135,7 +138,7 @@ def check_compatible(path: Path, meta: dict[str, Any], trainer: Trainer) -> None
 def load_checkpoint(path: Path, trainer: Trainer, stream: PromptStream) -> Resumed:
     """Load ``path`` into ``trainer`` and ``stream`` after checking that it fits this run (layout, model, arm,
     optimizer kind and DP size; nothing is loaded when it does not)."""
-    from jetrl_megatron.megatron.model import refresh_fp8_cache
+    from jetrl_megatron.megatron.model import fp8_context, refresh_fp8_cache
 
     meta = read_meta(path)
     if meta["world_size"] != dist_world():
@@ -152,5 +155,7 @@ def load_checkpoint(path: Path, trainer: Trainer, stream: PromptStream) -> Resum
         torch.autograd.graph.increment_version(p)
     trainer.optimizer.load_checkpoint_state(state["optimizer"])
     refresh_fp8_cache(trainer.model)
+    if "fp8_generation" in state:  # checkpoints before 2026-12-05 lack it: the count restarts there
+        fp8_context(trainer.gpt).cache.continue_count(int(state["fp8_generation"]))
     stream.load_state(state["stream"])
     return Resumed(int(state["step"]), state.get("reference"), state["rng"])
