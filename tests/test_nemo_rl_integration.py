@@ -434,6 +434,22 @@ def test_check_policy_refuses_naming_the_key(path, value, needle):
     assert needle in str(err.value), str(err.value)
 
 
+def test_nemo_rls_own_worker_asserts_are_refused_before_start_naming_the_keys():
+    """NeMo-RL's worker reads logprob_chunk_size itself (needing defer_fp32_logits) and accepts only an offload
+    fraction of 1.0: the preflight refuses what those workers would stop on, with both keys."""
+    chunked = _set(_policy(), "logprob_chunk_size", 256)
+    with pytest.raises(PolicyConfigError, match=r"policy\.logprob_chunk_size: 256.*defer_fp32_logits: true"):
+        check_policy(chunked, 4)
+    assert check_policy(_set(chunked, "megatron_cfg.defer_fp32_logits", True), 4) == Fp8Recipe()
+    def offload(fraction):
+        return _set(_policy(), "megatron_cfg.optimizer", {"optimizer_cpu_offload": True,
+                                                          "optimizer_offload_fraction": fraction})
+
+    with pytest.raises(PolicyConfigError, match=r"optimizer_offload_fraction: 0\.8; NeMo-RL's driver supports only"):
+        check_policy(offload(0.8), 4)
+    assert check_policy(offload(1.0), 4) == Fp8Recipe()
+
+
 def test_a_recipe_with_bf16_layers_needs_their_ignored_layers():
     policy = _policy(Fp8Recipe())
     policy = _set(policy, f"{QC}.jet_rl.bf16_last_layers", 1)  # the recipe changed, the module list did not

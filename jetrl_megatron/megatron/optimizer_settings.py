@@ -39,8 +39,8 @@ class OptimizerSettings:
     optimizer_offload_fraction: float = key(
         0.0, bounds=within(0, 1), note="with optimizer_cpu_offload: the share of each rank's optimizer state on the "
         "host, in (0, 1] (Megatron's meaning); NeMo-RL v0.7.0 accepts only 1.0, because its worker moves the GPU part "
-        "to the host around generation; here the GPU part stays resident, so a split works. No effect without "
-        "offload")
+        "to the host around generation; in `jetrl run` the GPU part stays resident, so a split works (under NeMo-RL's "
+        "driver a split is refused before start). No effect without offload")
     overlap_cpu_optimizer_d2h_h2d: bool = key(
         False, note="with optimizer_cpu_offload: one host AdamW per parameter, each stepping as soon as its own "
         "gradient has reached the host while the next ones are still copied, and its new weights copied back while "

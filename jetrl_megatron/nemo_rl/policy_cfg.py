@@ -99,6 +99,10 @@ READS: dict[str, str] = {
     "megatron_cfg.fp8_cfg.fp8_recipe": YAML,
     "megatron_cfg.fp8_cfg.fp8_param": YAML,
     "generation.vllm_cfg.use_deep_gemm": YAML,
+    "logprob_chunk_size": YAML,
+    "megatron_cfg.defer_fp32_logits": YAML,
+    "megatron_cfg.optimizer.optimizer_cpu_offload": YAML,
+    "megatron_cfg.optimizer.optimizer_offload_fraction": YAML,
 }
 
 
@@ -176,6 +180,18 @@ def check_policy(policy: Mapping[str, Any], num_layers: int) -> Fp8Recipe:
     if isinstance(kv, str) and kv.startswith("fp8"):
         raise PolicyConfigError(f"policy.generation.vllm_cfg.kv_cache_dtype: {kv!r}; an FP8 KV cache is not part of "
                                 "the Jet-RL precision flow (use 'auto')")
+
+    # NeMo-RL's own worker asserts these deep inside each Ray actor; refused here, before anything starts, by key
+    chunk = _get(policy, "logprob_chunk_size", None)
+    if chunk is not None and chunk > 0 and not _get(policy, "megatron_cfg.defer_fp32_logits", False):
+        raise PolicyConfigError(f"policy.logprob_chunk_size: {chunk}; under NeMo-RL's driver NeMo-RL's own logprob "
+                                "code reads it and needs policy.megatron_cfg.defer_fp32_logits: true (its workers "
+                                "stop on an assertion otherwise); set that key, or unset logprob_chunk_size")
+    if _get(policy, "megatron_cfg.optimizer.optimizer_cpu_offload", False):
+        fraction = _get(policy, "megatron_cfg.optimizer.optimizer_offload_fraction", 1.0)
+        if fraction != 1.0:
+            raise PolicyConfigError(f"policy.megatron_cfg.optimizer.optimizer_offload_fraction: {fraction}; NeMo-RL's "
+                                    "driver supports only 1.0 with optimizer_cpu_offload (a split is `jetrl run`'s)")
 
     recipe = recipe_from_policy(policy)
     qc = _get(policy, "generation.vllm_kwargs.hf_overrides.quantization_config")

@@ -335,7 +335,9 @@ class PolicyCfg:
                                          "bit on the exact paths (GPU vLLM's logprob kernels, torch's log-softmax; "
                                          "on CUDA not under a top-k / top-p filter), less memory: the logits' peak "
                                          "falls from 12-16 B to 4 B per (token, vocabulary entry) plus one chunk's "
-                                         "FP32 work, counted by jetrl plan; null: the whole micro-batch at once")
+                                         "FP32 work, counted by jetrl plan; null: the whole micro-batch at once. "
+                                         "Under NeMo-RL's driver NeMo-RL's own logprob code reads it (it needs "
+                                         "megatron_cfg.defer_fp32_logits: true there)")
     max_total_sequence_length: int = key(64, bounds=at_least(2))
     precision: str = key("bfloat16", note="the trainer's compute dtype: BF16 (FP8 GEMMs come from fp8_cfg)",
                          allowed=("bfloat16",))
