@@ -21,8 +21,8 @@
 #           PROFILE=N profiles step N (profile_stepN.md in the run directory); EXTRA="key=value ..." appends overrides; LAYER=1 then runs check's layer cost benchmark;
 #           CARD=h100: the overrides that fit 8B on an 80 GB card (optimizer offload 0.8, level-2 sleep, micro-batches
 #           2 / 4, KV_GIB (default 12) of KV cache: the rollout in waves), checked by the plan against 79 GiB; above
-#           LEN 1024 micro-batches 1 / 2 and policy.logprob_chunk_size 256 (1K with micro-batches of 4:
-#           EXTRA="policy.logprob_chunk_size=256 policy.train_micro_batch_size=4 policy.logprob_batch_size=8")
+#           LEN 1024 micro-batches 1 / 2 and policy.logprob_chunk_size 256 (1K with micro-batches of 4 / 8 and chunks
+#           planned at 74.3 GiB but its engine could not wake after step 1 on 2026-12-05: ~10 GiB unexplained)
 #           TAG=name suffixes the run directory (len<LEN>_<ARM>_<TAG>)
 #   optcost the optimizer CPU offload's copies (issue 27 item 4), side by side in one call: grpo with CARD=h100 and the
 #           same ARM / LEN / STEPS / EXTRA three times, the host FP32 masters pageable (pin_cpu_params=false, the
