@@ -8,6 +8,7 @@ reader can check the arithmetic against the code (and the next GPU run's per-pha
 from __future__ import annotations
 
 from jetrl_megatron.rl.config import RunConfig
+from jetrl_megatron.sampling import LogitsSampling
 
 BLOCK = 128  # FP8 weight blocks are 128 x 128, one FP32 scale each
 
@@ -20,9 +21,10 @@ def trainer_runs_vllm_cuda(cfg: RunConfig) -> bool:
 
 
 def _filtered(cfg: RunConfig) -> bool:
-    """The rollout samples under a top-k / top-p filter, which the trainer's logprobs then apply too."""
+    """The rollout samples under a top-k / top-p filter, which the trainer's logprobs then apply too (the same
+    ``LogitsSampling.filters`` the trainer's logprob path decides by)."""
     g = cfg.policy.generation
-    return (g.top_k is not None and g.top_k > 0) or (g.top_p is not None and g.top_p < 1.0)
+    return LogitsSampling(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p).filters
 
 
 def _vllm_cuda_logprobs(cfg: RunConfig) -> bool:
