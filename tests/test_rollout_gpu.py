@@ -13,6 +13,7 @@ Run on the H200 machine with vLLM 0.26 installed (docs/vllm_gpu.md); skipped wit
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -117,8 +118,12 @@ def test_an_engine_that_cannot_wake_names_the_memory_and_the_keys(tmp_path):
     try:
         assert engine.sleep(level=1)
         filler = torch.empty(torch.cuda.mem_get_info()[0] - (256 << 20), dtype=torch.uint8, device="cuda")
-        with pytest.raises(EngineWakeOutOfMemory, match=r"kv_cache_memory_bytes = 12\.0 GiB.*GPU had 0\.\d+ of "):
+        expected = r"kv_cache_memory_bytes = 12\.0 GiB.*GPU had 0\.\d+ of "
+        with pytest.raises(EngineWakeOutOfMemory, match=expected) as info:
             wake_engine(engine.wake_up, cfg)
+        # the filler is a tensor of torch's default pool: the message counts it among the trainer's tensors
+        tensors = float(re.search(r"the trainer's tensors (\d+\.\d) GiB", str(info.value)).group(1))
+        assert tensors >= filler.numel() / (1 << 30) - 0.1, str(info.value)
         del filler
     finally:
         try:

@@ -11,6 +11,7 @@ pass step 1 and stop at step 2.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +19,7 @@ from jetrl_megatron.errors import UserError, one_line
 from jetrl_megatron.rl.config import RunConfig
 from jetrl_megatron.rl.phase_memory import cache_breakdown
 
-__all__ = ["EngineWakeOutOfMemory", "wake_engine"]
+__all__ = ["EngineWakeOutOfMemory", "TrainerPool", "trainer_pool", "wake_engine"]
 
 GiB = float(1 << 30)
 
@@ -41,30 +42,51 @@ def _gpu_free_total() -> tuple[float, float] | None:
     return free / GiB, total / GiB
 
 
-def trainer_gpu_gib() -> float | None:
-    """GiB of this process's tensors outside private pools (the trainer's: vLLM's sleeping pool still counts its
-    allocations as torch-allocated); None without CUDA or when the allocator snapshot fails."""
+@dataclass(frozen=True)
+class TrainerPool:
+    """GiB in torch's default pool (the trainer's: vLLM's sleep-mode pool and CUDA-graph pools are private pools):
+    its tensors, and its cached blocks, ``returnable`` of them by ``torch.cuda.empty_cache``."""
+
+    tensors: float
+    cached: float
+    returnable: float
+
+
+def trainer_pool() -> TrainerPool | None:
+    """The default pool's split now; None without CUDA or when the allocator snapshot fails. torch's counts of the
+    private pools do not move when vLLM maps or unmaps its sleeping pool, so this read after a failed wake-up is the
+    trainer's share before it."""
     if not torch.cuda.is_available():
         return None
     try:
-        pools = cache_breakdown(torch.cuda.memory_snapshot())["private_pools_allocated"]
+        parts = cache_breakdown(torch.cuda.memory_snapshot())
+        tensors = torch.cuda.memory_allocated() / GiB - parts["private_pools_allocated"]
     except Exception:  # noqa: BLE001 - a diagnostic inside an error message must not replace the error
         return None
-    return torch.cuda.memory_allocated() / GiB - pools
+    return TrainerPool(tensors, parts["cache_returnable"] + parts["cache_fragmented"], parts["cache_returnable"])
+
+
+def _memory_picture(gpu: tuple[float, float] | None, pool: TrainerPool | None) -> str:
+    """``gpu``: (free, total) GiB read just before the wake-up."""
+    if gpu is None:
+        return ""
+    out = f"; before waking the GPU had {gpu[0]:.1f} of {gpu[1]:.1f} GiB free"
+    if pool is not None:
+        outside = gpu[1] - gpu[0] - pool.tensors - pool.cached
+        out += (f": the trainer's tensors {pool.tensors:.1f} GiB, torch's cache {pool.cached:.1f} GiB "
+                f"({pool.returnable:.1f} of it returnable), {max(outside, 0.0):.1f} GiB outside torch's default pool "
+                "(the CUDA context, CUDA-graph pools, NCCL)")
+    return out
 
 
 def wake_message(cfg: RunConfig, cause: BaseException, gpu: tuple[float, float] | None,
-                 trainer_gib: float | None) -> str:
+                 pool: TrainerPool | None) -> str:
     """One line: what was asked, what the GPU had, which keys lower the engine's share or the trainer's."""
     kv = cfg.kv_cache_memory_bytes()
     budget = (f"its KV cache (policy.generation.vllm_kwargs.kv_cache_memory_bytes = {kv / GiB:.1f} GiB)" if kv
               else "its KV cache (policy.generation.vllm_cfg.gpu_memory_utilization = "
                    f"{cfg.policy.generation.vllm_cfg.gpu_memory_utilization})")
-    have = ""
-    if gpu is not None:
-        have = f"; the GPU had {gpu[0]:.1f} of {gpu[1]:.1f} GiB free"
-        if trainer_gib is not None:
-            have += f", the trainer holding {trainer_gib:.1f} GiB"
+    have = _memory_picture(gpu, pool)
     offload = cfg.policy.megatron_cfg.optimizer
     lever = ("raise policy.megatron_cfg.optimizer.optimizer_offload_fraction (now "
              f"{offload.optimizer_offload_fraction})" if offload.optimizer_cpu_offload
@@ -77,11 +99,13 @@ def wake_message(cfg: RunConfig, cause: BaseException, gpu: tuple[float, float] 
 
 
 def wake_engine(wake: Callable[[], object], cfg: RunConfig,
-                trainer_gib: Callable[[], float | None] = trainer_gpu_gib) -> None:
-    """``wake()``, with an out-of-memory failure turned into :class:`EngineWakeOutOfMemory` (other errors pass)."""
+                pool: Callable[[], TrainerPool | None] = trainer_pool) -> None:
+    """``wake()``, with an out-of-memory failure turned into :class:`EngineWakeOutOfMemory` (other errors pass). The
+    free memory is read before the wake-up (one driver query): after a failed one the engine holds part of it."""
+    before = _gpu_free_total()
     try:
         wake()
     except (RuntimeError, torch.OutOfMemoryError) as exc:
         if not _is_out_of_memory(exc):
             raise
-        raise EngineWakeOutOfMemory(wake_message(cfg, exc, _gpu_free_total(), trainer_gib())) from exc
+        raise EngineWakeOutOfMemory(wake_message(cfg, exc, before, pool())) from exc
