@@ -12,7 +12,7 @@ import pytest
 
 from jetrl_megatron.errors import UserError
 from jetrl_megatron.recipe import Fp8Recipe
-from jetrl_megatron.rollout.compilation import exact_llm_kwargs, requested_mode
+from jetrl_megatron.rollout.compilation import exact_llm_kwargs, requested_mode, vllm_capture_grid
 
 
 @pytest.mark.parametrize("given, want", [
@@ -134,3 +134,39 @@ def test_a_cpu_engine_without_enforce_eager_starts_at_mode_0_and_serves_the_trai
         finally:
             engine.shutdown()
     assert got[False] == got[True]
+
+
+def test_vllms_capture_grid_is_its_default_sizes():
+    """vLLM 0.26's default grid (config/vllm.py): 1, 2, 4, every 8th below 256, then every 16th."""
+    assert vllm_capture_grid(42) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert vllm_capture_grid(300)[-4:] == [248, 256, 272, 288]
+    assert vllm_capture_grid(3) == [1, 2]
+
+
+@pytest.mark.parametrize("seqs, joins", [(21, True), (82, True), (100, True), (64, False), (16, False), (4, False),
+                                         (3, True), (272, False), (260, True)])
+def test_max_num_seqs_joins_the_capture_sizes_when_the_grid_lacks_it(seqs, joins):
+    """A KV budget holding 21 4K-token Qwen3-8B sequences ran its 21-wide decode eager on vLLM 0.26 (2026-12-05)."""
+    out = exact_llm_kwargs({}, enforce_eager=False, on_cuda=True, serves_plugin=True, max_num_seqs=seqs)
+    sizes = out["compilation_config"].get("cudagraph_capture_sizes")
+    if not joins:
+        assert sizes is None
+        return
+    assert seqs in sizes and sizes == sorted(set(sizes))
+    # every default size stays (the grid up to twice max_num_seqs), so no other batch loses its graph
+    assert set(vllm_capture_grid(min(2 * seqs, 512))) <= set(sizes)
+    # every decode batch up to max_num_seqs now pads to a captured size no larger than max_num_seqs
+    assert all(any(b <= s <= seqs for s in sizes) for b in range(1, seqs + 1))
+
+
+def test_the_users_graph_sizes_and_cpu_engines_are_left_alone():
+    given = {"mode": 0, "max_cudagraph_capture_size": 16}
+    out = exact_llm_kwargs({"compilation_config": given}, enforce_eager=False, on_cuda=True, serves_plugin=True,
+                           max_num_seqs=21)
+    assert out["compilation_config"] == given
+    out = exact_llm_kwargs({"compilation_config": {"mode": 0}}, enforce_eager=False, on_cuda=True,
+                           serves_plugin=True, max_num_seqs=21)
+    assert 21 in out["compilation_config"]["cudagraph_capture_sizes"]
+    out = exact_llm_kwargs({}, enforce_eager=False, on_cuda=False, serves_plugin=True, max_num_seqs=21)
+    assert out["compilation_config"] == {"mode": 0}
+    assert exact_llm_kwargs({}, enforce_eager=True, on_cuda=True, serves_plugin=True, max_num_seqs=21) == {}

@@ -227,7 +227,8 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
         set_lr(trainer.optimizer, lr_at(cfg, step))
         results.append(train_step(trainer.model, trainer.optimizer, data, loss.for_batch(norm), micro_batch_size=mbs,
                                   sampling=sampling, unfiltered=unfiltered, observer=observer,
-                                  logprob_chunk=cfg.policy.logprob_chunk_size))
+                                  logprob_chunk=cfg.policy.logprob_chunk_size,
+                                  release_cache_before_step=cfg.policy.generation.colocated.enabled))
     m = {
         "train/loss": sum(r.loss for r in results) * 1.0,
         # the micro-batch metrics are not divided by Megatron (only the loss is): their mean is already the token

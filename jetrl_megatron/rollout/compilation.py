@@ -5,6 +5,12 @@ compiles the model with torch.compile (its mode 3): inductor fuses vLLM's own ke
 and dynamo cannot trace the ``jetrl_fp8`` linears (Triton launches), so the engine fails to start. Mode 0 keeps
 vLLM's eager CUDA ops, the ones the trainer's forward calls, and still captures CUDA graphs for decode
 (FULL_DECODE_ONLY: what every GPU exactness measurement in bench/RESULTS.md ran with).
+
+vLLM 0.26 captures decode graphs only at the sizes of its grid (1, 2, 4, multiples of 8 below 256, then of 16) up to
+``max_num_seqs``; a decode batch between the largest of them and ``max_num_seqs`` (17-21 when a KV budget holds 21
+4K-token sequences at once) then runs eager: ~3x slower per step at Qwen3-8B, and with FA3's own split heuristic
+instead of the graphs' fixed split count, which the trainer reproduces. So ``max_num_seqs`` joins the capture sizes
+(vLLM 0.32 does the same by itself).
 """
 
 from __future__ import annotations
@@ -46,11 +52,40 @@ def requested_mode(compilation_config: Any) -> int | None:
     return int(mode)
 
 
+def vllm_capture_grid(max_size: int) -> list[int]:
+    """vLLM 0.26's default CUDA-graph capture sizes up to ``max_size``: 1, 2, 4, multiples of 8 below 256, multiples
+    of 16 from 256."""
+    sizes = [n for n in (1, 2, 4) if n <= max_size]
+    sizes += list(range(8, min(max_size + 1, 256), 8)) + list(range(256, max_size + 1, 16))
+    return sizes
+
+
+def capture_sizes_with(max_num_seqs: int) -> list[int] | None:
+    """The capture sizes vLLM 0.26 would pick for ``max_num_seqs`` (its grid up to twice it, at most 512) plus
+    ``max_num_seqs`` itself; None when the grid has it already (nothing to change)."""
+    grid = vllm_capture_grid(min(2 * max_num_seqs, 512))
+    return None if max_num_seqs in grid else sorted({*grid, max_num_seqs})
+
+
+def _with_decode_graph_for(config: dict[str, Any], max_num_seqs: int | None) -> None:
+    """Adds ``max_num_seqs`` to the capture sizes unless the user sized the graphs (module docstring)."""
+    if max_num_seqs is None or max_num_seqs > 512 or "cudagraph_capture_sizes" in config \
+            or "max_cudagraph_capture_size" in config:
+        return
+    sizes = capture_sizes_with(max_num_seqs)
+    if sizes is not None:
+        config["cudagraph_capture_sizes"] = sizes
+        log.info("rollout engine: max_num_seqs %d joins vLLM's CUDA-graph capture sizes (a decode batch of %d-%d "
+                 "would otherwise run eager)", max_num_seqs, max(s for s in sizes if s < max_num_seqs) + 1,
+                 max_num_seqs)
+
+
 def exact_llm_kwargs(llm_kwargs: Mapping[str, Any], enforce_eager: bool, on_cuda: bool,
-                     serves_plugin: bool) -> dict[str, Any]:
-    """``llm_kwargs`` with vLLM's compilation set for exactness: mode 0 (and decode CUDA graphs on CUDA) where the
-    user named no mode; a named mode above 0 is refused for an engine serving the ``jetrl_fp8`` plugin (it cannot
-    run traced) and kept, with a warning, for the BF16 arm (it runs, but not exactly on-policy)."""
+                     serves_plugin: bool, max_num_seqs: int | None = None) -> dict[str, Any]:
+    """``llm_kwargs`` with vLLM's compilation set for exactness: mode 0 (and decode CUDA graphs on CUDA, one of them
+    at ``max_num_seqs``) where the user named no mode; a named mode above 0 is refused for an engine serving the
+    ``jetrl_fp8`` plugin (it cannot run traced) and kept, with a warning, for the BF16 arm (it runs, but not exactly
+    on-policy)."""
     kwargs = dict(llm_kwargs)
     given = kwargs.get("compilation_config")
     _warn_on_disabled_custom_ops(given, on_cuda)
@@ -66,11 +101,16 @@ def exact_llm_kwargs(llm_kwargs: Mapping[str, Any], enforce_eager: bool, on_cuda
         config["mode"] = EXACT_MODE
         if on_cuda:
             config.setdefault("cudagraph_mode", DECODE_GRAPHS)
+            _with_decode_graph_for(config, max_num_seqs)
         kwargs["compilation_config"] = config
         log.info("rollout engine: vLLM compilation mode 0%s (vLLM's eager ops, which the trainer's forward calls; "
                  "set %s to choose another)", f" with {config['cudagraph_mode']} CUDA graphs" if on_cuda else "", KEY)
         return kwargs
     if mode == EXACT_MODE:
+        if on_cuda and isinstance(given, Mapping):
+            config = dict(given)
+            _with_decode_graph_for(config, max_num_seqs)
+            kwargs["compilation_config"] = config
         return kwargs
     if serves_plugin:
         raise UserError(

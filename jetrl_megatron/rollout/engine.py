@@ -139,7 +139,7 @@ class RolloutEngine:
         # checked before anything is written: vLLM's compilation mode (rollout/compilation.py)
         self.llm_kwargs = compilation.exact_llm_kwargs(
             config.llm_kwargs, config.enforce_eager, self.on_cuda,
-            serves_plugin=config.stress_format is not None or self.recipe.rollout_fp8)
+            serves_plugin=config.stress_format is not None or self.recipe.rollout_fp8, max_num_seqs=config.max_num_seqs)
         hf_cfg = read_config(model_dir)
         self.shape = ModelShape.from_hf_config(hf_cfg)
         quant_cfg = hf_cfg.get("quantization_config")
