@@ -569,8 +569,8 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn
                                      sampling=sampling, unfiltered=unfiltered, observer=observer,
                                      logprob_chunk=logprob_chunk)
     _sync(model)
-    if release_cache_before_step and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if release_cache_before_step:
+        _release_cached_blocks(model)
     t0 = time.perf_counter()
     ok, grad_norm, _ = optimizer.step()
     _sync(model)
@@ -578,6 +578,12 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn
     return StepResult(loss=loss, skipped=not ok, grad_norm=None if grad_norm is None else float(grad_norm),
                       fp8_generation=fp8_context(gpt).cache.generation, metrics=metrics,
                       optimizer_seconds=time.perf_counter() - t0)
+
+
+def _release_cached_blocks(model) -> None:
+    """torch's cached, unused GPU blocks back to the driver (a no-op for a CPU model)."""
+    if next(unwrap(_as_chunks(model)[0]).parameters()).is_cuda:
+        torch.cuda.empty_cache()
 
 
 def _sync(model) -> None:
