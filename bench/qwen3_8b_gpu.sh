@@ -23,7 +23,8 @@
 #           2 / 4, KV_GIB (default 12) of KV cache: the rollout in waves), checked by the plan against 79 GiB; above
 #           LEN 1024 micro-batches 1 / 2 and policy.logprob_chunk_size 256 (1K with micro-batches of 4 / 8 and chunks
 #           planned at 74.3 GiB but its engine could not wake after step 1 on 2026-12-05: ~10 GiB unexplained)
-#           TAG=name suffixes the run directory (len<LEN>_<ARM>_<TAG>)
+#           TAG=name suffixes the run directory (len<LEN>_<ARM>_<TAG>); RUN_IN_OUT=1 writes the run directory under
+#           OUT_DIR itself (a call cut by the device budget still returns its log and the steps it finished)
 #   optcost the optimizer CPU offload's copies (issue 27 item 4), side by side in one call: grpo with CARD=h100 and the
 #           same ARM / LEN / STEPS / EXTRA three times, the host FP32 masters pageable (pin_cpu_params=false, the
 #           before), page-locked (the default), and page-locked with overlap_cpu_optimizer_d2h_h2d=true; then a table
@@ -118,6 +119,7 @@ case $mode in
     arm=${ARM:?ARM} len=${LEN:-1024} steps=${STEPS:-3}
     # the run directory (logs, the profile; the engine starts from config.json alone): on disk, not in a tmpfs
     base=/tmp; [ "$(stat -f -c %T /tmp)" = tmpfs ] && base=$PWD/..
+    [ "${RUN_IN_OUT:-0}" = 1 ] && base=$out  # a call the budget may cut: what the run wrote so far still comes back
     name=len${len}_$arm${TAG:+_$TAG}; dir=$base/r8b/$name; rm -rf "$dir"; mkdir -p "$dir"
     kv=$(( (len <= 1024 ? 20 : 80) * 1073741824 ))
     card=()
