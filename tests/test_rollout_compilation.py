@@ -130,6 +130,8 @@ def test_a_cpu_engine_without_enforce_eager_starts_at_mode_0_and_serves_the_trai
         try:
             if not eager:
                 assert int(engine.llm.llm_engine.vllm_config.compilation_config.mode) == 0
+                # the worker's dispatcher query runs against this vLLM's runner too (no CUDA graphs on CPU)
+                assert engine.llm.collective_rpc("jetrl_decode_graph_mode", args=(2,))[0] in ("NONE", None)
             got[eager] = [(s.token_ids, s.logprobs) for s in engine.generate(seqs, n=2, max_tokens=8, seed=5)]
         finally:
             engine.shutdown()

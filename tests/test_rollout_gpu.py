@@ -132,6 +132,27 @@ def test_an_engine_that_cannot_wake_names_the_memory_and_the_keys(tmp_path):
             pass
 
 
+def test_a_decode_at_max_num_seqs_off_vllms_grid_replays_a_full_graph(tmp_path):
+    """vLLM 0.26 captures decode graphs at 1, 2, 4, 8, 16, 24, ... up to max_num_seqs: at max_num_seqs 21 (a KV budget
+    holding 21 4K-token Qwen3-8B sequences) a 17-21-wide decode ran eager. The engine adds max_num_seqs to the capture
+    sizes (rollout/compilation.py): vLLM's own dispatcher then picks a full graph for 21 and for 18."""
+    from jetrl_megatron.recipe import Fp8Recipe
+    from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
+
+    engine = RolloutEngine(RolloutConfig(model_dir=str(_model(tmp_path)), recipe=Fp8Recipe(), max_num_seqs=21,
+                                         gpu_memory_utilization=0.25, max_model_len=256, enforce_eager=False,
+                                         fp8_gemm_warmup=False))
+    try:
+        sizes = engine.llm.llm_engine.vllm_config.compilation_config.cudagraph_capture_sizes
+        assert 21 in sizes and 16 in sizes, sizes
+        assert engine.decode_graph == "FULL"
+        assert engine.llm.collective_rpc("jetrl_decode_graph_mode", args=(18,))[0] == "FULL"
+        out = engine.generate(_prompts(n=21), max_tokens=4, temperature=1.0, seed=3, ignore_eos=True)
+        assert len(out) == 21 and all(len(s.token_ids) == 4 for s in out)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tp2_engine_matches_tp1_and_refits_both_ranks(tmp_path):
     from jetrl_megatron.rollout.model_dir import load_state_dict

