@@ -12,7 +12,12 @@ import pytest
 
 from jetrl_megatron.errors import UserError
 from jetrl_megatron.recipe import Fp8Recipe
-from jetrl_megatron.rollout.compilation import exact_llm_kwargs, requested_mode, vllm_capture_grid
+from jetrl_megatron.rollout.compilation import (
+    exact_llm_kwargs,
+    requested_mode,
+    vllm_adds_max_num_seqs,
+    vllm_capture_grid,
+)
 
 
 @pytest.mark.parametrize("given, want", [
@@ -149,26 +154,41 @@ def test_vllms_capture_grid_is_its_default_sizes():
                                          (3, True), (272, False), (260, True)])
 def test_max_num_seqs_joins_the_capture_sizes_when_the_grid_lacks_it(seqs, joins):
     """A KV budget holding 21 4K-token Qwen3-8B sequences ran its 21-wide decode eager on vLLM 0.26 (2026-12-05)."""
-    out = exact_llm_kwargs({}, enforce_eager=False, on_cuda=True, serves_plugin=True, max_num_seqs=seqs)
+    out = exact_llm_kwargs({}, enforce_eager=False, on_cuda=True, serves_plugin=True, max_num_seqs=seqs,
+                           vllm_version="0.26.0")
     sizes = out["compilation_config"].get("cudagraph_capture_sizes")
     if not joins:
         assert sizes is None
         return
-    assert seqs in sizes and sizes == sorted(set(sizes))
-    # every default size stays (the grid up to twice max_num_seqs), so no other batch loses its graph
-    assert set(vllm_capture_grid(min(2 * seqs, 512))) <= set(sizes)
-    # every decode batch up to max_num_seqs now pads to a captured size no larger than max_num_seqs
-    assert all(any(b <= s <= seqs for s in sizes) for b in range(1, seqs + 1))
+    # vLLM's grid up to twice max_num_seqs, unchanged, plus max_num_seqs: no other batch gains or loses a graph
+    assert sizes == sorted({*vllm_capture_grid(min(2 * seqs, 512)), seqs})
 
 
 def test_the_users_graph_sizes_and_cpu_engines_are_left_alone():
     given = {"mode": 0, "max_cudagraph_capture_size": 16}
-    out = exact_llm_kwargs({"compilation_config": given}, enforce_eager=False, on_cuda=True, serves_plugin=True,
-                           max_num_seqs=21)
-    assert out["compilation_config"] == given
-    out = exact_llm_kwargs({"compilation_config": {"mode": 0}}, enforce_eager=False, on_cuda=True,
-                           serves_plugin=True, max_num_seqs=21)
-    assert 21 in out["compilation_config"]["cudagraph_capture_sizes"]
-    out = exact_llm_kwargs({}, enforce_eager=False, on_cuda=False, serves_plugin=True, max_num_seqs=21)
-    assert out["compilation_config"] == {"mode": 0}
-    assert exact_llm_kwargs({}, enforce_eager=True, on_cuda=True, serves_plugin=True, max_num_seqs=21) == {}
+    kw = {"enforce_eager": False, "on_cuda": True, "serves_plugin": True, "max_num_seqs": 21, "vllm_version": "0.26.0"}
+    assert exact_llm_kwargs({"compilation_config": given}, **kw)["compilation_config"] == given
+    assert 21 in exact_llm_kwargs({"compilation_config": {"mode": 0}}, **kw)["compilation_config"][
+        "cudagraph_capture_sizes"]
+    # a performance mode with its own sizes, and a vLLM that adds max_num_seqs itself, are left alone
+    assert "cudagraph_capture_sizes" not in exact_llm_kwargs({"performance_mode": "interactivity"},
+                                                             **kw)["compilation_config"]
+    assert "cudagraph_capture_sizes" not in exact_llm_kwargs({}, **{**kw, "vllm_version": "0.32.1"})[
+        "compilation_config"]
+    assert exact_llm_kwargs({}, **{**kw, "on_cuda": False})["compilation_config"] == {"mode": 0}
+    assert exact_llm_kwargs({}, **{**kw, "enforce_eager": True}) == {}
+
+
+def test_max_num_batched_tokens_keeps_its_graph_where_vllm_would_capture_it():
+    """vLLM 0.26 also captures max_num_batched_tokens when it fits under the largest size: the list keeps it."""
+    kw = {"enforce_eager": False, "on_cuda": True, "serves_plugin": True, "max_num_seqs": 21, "vllm_version": "0.26.0"}
+    sizes = exact_llm_kwargs({"max_num_batched_tokens": 36}, **kw)["compilation_config"]["cudagraph_capture_sizes"]
+    assert 36 in sizes and 21 in sizes
+    sizes = exact_llm_kwargs({"max_num_batched_tokens": 8192}, **kw)["compilation_config"]["cudagraph_capture_sizes"]
+    assert 8192 not in sizes
+
+
+@pytest.mark.parametrize("version, adds", [("0.26.0", False), ("0.31.9", False), ("0.32.0", True), ("1.0.0", True),
+                                           (None, False), ("dev", False)])
+def test_which_vllm_adds_max_num_seqs_itself(version, adds):
+    assert vllm_adds_max_num_seqs(version) is adds

