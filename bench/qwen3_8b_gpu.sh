@@ -148,7 +148,8 @@ case $mode in
     done
     wait $pid; echo "== run $name: rc $?"
     grep -E "^step|rollout engine|Error|error:|Killed|CUDA out" "$dir/run.log" | tail -12
-    (cd "$dir/.." && tar czf "$out/grpo8b_$name.tgz" --exclude='model_init_engine*' "$name")
+    # the run directory as one archive (under OUT already with RUN_IN_OUT=1: no second copy)
+    [ "${RUN_IN_OUT:-0}" = 1 ] || (cd "$dir/.." && tar czf "$out/grpo8b_$name.tgz" --exclude='model_init_engine*' "$name")
     [ "${LAYER:-0}" = 1 ] && layer_cost ;;
   optcost)  # the host masters pageable / page-locked / page-locked + overlapped copies, one run each, side by side
     opt=policy.megatron_cfg.optimizer

@@ -8,7 +8,8 @@ vLLM's eager CUDA ops, the ones the trainer's forward calls, and still captures 
 
 vLLM 0.26 captures decode graphs only at the sizes of its grid (1, 2, 4, multiples of 8 below 256, then of 16) up to
 ``max_num_seqs``; a decode batch between the largest of them and ``max_num_seqs`` (17-21 when a KV budget holds 21
-4K-token sequences at once) then runs eager: ~3x slower per step at Qwen3-8B, and with FA3's own split heuristic
+4K-token sequences at once) then runs eager: slower (that Qwen3-8B rollout ran ~650 tokens/s on an H100, 8,500
+at 1K in graphs; not yet re-measured with the fix), and with FA3's own split heuristic
 instead of the graphs' fixed split count, which the trainer reproduces. So ``max_num_seqs`` joins the capture sizes
 (vLLM 0.32 does the same by itself).
 """
