@@ -22,7 +22,8 @@
 #           CARD=h100: the overrides that fit 8B on an 80 GB card (optimizer offload 0.8, level-2 sleep, micro-batches
 #           2 / 4, KV_GIB (default 12) of KV cache: the rollout in waves), checked by the plan against 79 GiB; above
 #           LEN 1024 micro-batches 1 / 2 and policy.logprob_chunk_size 256 (1K with micro-batches of 4 / 8 and chunks
-#           planned at 74.3 GiB but its engine could not wake after step 1 on 2026-12-05: ~10 GiB unexplained)
+#           planned at 74.3 GiB but its engine could not wake after step 1 on 2026-12-05, as the first 4K run: the
+#           first optimizer step's state pinned the activations' cache, fixed since, not yet re-measured)
 #           TAG=name suffixes the run directory (len<LEN>_<ARM>_<TAG>); RUN_IN_OUT=1 writes the run directory under
 #           OUT_DIR itself (a call cut by the device budget still returns its log and the steps it finished)
 #   optcost the optimizer CPU offload's copies (issue 27 item 4), side by side in one call: grpo with CARD=h100 and the
