@@ -45,7 +45,8 @@ def _gpu_free_total() -> tuple[float, float] | None:
 @dataclass(frozen=True)
 class TrainerPool:
     """GiB in torch's default pool (the trainer's: vLLM's sleep-mode pool and CUDA-graph pools are private pools):
-    its tensors, and its cached blocks, ``returnable`` of them by ``torch.cuda.empty_cache``."""
+    its tensors, and its cached blocks, ``returnable`` of them by ``torch.cuda.empty_cache``. An in-process engine's
+    own buffers outside its pools (a sampler's, an activation scratch) count here too."""
 
     tensors: float
     cached: float
