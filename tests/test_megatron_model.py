@@ -219,36 +219,49 @@ def test_optimizer_hook_refresh_skip_and_loss_decrease(mp):
     assert torch.equal(token_logprobs(model, toks), lp_before)
 
 
+class _RecordingObserver:
+    """A :class:`PassObserver` that writes what it is told into ``events``."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def micro_batch(self, index: int) -> None:
+        self.events.append(f"mb{index}")
+
+    def micro_batches_done(self) -> None:
+        self.events.append("done")
+
+
+def _policy_recording_refreshes(events: list[str]):
+    """A tiny jetrl policy whose FP8 cache refresh also writes "refresh" into ``events``."""
+    from jetrl_megatron.megatron.policy import build_policy
+
+    shape = tiny_shape("qwen3")
+    policy = build_policy(shape, Fp8Recipe(mode="jetrl"), weights=hf_state(shape, seed=4), optimizer={"lr": 1e-3})
+    cache = policy.context.cache
+    orig_refresh = cache.refresh
+    cache.refresh = lambda params: (events.append("refresh"), orig_refresh(params))[1]
+    return policy
+
+
 def test_passes_tell_their_observer_each_micro_batch_before_its_forward_and_the_end_before_the_step(mp):
     """The :class:`PassObserver` calls a step profile narrows its window with: micro-batch i is announced before its
     forward (after micro-batch i-1's forward, and its backward in a training pass), the end after the last one and
     before the optimizer step (the FP8 cache refresh), in a logprob pass and in ``train_step``."""
     from jetrl_megatron.megatron.model import token_logprobs, train_step
-    from jetrl_megatron.megatron.policy import build_policy
 
-    shape = tiny_shape("qwen3")
-    policy = build_policy(shape, Fp8Recipe(mode="jetrl"), weights=hf_state(shape, seed=4), optimizer={"lr": 1e-3})
-    model, opt, cache = policy.model, policy.optimizer, policy.context.cache
     events: list[str] = []
-
-    class Observer:
-        def micro_batch(self, index: int) -> None:
-            events.append(f"mb{index}")
-
-        def micro_batches_done(self) -> None:
-            events.append("done")
-
+    policy = _policy_recording_refreshes(events)
+    model, opt = policy.model, policy.optimizer
     gpt = model.module if hasattr(model, "module") else model
     hook = gpt.register_forward_pre_hook(lambda *_: events.append("fwd"))
-    orig_refresh = cache.refresh
-    cache.refresh = lambda params: (events.append("refresh"), orig_refresh(params))[1]
     toks = _tokens(b=6, s=16, seed=5)
     try:
-        token_logprobs(model, toks, micro_batch_size=2, observer=Observer())
+        token_logprobs(model, toks, micro_batch_size=2, observer=_RecordingObserver(events))
         assert events == ["mb0", "fwd", "mb1", "fwd", "mb2", "fwd", "done"]
         events.clear()
         r = train_step([model], opt, {"tokens": toks}, lambda lp, mb: (-lp.mean(), {}), micro_batch_size=3,
-                       observer=Observer())
+                       observer=_RecordingObserver(events))
         assert not r.skipped
         assert events == ["mb0", "fwd", "mb1", "fwd", "done", "refresh"]
     finally:
@@ -262,30 +275,18 @@ def test_a_colocated_step_returns_the_cache_after_the_backward_and_before_the_st
     refresh); without it, never."""
     from jetrl_megatron.megatron import model as model_mod
     from jetrl_megatron.megatron.model import train_step
-    from jetrl_megatron.megatron.policy import build_policy
 
-    shape = tiny_shape("qwen3")
-    policy = build_policy(shape, Fp8Recipe(mode="jetrl"), weights=hf_state(shape, seed=4), optimizer={"lr": 1e-3})
-    model, opt, cache = policy.model, policy.optimizer, policy.context.cache
     events: list[str] = []
-
-    class Observer:
-        def micro_batch(self, index: int) -> None:
-            events.append(f"mb{index}")
-
-        def micro_batches_done(self) -> None:
-            events.append("done")
-
+    policy = _policy_recording_refreshes(events)
+    model, opt = policy.model, policy.optimizer
     orig_release = model_mod._release_cached_blocks
     monkeypatch.setattr(model_mod, "_release_cached_blocks", lambda m: (events.append("release"), orig_release(m)))
-    orig_refresh = cache.refresh
-    cache.refresh = lambda params: (events.append("refresh"), orig_refresh(params))[1]
     toks = _tokens(b=4, s=16, seed=6)
     for release, want in ((True, ["mb0", "mb1", "done", "release", "refresh"]), (False, ["mb0", "mb1", "done",
                                                                                            "refresh"])):
         events.clear()
         r = train_step([model], opt, {"tokens": toks}, lambda lp, mb: (-lp.mean(), {}), micro_batch_size=2,
-                       observer=Observer(), release_cache_before_step=release)
+                       observer=_RecordingObserver(events), release_cache_before_step=release)
         assert not r.skipped and events == want, (release, events)
 
 
