@@ -28,10 +28,15 @@ from jetrl_megatron.rl.config import REPO_ROOT, RunConfig, load_config
 # forever unless the site sets EnforcePartLimits): too many nodes or too long for the partition, unknown features.
 NEVER_STARTS = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints")
 
+def _is_repo_venv(prefix: str) -> bool:
+    """``prefix`` is the repository's own ``.venv`` (what `make setup` builds and the sbatch template defaults to)."""
+    return Path(prefix).resolve() == (REPO_ROOT / ".venv").resolve()
+
+
 def gpu_venv_fix(venv: str | None = None) -> str:
     """How to rebuild ``venv`` (this environment by default) with the GPU build."""
     venv = venv or sys.prefix
-    default = Path(venv).resolve() == (REPO_ROOT / ".venv").resolve()
+    default = _is_repo_venv(venv)
     where = ".venv" if default else venv
     return (f"rebuild it with the GPU build: `rm -rf {where} && make setup DEVICE=gpu"
             f"{'' if default else f' VENV={venv}'}` in the repository (pip needs no GPU, a login node will do), then "
@@ -41,7 +46,7 @@ def gpu_venv_fix(venv: str | None = None) -> str:
 def job_venv() -> str | None:
     """The environment the job's ranks should run in: this one (the one `jetrl sbatch` checked), or None when it is
     the repository's own ``.venv``, the template's default."""
-    return None if Path(sys.prefix).resolve() == (REPO_ROOT / ".venv").resolve() else sys.prefix
+    return None if _is_repo_venv(sys.prefix) else sys.prefix
 
 
 def ranks_per_node(cfg: RunConfig) -> int:

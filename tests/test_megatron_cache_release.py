@@ -36,7 +36,7 @@ def _step_run(rank: int, world_size: int, out_dir: str, release: bool) -> None:
     from jetrl_megatron.megatron.policy import build_policy
     from jetrl_megatron.model.shapes import get_model_shape
     from jetrl_megatron.recipe import Fp8Recipe
-    from jetrl_megatron.rl.phase_memory import cache_breakdown
+    from jetrl_megatron.rl.phase_memory import cache_breakdown, device_segments
 
     shape = dataclasses.replace(get_model_shape("qwen3-0.6b"), num_layers=2, vocab_size=16384)
     policy = build_policy(shape, Fp8Recipe(mode="jetrl"), weights=hf_state(shape, seed=3, std=0.02),
@@ -46,8 +46,7 @@ def _step_run(rank: int, world_size: int, out_dir: str, release: bool) -> None:
                         release_cache_before_step=release)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    index = torch.cuda.current_device()
-    parts = cache_breakdown([s for s in torch.cuda.memory_snapshot() if s.get("device", index) == index])
+    parts = cache_breakdown(device_segments(torch.cuda.current_device()))
     cache = fp8_context(policy.model).cache.named_fp8()
     torch.save({"skipped": result.skipped, "fragmented_mib": parts["cache_fragmented"] * 1024,
                 "params": {k: v.cpu() for k, v in model_params(policy.model).items()},

@@ -580,15 +580,19 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn
                       optimizer_seconds=time.perf_counter() - t0)
 
 
+def _on_cuda(model) -> bool:
+    return next(unwrap(_as_chunks(model)[0]).parameters()).is_cuda
+
+
 def _release_cached_blocks(model) -> None:
     """torch's cached, unused GPU blocks back to the driver (a no-op for a CPU model)."""
-    if next(unwrap(_as_chunks(model)[0]).parameters()).is_cuda:
+    if _on_cuda(model):
         torch.cuda.empty_cache()
 
 
 def _sync(model) -> None:
     """Wait for the GPU so that a host timer around the optimizer step measures the step alone."""
-    if next(unwrap(_as_chunks(model)[0]).parameters()).is_cuda:
+    if _on_cuda(model):
         torch.cuda.synchronize()
 
 

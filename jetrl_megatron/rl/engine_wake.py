@@ -17,7 +17,7 @@ import torch
 
 from jetrl_megatron.errors import UserError, one_line
 from jetrl_megatron.rl.config import RunConfig
-from jetrl_megatron.rl.phase_memory import cache_breakdown
+from jetrl_megatron.rl.phase_memory import cache_breakdown, device_segments
 
 __all__ = ["EngineWakeOutOfMemory", "TrainerPool", "trainer_pool", "wake_engine"]
 
@@ -60,8 +60,7 @@ def trainer_pool() -> TrainerPool | None:
     if not torch.cuda.is_available():
         return None
     try:
-        index = torch.cuda.current_device()
-        parts = cache_breakdown([seg for seg in torch.cuda.memory_snapshot() if seg.get("device", index) == index])
+        parts = cache_breakdown(device_segments(torch.cuda.current_device()))
         tensors = torch.cuda.memory_allocated() / GiB - parts["private_pools_allocated"]
     except Exception:  # noqa: BLE001 - a diagnostic inside an error message must not replace the error
         return None

@@ -43,6 +43,11 @@ def host_peak_gib() -> float:
     return peak / (GIB if sys.platform == "darwin" else GIB / 1024)
 
 
+def device_segments(index: int) -> list[dict]:
+    """``torch.cuda.memory_snapshot()``'s segments of device ``index`` (the snapshot covers every device)."""
+    return [seg for seg in torch.cuda.memory_snapshot() if seg.get("device", index) == index]
+
+
 def cache_breakdown(segments: list[dict]) -> dict[str, float]:
     """GiB of torch-reserved, unallocated memory by what could return it, from ``torch.cuda.memory_snapshot()``'s
     segments (each: ``total_size``, ``allocated_size``, ``segment_pool_id``; pool (0, 0) is torch's default pool):
@@ -91,7 +96,7 @@ class PhaseMemory:
         stop a run."""
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         try:
-            return [seg for seg in torch.cuda.memory_snapshot() if seg.get("device", index) == index]
+            return device_segments(index)
         except Exception as e:  # noqa: BLE001 - any allocator or binding failure
             warnings.warn(f"phase memory: no cache breakdown ({type(e).__name__}: {e})", stacklevel=2)
             return []
