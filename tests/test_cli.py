@@ -17,7 +17,7 @@ def test_plan_ok(capsys):
 
 def test_plan_checks_the_machine_the_recipe_names_unless_told_otherwise(capsys):
     """The one-H200 recipe names its machine (policy.jet_rl.plan_*_mem_gib): a bare `jetrl plan` checks against it
-    and passes; --gpu-mem-gib wins, and 80 GiB is too small for that recipe (peak ~87.5 GiB). A recipe naming none
+    and passes; --gpu-mem-gib wins, and 72 GiB is too small for that recipe (peak ~77.1 GiB). A recipe naming none
     is checked against an assumed 80 GiB GPU on a machine without one, and says so."""
     import torch
 
@@ -25,9 +25,9 @@ def test_plan_checks_the_machine_the_recipe_names_unless_told_otherwise(capsys):
     out = capsys.readouterr().out
     assert "# checked against: GPU 139 GiB (policy.jet_rl.plan_gpu_mem_gib), host 125 GiB per node" in out, out
     assert "of 139 GiB: fits" in out and "of 125 GiB: fits" in out
-    assert main(["plan", "--recipe", "qwen3_8b_1gpu", "--no-config", "--gpu-mem-gib", "80"]) == 1
+    assert main(["plan", "--recipe", "qwen3_8b_1gpu", "--no-config", "--gpu-mem-gib", "72"]) == 1
     out = capsys.readouterr().out
-    assert "GPU 80 GiB (--gpu-mem-gib)" in out and "of 80 GiB: DOES NOT FIT" in out, out
+    assert "GPU 72 GiB (--gpu-mem-gib)" in out and "of 72 GiB: DOES NOT FIT" in out, out
     assert main(["plan", "--recipe", "qwen3_8b_1gpu", "--no-config", "policy.jet_rl.plan_gpu_mem_gib=-1"]) == 2
     assert "policy.jet_rl.plan_gpu_mem_gib" in capsys.readouterr().err
     if not torch.cuda.is_available():

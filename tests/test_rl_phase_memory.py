@@ -83,7 +83,7 @@ def _train_phase(calls: list[str], colocated: bool = True, sleep_level: int = 1)
     from jetrl_megatron.rl.loop import TrainPhase
 
     cfg = SimpleNamespace(policy=SimpleNamespace(generation=SimpleNamespace(colocated=SimpleNamespace(
-        enabled=colocated)), jet_rl=SimpleNamespace(engine_sleep_level=sleep_level)))
+        enabled=colocated)), jet_rl=SimpleNamespace(engine_sleep_level=sleep_level, record_memory_history=False)))
     ro = SimpleNamespace(engine=_Engine(calls), release_grads=False)
     return TrainPhase(cfg, SimpleNamespace(model=None), ro)
 

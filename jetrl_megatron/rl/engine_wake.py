@@ -77,6 +77,9 @@ def _memory_picture(gpu: tuple[float, float] | None, pool: TrainerPool | None) -
         out += (f": the trainer's tensors {pool.tensors:.1f} GiB, torch's cache {pool.cached:.1f} GiB "
                 f"({pool.returnable:.1f} of it returnable), {max(outside, 0.0):.1f} GiB outside torch's default pool "
                 "(the CUDA context, CUDA-graph pools, NCCL)")
+        if pool.cached - pool.returnable >= 1.0:  # free bytes that live tensors keep: say how to find which
+            out += (f"; {pool.cached - pool.returnable:.1f} GiB of that cache is pinned by live tensors "
+                    "(policy.jet_rl.record_memory_history=true writes which ones to <log_dir>/memory_pins.txt)")
     return out
 
 
@@ -96,7 +99,7 @@ def wake_message(cfg: RunConfig, cause: BaseException, gpu: tuple[float, float] 
         f"the rollout engine could not wake up after the trainer's phase: out of GPU memory taking back its weights "
         f"and {budget}{have}. Lower the KV cache (the rollout then runs in waves, still exact), {lever}, or lower "
         f"policy.train_micro_batch_size; `jetrl plan` prints each phase's estimate for this config (vLLM: "
-        f"{one_line(cause, 120)})", limit=900)
+        f"{one_line(cause, 120)})", limit=1100)
 
 
 def wake_engine(wake: Callable[[], object], cfg: RunConfig,

@@ -48,6 +48,7 @@ from jetrl_megatron.rl.config import RunConfig, to_yaml
 from jetrl_megatron.rl.dist import dist_rank, dist_world, init_distributed, is_main, say, seed_everything, warn
 from jetrl_megatron.rl.engine_wake import wake_engine
 from jetrl_megatron.rl.generation import engine_groups, rollout, start_engine, validate, validation_split
+from jetrl_megatron.rl.memory_pins import start_recording, write_pins
 from jetrl_megatron.rl.metrics import position_bins
 from jetrl_megatron.rl.outputs.checkpoint_format import set_rng_state
 from jetrl_megatron.rl.outputs.checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -104,6 +105,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     val_task, val_idx, train_idx = validation_split(cfg, task)
     stream = PromptStream(task, seed=g.seed, shuffle=cfg.data.shuffle, indices=train_idx)
     last_step = min(g.max_num_steps, g.max_num_epochs * max(1, len(train_idx) // g.num_prompts_per_step))
+    if cfg.policy.jet_rl.record_memory_history and start_recording():
+        say(f"recording GPU allocation stacks: {log_dir / 'memory_pins.txt'} before each engine wake-up")
     with startup.time("trainer"):
         trainer = build_trainer(cfg)
     if last_step < g.max_num_steps:
@@ -296,6 +299,8 @@ class TrainPhase:
 
     def wake_up(self) -> None:
         if self.asleep:
+            if self.cfg.policy.jet_rl.record_memory_history and is_main():
+                write_pins(Path(self.cfg.logger.log_dir) / "memory_pins.txt", "before the engine wakes up")
             wake_engine(self.ro.engine.wake_up, self.cfg)  # out of memory: which keys to change (rl/engine_wake.py)
             self.asleep = False
 

@@ -48,6 +48,11 @@ def device_segments(index: int) -> list[dict]:
     return [seg for seg in torch.cuda.memory_snapshot() if seg.get("device", index) == index]
 
 
+def in_default_pool(segment: dict) -> bool:
+    """A snapshot segment of torch's default pool (pool id (0, 0)), not a private pool (vLLM's, a CUDA graph's)."""
+    return tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0)
+
+
 def cache_breakdown(segments: list[dict]) -> dict[str, float]:
     """GiB of torch-reserved, unallocated memory by what could return it, from ``torch.cuda.memory_snapshot()``'s
     segments (each: ``total_size``, ``allocated_size``, ``segment_pool_id``; pool (0, 0) is torch's default pool):
@@ -58,7 +63,7 @@ def cache_breakdown(segments: list[dict]) -> dict[str, float]:
                         0.0)
     for seg in segments:
         free = seg["total_size"] - seg["allocated_size"]
-        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
+        if not in_default_pool(seg):
             out["cache_private_pools"] += free
             out["private_pools_allocated"] += seg["allocated_size"]
         elif seg["allocated_size"] == 0:

@@ -319,6 +319,10 @@ class JetRlCfg:
     # each pass over micro-batches the first profile_micro_batches (0: all), then what follows the pass
     profile_phases: list[str] = key(factory=lambda: ["logprob", "update", "refit"])
     profile_micro_batches: int = key(4, bounds=at_least(0))
+    # CUDA: torch records each GPU block's allocation stack, and before every engine wake-up <log_dir>/memory_pins.txt
+    # gets the segments of torch's cache that live tensors keep from being returned, with where those were allocated
+    # (a diagnostic for a wake-up out of memory: host time per allocation)
+    record_memory_history: bool = False
     stress: StressCfg = field(default_factory=StressCfg)  # experiment only: see StressCfg
 
 
