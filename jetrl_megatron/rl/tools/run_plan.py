@@ -250,8 +250,8 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     - Adam: FP32 master + 2 moments = 12 B/param, divided by DP under the distributed optimizer;
     - FP32 copies of the gradients (4 B/param, /DP distributed): Megatron's distributed optimizer makes them in the
       step and the optimizer wrapper frees them after it (train phase only, max(activations, main_grads_fp32)). Under
-      CPU offload Megatron's HybridDeviceOptimizer sets them on the FP32 masters of its GPU part, which no
-      ``zero_grad`` reaches, so that (1 - f) share stays in every phase from the first step on;
+      CPU offload Megatron's HybridDeviceOptimizer sets the (1 - f) share on the FP32 masters of its GPU part, which
+      no ``zero_grad`` reaches; the wrapper frees those after the step too (megatron/optim.py), so the same holds;
     - CPU offload (``optimizer_cpu_offload``, share f = ``optimizer_offload_fraction``): the GPU keeps (1 - f) of the
       Adam state and of the FP32 gradient copies; the host holds f x 12 B/param (/DP) of FP32 masters + moments and
       f x 4 B/param (/DP) of pinned FP32 gradient copies, allocated at the first step and kept (Megatron's
@@ -312,7 +312,6 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     lp_rows = math.gcd(cfg.policy.logprob_batch_size, max(1, rows_per_rank))  # rl/trainer.py trainer_logprobs
     settings = trainer_settings(cfg)
     shard = layout.dp if settings.use_distributed_optimizer else 1
-    offload = settings.optimizer.optimizer_cpu_offload
     rtp = layout.rollout_tp
     fp8_lin_engine = pc["linear_per_layer"] * shape.num_layers / rtp if cfg.recipe.rollout_fp8 else 0.0
     kv_width = shape.num_kv_heads * shape.head_dim
@@ -339,15 +338,13 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     out = {k: v / GiB for k, v in out.items()}
     # held in every phase of a steady step (the grad buffers too when the loop keeps them)
     resident = (out["weights_bf16"] + out["fp8_weight_copies"] + out["optimizer_adam"] + out["refit_buffers"]
-                + out["refit_quantize_scratch"]
-                + (out["main_grads_fp32"] if offload else 0.0))
+                + out["refit_quantize_scratch"])
     if not settings.release_grad_buffers:
         resident += out["grad_buffers"]
     out["resident_all_phases"] = resident
     out["logprob_phase_total"] = resident + out["logprob_logits"]
     # the step, then the FP8 cache refresh after it (one at a time, both after the activations are gone)
-    step_extra = max(out["optimizer_step_scratch"] + (0.0 if offload else out["main_grads_fp32"]),
-                     out["fp8_refresh_transient"])
+    step_extra = max(out["optimizer_step_scratch"] + out["main_grads_fp32"], out["fp8_refresh_transient"])
     out["train_phase_total"] = (resident + (out["grad_buffers"] if settings.release_grad_buffers else 0.0)
                                 + out["dgrad_weight_transposes"] + max(out["activations"], step_extra))
     kv_per_token = kv_waves.kv_bytes_per_token(shape, rtp)
