@@ -54,11 +54,14 @@ def _step_run(rank: int, world_size: int, out_dir: str, release: bool) -> None:
                Path(out_dir) / f"release_{int(release)}.pt")
 
 
-def test_the_release_keeps_the_step_state_out_of_the_activations_blocks(tmp_path):
-    from jetrl_megatron.megatron.cpu import spawn
+def test_the_release_keeps_the_step_state_out_of_the_activations_blocks(tmp_path, monkeypatch):
+    from jetrl_megatron.megatron import cpu
 
+    # a fresh interpreter per run: the test session's forkserver may have initialised CUDA (the GPU run of
+    # 2026-12-06: "Cannot re-initialize CUDA in forked subprocess"), and each run must start from an empty cache
+    monkeypatch.setattr(cpu, "SPAWN_START_METHOD", "spawn")
     for release in (False, True):
-        spawn(_step_run, 1, str(tmp_path), release)
+        cpu.spawn(_step_run, 1, str(tmp_path), release)
     without, with_ = (torch.load(tmp_path / f"release_{i}.pt") for i in (0, 1))
     assert not without["skipped"] and not with_["skipped"]
     print(f"fragmented cache after the first step: {without['fragmented_mib']:.0f} MiB without the release, "

@@ -270,9 +270,8 @@ def test_passes_tell_their_observer_each_micro_batch_before_its_forward_and_the_
 
 def test_a_colocated_step_returns_the_cache_after_the_backward_and_before_the_step(mp, monkeypatch):
     """What the optimizer step creates to keep (the Adam state's GPU share at step 1) must not land in the
-    activations' freed blocks (21.3 GiB of cache pinned that way at Qwen3-8B / 4K on an H100): with
-    ``release_cache_before_step`` the cache goes back after the last backward and before the step (and its FP8
-    refresh); without it, never."""
+    activations' freed blocks: with ``release_cache_before_step`` the cache goes back after the last backward and
+    before the step (and its FP8 refresh); without it, never."""
     from jetrl_megatron.megatron import model as model_mod
     from jetrl_megatron.megatron.model import train_step
 
@@ -288,6 +287,22 @@ def test_a_colocated_step_returns_the_cache_after_the_backward_and_before_the_st
         r = train_step([model], opt, {"tokens": toks}, lambda lp, mb: (-lp.mean(), {}), micro_batch_size=2,
                        observer=_RecordingObserver(events), release_cache_before_step=release)
         assert not r.skipped and events == want, (release, events)
+
+
+def test_each_pass_forgets_its_last_packed_layout(mp):
+    """The chunk's packed layout (cos/sin, indices) is kept between micro-batches only: left after a pass, one 1.4 MiB
+    cos/sin pinned a 15.3 GiB segment of torch's cache through the rollout (Qwen3-8B, 4K tokens, 2026-12-06)."""
+    from jetrl_megatron.megatron.model import fp8_context, token_logprobs, train_step
+
+    events: list[str] = []
+    policy = _policy_recording_refreshes(events)
+    rows = fp8_context(policy.model).packed_rows
+    for run in (lambda: token_logprobs(policy.model, _tokens(b=2, s=8)),
+                lambda: train_step([policy.model], policy.optimizer, {"tokens": _tokens(b=2, s=8, seed=3)},
+                                   lambda lp, mb: (-lp.mean(), {}), micro_batch_size=1)):
+        rows._key, rows._rows = ("left", "by", "a", "pass"), object()  # as a CUDA pass leaves it
+        run()
+        assert rows._rows is None and rows._key is None
 
 
 def test_stale_fp8_weight_detected(mp):

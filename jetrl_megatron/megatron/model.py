@@ -41,6 +41,7 @@ from jetrl_megatron.megatron.context import Fp8ModelContext
 from jetrl_megatron.megatron.cpu import enable_cpu_mode
 from jetrl_megatron.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 from jetrl_megatron.megatron.logprob_chunks import chunked_shifted_logprobs
+from jetrl_megatron.megatron.numerics import RolloutCoreAttention
 from jetrl_megatron.megatron.spec import check_fp8_gemm_shapes, gpt_model_spec
 from jetrl_megatron.model.layout import padded_vocab_size, pp_layer_range
 from jetrl_megatron.model.shapes import ModelShape
@@ -189,8 +190,17 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
+        for module in model.modules():  # kept tables beside the weights, not in a forward's freed blocks
+            if isinstance(module, RolloutCoreAttention):
+                module.prepare(torch.device("cuda", torch.cuda.current_device()))
     refresh_fp8_cache(model)
     return model
+
+
+def _forget_packed_rows(chunks: Sequence[torch.nn.Module]) -> None:
+    """After a pass over micro-batches: the last micro-batch's packed layout goes (PackedRowsCache.clear)."""
+    for chunk in chunks:
+        fp8_context(chunk).packed_rows.clear()
 
 
 def seed_everything(seed: int) -> None:
@@ -460,6 +470,7 @@ def token_logprobs(model, tokens: torch.Tensor, *, micro_batch_size: int | None 
         if observer is not None:
             observer.micro_batches_done()
     finally:
+        _forget_packed_rows(chunks)
         for c, t in zip(chunks, was_training, strict=True):
             c.train(t)
     lp = torch.cat([d["logprobs"] for d in store], 0) if gpt.post_process else None
@@ -524,9 +535,12 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
 
     step = _logprob_step(gpt, vocab_parallel, loss_for, sampling, unfiltered, chunk=logprob_chunk)
 
-    store = get_forward_backward_func()(
-        forward_step_func=step, data_iterator=_observed(mbatches, observer), model=chunks,
-        num_microbatches=len(mbatches), seq_length=s, micro_batch_size=micro_batch_size, forward_only=False)
+    try:
+        store = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=_observed(mbatches, observer), model=chunks,
+            num_microbatches=len(mbatches), seq_length=s, micro_batch_size=micro_batch_size, forward_only=False)
+    finally:
+        _forget_packed_rows(chunks)
     if observer is not None:
         observer.micro_batches_done()
     keys = sorted(store[0]) if gpt.post_process else []
@@ -560,8 +574,9 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn
     memory: :func:`logprobs_from_logits`). ``release_cache_before_step``: return torch's cached GPU blocks between
     the backward and the optimizer step, so that what the step creates to keep (the GPU share of the Adam state at
     the first step, FP32 main grads) gets segments of its own instead of the activations' freed blocks, which it
-    would pin for the rest of the run (a colocated engine then cannot take them back: 21.3 GiB of torch's cache,
-    none returnable, at Qwen3-8B with 4K-token responses on an H100, 2026-12-05).
+    would pin for the rest of the run (a colocated engine then cannot take them back). At Qwen3-8B with 4K-token
+    responses the release alone left the 21 GiB that did pin there (2026-12-06, rl/memory_pins.py named the
+    tensors: the hybrid optimizer's device-side FP32 gradients and the last packed layout; both are freed since).
     """
     optimizer.zero_grad()
     loss, metrics = forward_backward(model, batch, loss_fn, micro_batch_size=micro_batch_size,

@@ -654,6 +654,7 @@ class RolloutCoreAttention(torch.nn.Module):
         # repeats K/V instead)
         self._gqa_kernels_ok = True
         self._rope = rope
+        self._head_dim = config.kv_channels
         self._vllm_cuda: tuple | None = None  # (rope cache, prefill attention), built on the first CUDA forward
         # the micro-batch's packed layout, shared with the chunk's other layers (their model's context holds it)
         self.packed_rows = packed_rows if packed_rows is not None else PackedRowsCache()
@@ -704,14 +705,20 @@ class RolloutCoreAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(s, b, nh * hd)
 
 
+    def prepare(self, device: torch.device) -> None:
+        """Build what the ``vllm_cuda`` forward keeps (the chunk's shared rotary table, the prefill attention) on
+        ``device`` now; a no-op for other implementations and devices. Called by the model's build on CUDA."""
+        if self.attn_impl != "vllm_cuda" or torch.device(device).type != "cuda" or self._vllm_cuda is not None:
+            return
+        self._vllm_cuda = (self.packed_rows.rope_table(self._head_dim, self._rope, device),
+                           vllm_cuda_ops.PrefillAttention())
+
     def _vllm_cuda_forward(self, query: Tensor, key: Tensor, value: Tensor, packed_seq_params) -> Tensor:
         """GPU vLLM's prefill: real tokens packed, vLLM's rotary kernel, FA3 over a paged KV cache."""
         sq, b, nh, hd = query.shape
         dev = query.device
         if self._vllm_cuda is None:
-            cache = vllm_cuda_ops.rope_cache(hd, self._rope["max_positions"], self._rope["theta"],
-                                             self._rope.get("scaling"), dev)
-            self._vllm_cuda = (cache, vllm_cuda_ops.PrefillAttention())
+            self.prepare(dev)
         cache, prefill = self._vllm_cuda
         rows = self.packed_rows.get(packed_seq_params, b, sq, dev, decode=self.attn_match == "decode")
         if rows.max_len > cache.shape[0]:
@@ -801,6 +808,24 @@ class PackedRowsCache:
         self._key: tuple | None = None
         self._refs: tuple = (None, None)
         self._rows: PackedRows | None = None
+        self._rope_tables: dict[tuple, Tensor] = {}
+
+    def clear(self) -> None:
+        """Forget the last micro-batch's layout (kept between micro-batches only): left in place after a pass, its
+        cos/sin and index tensors would sit in whatever freed blocks they were carved from through the rollout and
+        keep torch from returning those segments to a waking engine (rl/memory_pins.py; at Qwen3-8B with 4K-token
+        responses one 1.4 MiB cos/sin pinned a 15.3 GiB segment, 2026-12-06)."""
+        self._key, self._refs, self._rows = None, (None, None), None
+
+    def rope_table(self, head_dim: int, rope: dict, device: torch.device) -> Tensor:
+        """vLLM's BF16 rotary table for ``rope`` on ``device``, one per chunk (every layer's is the same table):
+        built once, ideally before the first forward (:meth:`RolloutCoreAttention.prepare`), so that it lands
+        beside the weights rather than in a forward's freed activation blocks."""
+        key = (head_dim, rope["max_positions"], rope["theta"], repr(rope.get("scaling")), str(device))
+        if key not in self._rope_tables:
+            self._rope_tables[key] = vllm_cuda_ops.rope_cache(head_dim, rope["max_positions"], rope["theta"],
+                                                              rope.get("scaling"), device)
+        return self._rope_tables[key]
 
     def get(self, packed_seq_params, b: int, sq: int, device: torch.device, decode: bool = False) -> PackedRows:
         """``decode``: split the tokens as vLLM's sampling computed them, by ``packed_seq_params.decode_from``."""
