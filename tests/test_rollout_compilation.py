@@ -57,7 +57,8 @@ def test_no_named_mode_becomes_mode_0_with_decode_graphs_on_cuda(on_cuda, caplog
     with caplog.at_level(logging.INFO, logger="jetrl_megatron.rollout.compilation"):
         out = exact_llm_kwargs(kw, enforce_eager=False, on_cuda=on_cuda, serves_plugin=True)
     want = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"} if on_cuda else {"mode": 0}
-    assert out == {"max_num_batched_tokens": 512, "compilation_config": want}
+    splits = {"attention_config": {"flash_attn_max_num_splits_for_cuda_graph": 1}} if on_cuda else {}
+    assert out == {"max_num_batched_tokens": 512, "compilation_config": want, **splits}
     assert kw == {"max_num_batched_tokens": 512}  # the caller's mapping is not changed
     assert "compilation mode 0" in caplog.text
 
@@ -72,6 +73,31 @@ def test_the_users_other_compilation_keys_are_kept():
 def test_a_traced_mode_is_refused_for_a_plugin_engine_naming_the_key(given):
     with pytest.raises(UserError, match=r"vllm_kwargs\.compilation_config\.mode=[23]: .*jetrl_fp8.*mode 0"):
         exact_llm_kwargs({"compilation_config": given}, enforce_eager=False, on_cuda=True, serves_plugin=True)
+
+
+@pytest.mark.parametrize("compilation", [None, {"mode": 0}, 0])
+def test_cuda_decode_graphs_get_one_fa3_kv_split_unless_the_user_chose(compilation, caplog):
+    """FA3 split the 11-sequence wave of a 32 x 4K-token 8B rollout: 21/32 tokens exact (module docstring)."""
+    base = {} if compilation is None else {"compilation_config": compilation}
+    out = exact_llm_kwargs({**base, "attention_config": {"backend": "FLASH_ATTN"}}, enforce_eager=False,
+                           on_cuda=True, serves_plugin=True)
+    assert out["attention_config"] == {"backend": "FLASH_ATTN", "flash_attn_max_num_splits_for_cuda_graph": 1}
+    for bad in ("8", None, -1, True):
+        with pytest.raises(UserError, match=r"attention_config\.flash_attn_max_num_splits_for_cuda_graph: .*>= 0"):
+            exact_llm_kwargs({**base, "attention_config": {"flash_attn_max_num_splits_for_cuda_graph": bad}},
+                             enforce_eager=False, on_cuda=True, serves_plugin=True)
+    for cap, warned in ((1, False), (8, True), (0, True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="jetrl_megatron.rollout.compilation"):
+            kept = exact_llm_kwargs({**base, "attention_config": {"flash_attn_max_num_splits_for_cuda_graph": cap}},
+                                    enforce_eager=False, on_cuda=True, serves_plugin=True)
+        assert kept["attention_config"] == {"flash_attn_max_num_splits_for_cuda_graph": cap}
+        assert (f"attention_config.flash_attn_max_num_splits_for_cuda_graph={cap}" in caplog.text) is warned
+    # no graphs, no CUDA, or a traced mode for the BF16 engine (not exact anyway): left alone
+    assert "attention_config" not in exact_llm_kwargs(base, enforce_eager=True, on_cuda=True, serves_plugin=True)
+    assert "attention_config" not in exact_llm_kwargs(base, enforce_eager=False, on_cuda=False, serves_plugin=True)
+    assert "attention_config" not in exact_llm_kwargs({"compilation_config": {"mode": 3}}, enforce_eager=False,
+                                                      on_cuda=True, serves_plugin=False)
 
 
 def test_a_traced_mode_is_kept_with_a_warning_for_the_bf16_engine(caplog):

@@ -9,9 +9,17 @@ vLLM's eager CUDA ops, the ones the trainer's forward calls, and still captures 
 vLLM 0.26 captures decode graphs only at the sizes of its grid (1, 2, 4, multiples of 8 below 256, then of 16) up to
 ``max_num_seqs``; a decode batch between the largest of them and ``max_num_seqs`` (17-21 when a KV budget holds 21
 4K-token sequences at once) then runs eager: slower (that Qwen3-8B rollout ran ~650 tokens/s on an H100, 8,500
-at 1K in graphs; not yet re-measured with the fix), and with FA3's own split heuristic
-instead of the graphs' fixed split count, which the trainer reproduces. So ``max_num_seqs`` joins the capture sizes
-(vLLM 0.32 does the same by itself).
+at 1K in graphs; ~65 s instead of ~200 s for that rollout with the fix, 2026-12-06), and with FA3's own split
+heuristic instead of the graphs' split cap (below). So ``max_num_seqs`` joins the capture sizes (vLLM 0.32 does the
+same by itself).
+
+FA3 splits a decode's KV into chunks when too few (sequence, KV head) pairs fill the GPU, and sums the chunks in
+another order than a prefill of the same tokens: a Qwen3-8B rollout of 32 x 4K tokens on an H200 (2026-12-06) ran
+in waves of 21 and 11 sequences, and exactly 21/32 of the tokens past position 1024 were bit-identical to the
+trainer's (k3 2.4e-2): the 11-sequence wave split. Under CUDA graphs vLLM caps the splits at
+``attention_config.flash_attn_max_num_splits_for_cuda_graph`` (its default 32); the exact engines get 1 (the 8B run
+that was exact at 1K tokens ran with 1), unless the user set it. Eager decode (``enforce_eager``) keeps FA3's own
+heuristic, which no graph cap reaches: exact only while every decode fills the GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ log = logging.getLogger(__name__)
 EXACT_MODE = 0
 DECODE_GRAPHS = "FULL_DECODE_ONLY"
 KEY = "vllm_kwargs.compilation_config.mode"
+SPLITS = "flash_attn_max_num_splits_for_cuda_graph"  # a field of vLLM's AttentionConfig (0.20 to 0.32 at least)
+SPLITS_KEY = f"vllm_kwargs.attention_config.{SPLITS}"
 # vLLM's CompilationMode names (a YAML may spell the mode by name)
 MODE_NAMES = {"NONE": 0, "STOCK_TORCH_COMPILE": 1, "DYNAMO_TRACE_ONCE": 2, "VLLM_COMPILE": 3}
 
@@ -110,13 +120,34 @@ def _with_decode_graph_for(config: dict[str, Any], llm_kwargs: Mapping[str, Any]
                  max_num_seqs)
 
 
+def _with_one_decode_split(kwargs: dict[str, Any]) -> None:
+    """FA3's KV splits for graph-captured decode capped at 1 (module docstring), unless the user chose a cap (any
+    other, 0 = FA3's own unbounded choice included, is kept with a warning; not an integer >= 0: refused) or passed
+    vLLM an ``AttentionConfig`` object (kept as given)."""
+    given = kwargs.get("attention_config")
+    if given is not None and not isinstance(given, Mapping):
+        return
+    config = dict(given or {})
+    if SPLITS in config:
+        cap = config[SPLITS]
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise UserError(f"{SPLITS_KEY}: {cap!r}; an integer >= 0 (1 keeps a decode's tokens exact, 0 lets FA3 "
+                            "choose without bound)")
+        if cap != 1:
+            log.warning("rollout engine: %s=%s lets FA3 split a decode's KV where few sequences run: those tokens "
+                        "differ from the trainer's prefill (1 keeps them exact)", SPLITS_KEY, cap)
+        return
+    config[SPLITS] = 1
+    kwargs["attention_config"] = config
+
+
 def exact_llm_kwargs(llm_kwargs: Mapping[str, Any], enforce_eager: bool, on_cuda: bool,
                      serves_plugin: bool, max_num_seqs: int | None = None,
                      vllm_version: str | None = None) -> dict[str, Any]:
     """``llm_kwargs`` with vLLM's compilation set for exactness: mode 0 (and decode CUDA graphs on CUDA, one of them
-    at ``max_num_seqs``) where the user named no mode; a named mode above 0 is refused for an engine serving the
-    ``jetrl_fp8`` plugin (it cannot run traced) and kept, with a warning, for the BF16 arm (it runs, but not exactly
-    on-policy). ``vllm_version``: the installed vLLM's when None."""
+    at ``max_num_seqs``, with FA3's decode KV splits capped at 1) where the user named no mode; a named mode above 0
+    is refused for an engine serving the ``jetrl_fp8`` plugin (it cannot run traced) and kept, with a warning, for
+    the BF16 arm (it runs, but not exactly on-policy). ``vllm_version``: the installed vLLM's when None."""
     kwargs = dict(llm_kwargs)
     if on_cuda and vllm_version is None:
         vllm_version = _installed_vllm()
@@ -135,6 +166,7 @@ def exact_llm_kwargs(llm_kwargs: Mapping[str, Any], enforce_eager: bool, on_cuda
         if on_cuda:
             config.setdefault("cudagraph_mode", DECODE_GRAPHS)
             _with_decode_graph_for(config, kwargs, max_num_seqs, vllm_version)
+            _with_one_decode_split(kwargs)
         kwargs["compilation_config"] = config
         log.info("rollout engine: vLLM compilation mode 0%s (vLLM's eager ops, which the trainer's forward calls; "
                  "set %s to choose another)", f" with {config['cudagraph_mode']} CUDA graphs" if on_cuda else "", KEY)
@@ -144,6 +176,8 @@ def exact_llm_kwargs(llm_kwargs: Mapping[str, Any], enforce_eager: bool, on_cuda
             config = dict(given)
             _with_decode_graph_for(config, kwargs, max_num_seqs, vllm_version)
             kwargs["compilation_config"] = config
+        if on_cuda:
+            _with_one_decode_split(kwargs)
         return kwargs
     if serves_plugin:
         raise UserError(
