@@ -17,13 +17,14 @@
 #   grpo    `jetrl run --recipe qwen3_8b_1gpu --arm $ARM` (random weights made on the spot), LEN new tokens by
 #           ignore_eos, STEPS steps; the run directory (metrics.jsonl, summary.json, config.yaml, log) as one .tgz;
 #           PACK_DG=1 (any mode) then packs DeepGEMM's JIT cache (for the next round: carry it back as .dgc/dg_cache.tgz);
-#           FA_SPLITS=N sets vLLM's FA3 KV-split cap for CUDA-graph decode (attention_config, vLLM's default 32);
+#           FA_SPLITS=N sets vLLM's FA3 KV-split cap for CUDA-graph decode (attention_config; exact engines' default 1, vLLM's 32);
 #           PROFILE=N profiles step N (profile_stepN.md in the run directory); EXTRA="key=value ..." appends overrides; LAYER=1 then runs check's layer cost benchmark;
 #           CARD=h100: the overrides that fit 8B on an 80 GB card (optimizer offload 0.8, level-2 sleep, micro-batches
 #           2 / 4, KV_GIB (default 12) of KV cache: the rollout in waves), checked by the plan against 79 GiB; above
 #           LEN 1024 micro-batches 1 / 2 and policy.logprob_chunk_size 256 (1K with micro-batches of 4 / 8 and chunks
-#           planned at 74.3 GiB but its engine could not wake after step 1 on 2026-12-05, as the first 4K run: the
-#           first optimizer step's state pinned the activations' cache, fixed since, not yet re-measured)
+#           planned at 74.3 GiB but its engine could not wake after step 1 on 2026-12-05, as the 4K runs of
+#           2026-12-05/06: the optimizer's device FP32 grads and the last packed layout pinned torch's cache, freed
+#           since (plan 70.2 GiB), not yet re-measured)
 #           TAG=name suffixes the run directory (len<LEN>_<ARM>_<TAG>); RUN_IN_OUT=1 writes the run directory under
 #           OUT_DIR itself (a call cut by the device budget still returns its log and the steps it finished)
 #   optcost the optimizer CPU offload's copies (issue 27 item 4), side by side in one call: grpo with CARD=h100 and the
@@ -124,14 +125,14 @@ case $mode in
     name=len${len}_$arm${TAG:+_$TAG}; dir=$base/r8b/$name; rm -rf "$dir"; mkdir -p "$dir"
     kv=$(( (len <= 1024 ? 20 : 80) * 1073741824 ))
     card=()
-    if [ "${CARD:-h200}" = h100 ]; then  # 8B on an 80 GB card (jetrl plan: rollout 66.9 GiB, update 74.3 at the FP8
-      # refresh, host 109.8; torch reports 79.2 GiB, ~2.1 GiB of which the CUDA context and vLLM's graph pool hold;
+    if [ "${CARD:-h200}" = h100 ]; then  # 8B on an 80 GB card (jetrl plan: rollout 60.8 GiB, update 70.2 at the
+      # optimizer step, host 109.8 (before 2026-12-06: 66.9 / 74.3, the device FP32 grads kept); torch reports 79.2 GiB, ~2.1 GiB of which the CUDA context and vLLM's graph pool hold;
       # measured at step 2 with 64 responses: rollout 72.0, update 78.0, 2026-12-05 bench/qwen3_8b_1gpu/20261205e_h100)
       kv=$(( ${KV_GIB:-12} * 1073741824 ))  # 82 of the 128 sequences at once: the rollout runs in two waves
       card=(policy.jet_rl.plan_gpu_mem_gib=79 policy.jet_rl.engine_sleep_level=2 policy.train_micro_batch_size=2
             policy.logprob_batch_size=4)
       # longer responses: one sequence per micro-batch and its logits turned into logprobs 256 positions at a time
-      # (plan: 74.3 GiB at 4K, as at 1K above; 9.3 GiB of logits without the chunks)
+      # (plan: 70.2 GiB at 4K, as at 1K above; 9.3 GiB of logits without the chunks)
       (( len > 1024 )) && card+=(policy.train_micro_batch_size=1 policy.logprob_batch_size=2 policy.logprob_chunk_size=256)
       FRACTION=${FRACTION:-0.8}
     fi
