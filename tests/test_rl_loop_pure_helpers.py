@@ -126,21 +126,3 @@ def test_numerics_switches_come_from_the_config_and_the_environment_wins(monkeyp
     monkeypatch.delenv("JETRL_VERIFY_REFIT")
     with pytest.raises(Exception, match="policy.jet_rl.elementwise"):
         load_config("tiny_cpu", ["policy.jet_rl.elementwise=cuda"])
-
-
-@pytest.mark.parametrize("overrides, said", [
-    ((), None),                                         # tiny_cpu: 32-token prompts
-    (("data.max_input_seq_length=1152",), None),
-    (("data.max_input_seq_length=2000",), "prompts of up to 2000 tokens"),
-    (("data.max_input_seq_length=null",), "prompts of any length"),
-    (("data.max_input_seq_length=2000", "cluster.gpus_per_node=1"), None),  # a GPU run: not the CPU condition
-])
-def test_a_cpu_run_is_warned_when_its_prompts_may_pass_the_exact_prompt_length(overrides, said):
-    pytest.importorskip("vllm")
-    from jetrl_megatron.rl.generation import cpu_prompt_length_note
-
-    note = cpu_prompt_length_note(load_config("tiny_cpu", list(overrides)))
-    if said is None:
-        assert note is None
-    else:
-        assert said in note and "exactly on-policy for prompts up to 1152 tokens" in note

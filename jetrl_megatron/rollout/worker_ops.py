@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from jetrl_megatron.rollout import invariant_norm, swiglu_forms
+from jetrl_megatron.rollout import cpu_prefill_rows, invariant_norm, swiglu_forms
 from jetrl_megatron.rollout.refit import byte_checksum
 
 
@@ -123,6 +123,9 @@ class JetRLWorkerExtension:
 
     def jetrl_served_swiglu(self) -> dict[str, int]:
         return swiglu_forms.served_swiglu(_model(self))
+
+    def jetrl_prefill_form(self) -> dict[str, int]:
+        return cpu_prefill_rows.served_prefill_form(getattr(self, "worker", self).model_runner)
 
     def jetrl_decode_graph_mode(self, batch: int) -> str | None:
         """The CUDA-graph mode vLLM picks for a decode step of ``batch`` sequences ("FULL"; "NONE": eager); None where

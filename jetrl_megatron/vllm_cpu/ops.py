@@ -24,14 +24,10 @@ from torch import Tensor
 from jetrl_megatron.vllm_cpu.build import apply_forced_build, request_amx_tiles
 
 __all__ = ["available", "attn_isa", "attention", "disable_decode_kv_split", "rope_neox_", "UnquantizedGemm",
-           "FIXED_GEMM_ROWS", "fixed_rows_gemm", "KV_BLOCK", "EXACT_PROMPT_TOKENS", "cpu_kernels_in_use", "all_reduce_",
+           "FIXED_GEMM_ROWS", "fixed_rows_gemm", "KV_BLOCK", "cpu_kernels_in_use", "all_reduce_",
            "shm_all_reduce_available"]
 
 KV_BLOCK = 128  # KV-cache block size of the cache layout handed to the attention kernel (vLLM's CPU default)
-# The longest prompt whose prefill (one request over all its rows, the engine's) gives every row the bytes of the
-# trainer's decode-form rows, checked under every kernel build and attention ISA (tests/parity_report.py; 1200
-# differed under vec16, 1250 under amx): the CPU path's exactness condition on prompts (responses: any length)
-EXACT_PROMPT_TOKENS = 1152
 _STATE: dict = {}
 
 
