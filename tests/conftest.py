@@ -53,16 +53,21 @@ TP_SHM_HELD_ENV = "JETRL_TEST_VLLM_TP_SHM_HELD"
 TP_SHM_LOCK = Path(tempfile.gettempdir()) / "jetrl-tests-vllm-tp-shm.lock"
 # Files that take minutes (end-to-end runs, spawned worlds, vLLM engines), slowest first: under parallel workers they
 # start first, so that no worker begins one of them when the others are nearly done (longest first: the per-file sums
-# of `make test`'s 60 slowest durations, 2026-12-03; test_megatron_model and test_rollout_engine, many tests under
-# that list's 14 s each, where their sums could place them).
-SLOW_FIRST = ("test_rl_loop.py", "test_vllm_cpu_builds.py", "test_cli_user_errors.py", "test_rl_compare.py",
-              "test_megatron_distributed_optimizer.py", "test_cli_slurm.py", "test_megatron_grad_buffer_release.py",
-              "test_megatron_parallel.py", "test_rl_refit_buffers.py", "test_megatron_model.py",
-              "test_nemo_rl_conformance.py", "test_rollout_engine.py", "test_megatron_optimizer_offload.py",
-              "test_model_hub_cache.py", "test_nemo_rl_hosted_policy.py", "test_nemo_rl_hf_refit.py",
-              "test_rollout_refit_inplace.py", "test_megatron_numerics_per_model.py", "test_nemo_rl_worker.py",
-              "test_rollout_plugin.py", "test_reshard_refit_chunked.py", "test_megatron_vllm_parity.py",
-              "test_reshard_packing.py", "test_rollout_arms.py", "test_recipes.py", "test_megatron_triton_numerics.py")
+# of every test's duration in `make test`, 2026-12-06, files of 6 s or more; the NeMo-RL tarball's files run only
+# where the tarball is).
+SLOW_FIRST = ("test_rl_loop.py", "test_vllm_cpu_builds.py", "test_cli_slurm.py",
+              "test_megatron_distributed_optimizer.py", "test_rl_compare.py", "test_cli_user_errors.py",
+              "test_rollout_kv_waves.py", "test_megatron_layer_bench.py", "test_rollout_refit_inplace.py",
+              "test_vllm_cpu_decode.py", "test_rollout_invariant_norm.py", "test_megatron_grad_buffer_release.py",
+              "test_model_hub_cache.py", "test_rollout_stress.py", "test_megatron_swiglu_fp8.py",
+              "test_megatron_vllm_parity.py", "test_recipes.py", "test_megatron_logprob_chunks.py",
+              "test_nemo_rl_hf_refit.py", "test_rl_plan_recommend.py", "test_megatron_parallel.py",
+              "test_megatron_optimizer_offload.py", "test_nemo_rl_integration.py", "test_nemo_rl_config.py",
+              "test_megatron_swiglu_fwd_forms.py", "test_rollout_engine.py", "test_rollout_arms.py",
+              "test_megatron_numerics_per_model.py", "test_rollout_cpu_prefill_rows.py", "test_rl_refit_buffers.py",
+              "test_megatron_model.py", "test_rollout_plugin.py", "test_rollout_compilation.py",
+              "test_warm_process.py", "test_reshard_refit_chunked.py", "test_nemo_rl_hosted_policy.py",
+              "test_fp8_kernels_interp.py", "test_megatron_triton_numerics.py", "test_own_process.py")
 
 
 def pytest_configure(config):

