@@ -289,6 +289,26 @@ def test_a_colocated_step_returns_the_cache_after_the_backward_and_before_the_st
         assert not r.skipped and events == want, (release, events)
 
 
+def test_the_layers_share_one_rotary_table_equal_to_the_reference(mp):
+    """One FP32 cos/sin pair per model chunk, not a buffer per layer (0.75 GiB over Qwen3-8B's 36 layers on a GPU);
+    its values are the test reference's (megatron_helpers: built from the shape's theta, BF16-rounded)."""
+    from megatron_helpers import _rope_tables
+
+    from jetrl_megatron.megatron.model import build_gpt, token_logprobs
+    from jetrl_megatron.megatron.numerics import RolloutCoreAttention
+
+    shape = tiny_shape()
+    model = build_gpt(shape, Fp8Recipe(mode="jetrl"))
+    token_logprobs(model, _tokens(b=2, s=12, seed=2))
+    attn = [m for m in model.modules() if isinstance(m, RolloutCoreAttention)]
+    assert len(attn) == shape.num_layers and not any("rope" in n for m in attn for n, _ in m.named_buffers())
+    tables = [m.packed_rows.fp32_rope(m._head_dim, m._rope, torch.device("cpu")) for m in attn]
+    assert all(t[0] is tables[0][0] and t[1] is tables[0][1] for t in tables)
+    cos, sin = _rope_tables(shape)
+    n = min(cos.shape[0], tables[0][0].shape[0])
+    assert n >= 12 and torch.equal(tables[0][0][:n], cos[:n].float()) and torch.equal(tables[0][1][:n], sin[:n].float())
+
+
 def test_each_pass_forgets_its_last_packed_layout(mp):
     """The chunk's packed layout (cos/sin, indices) is kept between micro-batches only: left after a pass, one 1.4 MiB
     cos/sin pinned a 15.3 GiB segment of torch's cache through the rollout (Qwen3-8B, 4K tokens, 2026-12-06)."""

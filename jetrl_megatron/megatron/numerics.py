@@ -660,9 +660,6 @@ class RolloutCoreAttention(torch.nn.Module):
         self.packed_rows = packed_rows if packed_rows is not None else PackedRowsCache()
         self.softmax_scale = softmax_scale
         self.layer_number = layer_number
-        cos, sin = rope_cos_sin_cache(config.kv_channels, rope["theta"], rope["max_positions"], rope.get("scaling"))
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
@@ -674,10 +671,10 @@ class RolloutCoreAttention(torch.nn.Module):
         if self.attn_impl == "vllm_cuda" and query.is_cuda:
             return self._vllm_cuda_forward(query, key, value, packed_seq_params)
         sq = query.shape[0]
-        if sq > self.rope_cos.shape[0]:
-            raise ValueError(f"sequence length {sq} exceeds max_position_embeddings {self.rope_cos.shape[0]}")
-        cos = self.rope_cos[:sq].to(query.device)
-        sin = self.rope_sin[:sq].to(query.device)
+        cos, sin = self.packed_rows.fp32_rope(self._head_dim, self._rope, query.device)
+        if sq > cos.shape[0]:
+            raise ValueError(f"sequence length {sq} exceeds max_position_embeddings {cos.shape[0]}")
+        cos, sin = cos[:sq], sin[:sq]
         if self.attn_impl == "vllm_cpu" and query.dtype == torch.bfloat16:  # vLLM's own rotary kernel
             q = _RopeFn.apply(query.transpose(0, 1), cos, sin, VLLM_CPU_ROPE)  # (b, s, np, hd)
             k = _RopeFn.apply(key.transpose(0, 1), cos, sin, VLLM_CPU_ROPE)
@@ -808,7 +805,7 @@ class PackedRowsCache:
         self._key: tuple | None = None
         self._refs: tuple = (None, None)
         self._rows: PackedRows | None = None
-        self._rope_tables: dict[tuple, Tensor] = {}
+        self._rope_tables: dict[tuple, Tensor | tuple[Tensor, Tensor]] = {}
 
     def clear(self) -> None:
         """Forget the last micro-batch's layout (kept between micro-batches only): left in place after a pass, its
@@ -816,6 +813,16 @@ class PackedRowsCache:
         keep torch from returning those segments to a waking engine (rl/memory_pins.py; at Qwen3-8B with 4K-token
         responses one 1.4 MiB cos/sin pinned a 15.3 GiB segment, 2026-12-06)."""
         self._key, self._refs, self._rows = None, (None, None), None
+
+    def fp32_rope(self, head_dim: int, rope: dict, device: torch.device) -> tuple[Tensor, Tensor]:
+        """:func:`rope_cos_sin_cache` for ``rope`` on ``device``, one pair per chunk (every layer's is the same):
+        the non-``vllm_cuda`` forwards' rotary tables. Per layer they cost 2 x 4 B x max_positions x head_dim / 2
+        (0.75 GiB over Qwen3-8B's 36 layers at 40,960 positions), and the ``vllm_cuda`` path never read them."""
+        key = ("fp32", head_dim, rope["max_positions"], rope["theta"], repr(rope.get("scaling")), str(device))
+        if key not in self._rope_tables:
+            cos, sin = rope_cos_sin_cache(head_dim, rope["theta"], rope["max_positions"], rope.get("scaling"))
+            self._rope_tables[key] = (cos.to(device), sin.to(device))
+        return self._rope_tables[key]
 
     def rope_table(self, head_dim: int, rope: dict, device: torch.device) -> Tensor:
         """vLLM's BF16 rotary table for ``rope`` on ``device``, one per chunk (every layer's is the same table):
