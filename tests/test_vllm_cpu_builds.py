@@ -145,7 +145,7 @@ def test_tp2_loop_exact_under_forced_build(build, monkeypatch, tmp_path):
     all-reduce, whose FP32 -> BF16 conversion is the build's) stays exactly on-policy on the builds without
     AVX512-BF16, with the rollout sampling with temperature / top-k / top-p. The build-dependent parts (the
     all-reduce, the kernels of every forward) are the same with and without filtering, so one run per build covers
-    them; the unfiltered sampler at TP=2 runs under the default build in tests/test_rl_loop.py, and every build's
+    them; the unfiltered sampler at TP=2 runs under the default build in tests/test_cli_slurm.py, and every build's
     unfiltered TP=1 logprobs in the parity reports above. tests/test_rl_loop.py's test runs here with the forced build
     in the environment that its `torchrun` ranks inherit (this process keeps the kernels it loaded; only the ranks
     run the forced build)."""
