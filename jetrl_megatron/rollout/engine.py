@@ -211,10 +211,10 @@ class RolloutEngine:
         if not self.on_cuda:  # summed over the engine's workers (TP ranks)
             forms = self.llm.collective_rpc("jetrl_prefill_form")
             self.prefill_form = {k: sum(f[k] for f in forms) for k in forms[0]}
-        if self.prefill_form is not None and (self.prefill_form["vllm"] or not self.prefill_form["decode_rows"]):
-            log.warning("%d of the engine's CPU attention builders prefill with vLLM's own tiling (another plugin "
-                        "overrode CPU_ATTN?): prompt rows may get other bytes than the trainer's",
-                        self.prefill_form["vllm"])
+            if self.prefill_form["vllm"] or not self.prefill_form["decode_rows"]:
+                log.warning("%d of the engine's CPU attention builders prefill with vLLM's own tiling (another plugin "
+                            "overrode CPU_ATTN?): prompt rows may get other bytes than the trainer's",
+                            self.prefill_form["vllm"])
         self._inplace: InplaceRefit | None = None
         self._inplace_key: tuple | None = None
         self.last_waves = 0  # how many groups the last generate() submitted (kv_waves: no preemption)

@@ -13,9 +13,13 @@ from jetrl_megatron.rollout import cpu_prefill_rows, invariant_norm, swiglu_form
 from jetrl_megatron.rollout.refit import byte_checksum
 
 
+def _runner(worker):
+    """The worker's vLLM model runner (the extension's ``self`` may wrap the worker)."""
+    return getattr(worker, "worker", worker).model_runner
+
+
 def _model(worker) -> torch.nn.Module:
-    inner = getattr(worker, "worker", worker)
-    return inner.model_runner.model
+    return _runner(worker).model
 
 
 UNREADABLE = -1
@@ -125,7 +129,7 @@ class JetRLWorkerExtension:
         return swiglu_forms.served_swiglu(_model(self))
 
     def jetrl_prefill_form(self) -> dict[str, int]:
-        return cpu_prefill_rows.served_prefill_form(getattr(self, "worker", self).model_runner)
+        return cpu_prefill_rows.served_prefill_form(_runner(self))
 
     def jetrl_decode_graph_mode(self, batch: int) -> str | None:
         """The CUDA-graph mode vLLM picks for a decode step of ``batch`` sequences ("FULL"; "NONE": eager); None where
