@@ -5,9 +5,16 @@ activations; torch's caching allocator then places that state in the activations
 pinned for the rest of the run. At Qwen3-8B with 4K-token responses on an H100 (2026-12-05) that left 21.3 GiB of
 cache none of which ``empty_cache`` could return, and the colocated engine could not wake.
 
+(What pinned those 21 GiB turned out to be mostly the last micro-batch's packed cos/sin, 15.95 GiB, and the hybrid
+optimizer's device FP32 grads, 4.37 GiB: rl/memory_pins.py, fixed since; with all three fixes the same run had
+2.03 GiB pinned before the wake-up, 2026-12-06.)
+
 GPU (``gpu``): a two-layer model at Qwen3-0.6B's width (parameters past the allocator's 1 MiB small-block limit, as at
 8B), one step each way in a fresh process: with the release, the default pool's fragmented cache after the step is
-small and a fraction of what it is without; the weights and FP8 cache are the same bytes either way.
+small and a fraction of what it is without (H100, 2026-12-06: 85 MiB with, 133 MiB without); the weights and FP8
+cache are the same bytes either way. Both runs take the deterministic attention backward
+(``deterministic_backward``): with PyTorch's default one the same step in two processes already differs in the last
+bits (that H100 run: the embedding's weights), which says nothing about the release.
 The CPU test of the call order is in tests/test_megatron_model.py.
 """
 
@@ -40,7 +47,8 @@ def _step_run(rank: int, world_size: int, out_dir: str, release: bool) -> None:
 
     shape = dataclasses.replace(get_model_shape("qwen3-0.6b"), num_layers=2, vocab_size=16384)
     policy = build_policy(shape, Fp8Recipe(mode="jetrl"), weights=hf_state(shape, seed=3, std=0.02),
-                          grad_reduce_in_fp32=False, use_distributed_optimizer=True, optimizer={"lr": 1e-4})
+                          grad_reduce_in_fp32=False, use_distributed_optimizer=True, optimizer={"lr": 1e-4},
+                          deterministic_backward=True)
     tokens = torch.randint(0, shape.vocab_size, (8, 1024), generator=torch.Generator().manual_seed(4))
     result = train_step([policy.model], policy.optimizer, {"tokens": tokens}, _loss, micro_batch_size=2,
                         release_cache_before_step=release)

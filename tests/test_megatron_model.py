@@ -309,6 +309,38 @@ def test_the_layers_share_one_rotary_table_equal_to_the_reference(mp):
     assert n >= 12 and torch.equal(tables[0][0][:n], cos[:n].float()) and torch.equal(tables[0][1][:n], sin[:n].float())
 
 
+def test_deterministic_backward_reaches_every_attention_and_its_switch_is_scoped(mp):
+    """``deterministic_backward`` (policy.jet_rl.deterministic_backward) is one model's choice: its context and every
+    attention layer of that model carry it, a model built without it does not; and the scoped switch the flash
+    backward runs under turns PyTorch's deterministic mode on inside only, giving back the process's setting (mode
+    and warn-only) after, also when the call inside raises."""
+    from jetrl_megatron.megatron.model import build_gpt, fp8_context
+    from jetrl_megatron.megatron.numerics import RolloutCoreAttention, deterministic_algorithms
+
+    shape = tiny_shape()
+    for on in (True, False):
+        model = build_gpt(shape, Fp8Recipe(mode="jetrl"), deterministic_backward=on)
+        attn = [m for m in model.modules() if isinstance(m, RolloutCoreAttention)]
+        assert fp8_context(model).deterministic_backward is on
+        assert len(attn) == shape.num_layers and all(m.deterministic_backward is on for m in attn)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        for outside in ((False, False), (True, True)):
+            torch.use_deterministic_algorithms(outside[0], warn_only=outside[1])
+            with deterministic_algorithms():
+                inside = (torch.are_deterministic_algorithms_enabled(),
+                          torch.is_deterministic_algorithms_warn_only_enabled())
+            assert inside == (True, False)
+            assert (torch.are_deterministic_algorithms_enabled(),
+                    torch.is_deterministic_algorithms_warn_only_enabled()) == outside
+            with pytest.raises(RuntimeError, match="inside"), deterministic_algorithms():
+                raise RuntimeError("inside")
+            assert (torch.are_deterministic_algorithms_enabled(),
+                    torch.is_deterministic_algorithms_warn_only_enabled()) == outside
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def test_each_pass_forgets_its_last_packed_layout(mp):
     """The chunk's packed layout (cos/sin, indices) is kept between micro-batches only: left after a pass, one 1.4 MiB
     cos/sin pinned a 15.3 GiB segment of torch's cache through the rollout (Qwen3-8B, 4K tokens, 2026-12-06)."""

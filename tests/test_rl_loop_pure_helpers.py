@@ -115,7 +115,8 @@ def test_numerics_switches_come_from_the_config_and_the_environment_wins(monkeyp
     assert cfg.switches.elementwise == "triton"
     assert model_numerics(cfg) == {"attn_impl": None, "elementwise": "triton", "reference_quant": False,
                                    "attn_match": "prefill", "cuda_norms": "batch_invariant",
-                                   "fuse_swiglu_grad_quant": False, "swiglu_fp8_forms": False, "stress": None}
+                                   "fuse_swiglu_grad_quant": False, "swiglu_fp8_forms": False,
+                                   "deterministic_backward": False, "stress": None}
     monkeypatch.setenv("JETRL_ELEMENTWISE", "cuda")
     with pytest.raises(ConfigError, match="JETRL_ELEMENTWISE"):
         load_config("tiny_cpu")

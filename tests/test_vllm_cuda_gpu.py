@@ -76,6 +76,38 @@ def test_prefill_attention_and_its_backward_match_an_fp32_reference(head_dim):
         assert _rel(got, want) < ATTN_REL_BOUND, (name, _rel(got, want))
 
 
+def test_the_deterministic_flash_backward_repeats_its_bytes_and_stays_the_gradient():
+    """``deterministic_backward``: PyTorch's fixed-order flash backward gives the same dq / dk / dv bytes on every
+    call (its default adds each key block's dQ share with atomics: a 2-layer step in two processes gave other weights
+    on an H100, 2026-12-06), and they are still the gradient (FP32 reference). Sequences of many key blocks, GQA."""
+    ops = _ops()
+    from jetrl_megatron.megatron.numerics import _VllmCudaAttentionFn
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    lens = [1500, 700, 2048, 33]
+    t, h, kvh, hd = sum(lens), 16, 4, 128
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    layout = ops.PagedLayout.build(cu, max(lens))
+    q0, k0, v0 = (torch.randn(t, n, hd, generator=g, device="cuda", dtype=torch.bfloat16) for n in (h, kvh, kvh))
+    dout = torch.randn(t, h, hd, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    def grads(deterministic: bool) -> tuple[torch.Tensor, ...]:
+        q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+        _VllmCudaAttentionFn.apply(q, k, v, layout, hd ** -0.5, ops.PrefillAttention(), deterministic).backward(dout)
+        return q.grad, k.grad, v.grad
+
+    first = grads(True)
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(first, grads(True), strict=True))
+    default_repeats = all(torch.equal(a, b) for a, b in zip(grads(False), grads(False), strict=True))
+    print(f"PyTorch's default flash backward repeated its bytes: {default_repeats}")
+    qf, kf, vf = (x.float().requires_grad_() for x in (q0, k0, v0))
+    _reference_attention(qf, kf, vf, lens, hd ** -0.5).backward(dout.float())
+    for name, got, want in zip(("dq", "dk", "dv"), first, (qf.grad, kf.grad, vf.grad), strict=True):
+        assert _rel(got, want) < ATTN_REL_BOUND, (name, _rel(got, want))
+    assert torch.are_deterministic_algorithms_enabled() is False  # the switch was the call's only
+
+
 def test_decode_split_attention_matches_an_fp32_reference():
     """Prompts as one prefill call, every later token as one decode call: the same attention (within rounding),
     and its backward (the flash backward over whole sequences) too."""

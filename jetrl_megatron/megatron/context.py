@@ -61,12 +61,16 @@ class Fp8ModelContext:
     # asked for the same switch run that kernel too (rollout/swiglu_forms.py); off until measured on the GPU
     # (docs/kernels.md)
     swiglu_fp8_forms: bool = False
+    # the attention backward's fixed-order kernels (vllm_cuda: PyTorch's flash backward without atomic adds), so two
+    # runs of one step give the same weights; the forward and its logprobs are the same either way
+    deterministic_backward: bool = False
 
     @classmethod
     def create(cls, shape: ModelShape, recipe: Fp8Recipe, layers: range, attn_impl: str | None = None, *,
                elementwise: str = "auto", reference_quant: bool = False, attn_match: str = "prefill",
                cuda_norms: str = "batch_invariant", stress: StressFormat | None = None,
-               fuse_swiglu_grad_quant: bool = False, swiglu_fp8_forms: bool = False) -> Fp8ModelContext:
+               fuse_swiglu_grad_quant: bool = False, swiglu_fp8_forms: bool = False,
+               deterministic_backward: bool = False) -> Fp8ModelContext:
         """A context with an empty cache; ``attn_impl`` None = the default for this device."""
         if attn_match not in ATTN_MATCHES:
             raise ValueError(f"attn_match must be one of {ATTN_MATCHES}, got {attn_match!r}")
@@ -75,7 +79,8 @@ class Fp8ModelContext:
         return cls(shape, recipe, layers, attn_impl or default_attn_impl(),
                    Fp8WeightCache(recipe, reference_quant=reference_quant), ElementwiseKernels(elementwise),
                    bool(reference_quant), attn_match, cuda_norms, stress=stress,
-                   fuse_swiglu_grad_quant=bool(fuse_swiglu_grad_quant), swiglu_fp8_forms=bool(swiglu_fp8_forms))
+                   fuse_swiglu_grad_quant=bool(fuse_swiglu_grad_quant), swiglu_fp8_forms=bool(swiglu_fp8_forms),
+                   deterministic_backward=bool(deterministic_backward))
 
     @property
     def vllm_cpu_kernels(self) -> bool:

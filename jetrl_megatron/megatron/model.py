@@ -119,7 +119,8 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
               cuda_norms: str = "batch_invariant", lean_swiglu: bool | None = None, seed: int = 1234,
               init_std: float = 0.02,
               stress: StressFormat | None = None, fuse_swiglu_grad_quant: bool = False,
-              swiglu_fp8_forms: bool = False, **config_overrides: Any) -> GPTModel:
+              swiglu_fp8_forms: bool = False, deterministic_backward: bool = False,
+              **config_overrides: Any) -> GPTModel:
     """This rank's model (its TP shard of its PP stage) with Jet-RL linears, numerics and a filled FP8 cache.
 
     pre_process / post_process default to whether this rank is the first / last pipeline stage. The model is
@@ -142,6 +143,8 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
     swiglu_fp8_forms: that module's forward also writes fc2's FP8 input (one Triton kernel, same bytes;
     Fp8ModelContext.swiglu_fp8_forms), off by default (GPU speed unmeasured). Both act on CUDA tensors only: with
     the default lean_swiglu they are dropped on CPU (no module there); with lean_swiglu=False they are refused.
+    deterministic_backward: the ``vllm_cuda`` attention's backward in PyTorch's fixed-order kernels (run-to-run
+    identical steps; Fp8ModelContext.deterministic_backward), off by default (PyTorch's default, faster).
     """
     for key, on in (("fuse_swiglu_grad_quant", fuse_swiglu_grad_quant), ("swiglu_fp8_forms", swiglu_fp8_forms)):
         if on and lean_swiglu is False:
@@ -166,7 +169,8 @@ def build_gpt(shape: ModelShape, recipe: Fp8Recipe, *, pre_process: bool | None 
     context = Fp8ModelContext.create(shape, recipe, layers, attn_impl, elementwise=elementwise,
                                      reference_quant=reference_quant, attn_match=attn_match,
                                      cuda_norms=cuda_norms, stress=stress,
-                                     fuse_swiglu_grad_quant=fuse_swiglu_grad_quant, swiglu_fp8_forms=swiglu_fp8_forms)
+                                     fuse_swiglu_grad_quant=fuse_swiglu_grad_quant, swiglu_fp8_forms=swiglu_fp8_forms,
+                                     deterministic_backward=deterministic_backward)
     if context.vllm_cuda_kernels and not lean_swiglu:
         raise ValueError("attn_impl='vllm_cuda' needs lean_swiglu (the SwiGLU module runs vLLM's silu_and_mul)")
     if lean_swiglu:

@@ -37,11 +37,12 @@ differs), selected per model by its :class:`ElementwiseKernels` (``Fp8ModelConte
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -624,18 +625,21 @@ class RolloutCoreAttention(torch.nn.Module):
       flash-attention backward of PyTorch fed with FA3's output and log-sum-exp; RoPE's is the inverse rotation.
     Build with :func:`functools.partial` to bind ``rope``, ``attn_impl``, ``elementwise`` (the model's
     :class:`ElementwiseKernels`), ``packed_rows`` (the model's :class:`PackedRowsCache`) and ``attn_match``
-    (``vllm_cuda``: ``"prefill"`` or ``"decode"``, :data:`ATTN_MATCHES`); Megatron calls the class
-    with its own kwargs.
+    (``vllm_cuda``: ``"prefill"`` or ``"decode"``, :data:`ATTN_MATCHES`) and ``deterministic_backward``
+    (``vllm_cuda``: the flash backward's fixed-order variant, :func:`flash_attention_backward`); Megatron calls the
+    class with its own kwargs.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
                  cp_comm_type=None, softmax_scale: float | None = None, pg_collection=None, *,
                  rope: dict, attn_impl: str | None = None, elementwise: ElementwiseKernels | None = None,
-                 packed_rows: PackedRowsCache | None = None, attn_match: str = "prefill") -> None:
+                 packed_rows: PackedRowsCache | None = None, attn_match: str = "prefill",
+                 deterministic_backward: bool = False) -> None:
         super().__init__()
         if attn_match not in ATTN_MATCHES:
             raise ValueError(f"attn_match must be one of {ATTN_MATCHES}, got {attn_match!r}")
         self.attn_match = attn_match
+        self.deterministic_backward = bool(deterministic_backward)
         if getattr(config, "context_parallel_size", 1) != 1:
             raise ValueError("RolloutCoreAttention: context parallelism is not supported")
         attn_impl = attn_impl or default_attn_impl()
@@ -730,7 +734,8 @@ class RolloutCoreAttention(torch.nn.Module):
 
         q = _RopeFn.apply(packed(query), cos, sin, rope)
         k = _RopeFn.apply(packed(key), cos, sin, rope)
-        out = _VllmCudaAttentionFn.apply(q, k, packed(value), rows.paged, hd ** -0.5, prefill)
+        out = _VllmCudaAttentionFn.apply(q, k, packed(value), rows.paged, hd ** -0.5, prefill,
+                                         self.deterministic_backward)
         full = out.new_zeros(b * sq, nh, hd).index_copy(0, rows.idx, out)
         return full.view(b, sq, nh * hd).transpose(0, 1).contiguous()
 
@@ -855,31 +860,54 @@ class _VllmCudaAttentionFn(torch.autograd.Function):
     flash-attention backward given FA3's output and log-sum-exp (no recomputed forward), GQA native."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, scale, prefill):
+    def forward(ctx, q, k, v, layout, scale, prefill, deterministic=False):
         out, lse = prefill(q, k, v, layout, scale)
         ctx.save_for_backward(q, k, v, out, lse, layout.cu_seqlens)
-        ctx.max_seqlen, ctx.scale = layout.max_seqlen, scale
+        ctx.max_seqlen, ctx.scale, ctx.deterministic = layout.max_seqlen, scale, deterministic
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu = ctx.saved_tensors
-        dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, cu, ctx.max_seqlen, ctx.scale)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, cu, ctx.max_seqlen, ctx.scale,
+                                              deterministic=ctx.deterministic)
+        return dq, dk, dv, None, None, None, None
+
+
+@contextlib.contextmanager
+def deterministic_algorithms() -> Iterator[None]:
+    """PyTorch's deterministic kernels (``torch.use_deterministic_algorithms(True)``, not warn-only) for the calls
+    inside, the process's previous setting restored after, also on error.
+
+    Why scoped: PyTorch reads the switch when a kernel launches (its flash-attention backward then accumulates dQ
+    in a fixed order instead of with atomic adds), but the switch is process-wide, and turned on for a whole run it
+    would also refuse every op without a deterministic implementation."""
+    was_on = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_on, warn_only=was_warn_only)
 
 
 def flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                             cu_seqlens: Tensor, max_seqlen: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                             cu_seqlens: Tensor, max_seqlen: int, scale: float,
+                             deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of causal varlen attention from its output and log-sum-exp (h, T): PyTorch's flash backward.
 
     Why this is the backward of vLLM's FA3 forward: the flash backward recomputes the probabilities as
     ``exp(scale * q k^T - lse)`` from the forward's own log-sum-exp and uses the forward's output for the softmax
-    Jacobian term, so it differentiates the op that ran (to FP32 rounding), with no second forward."""
+    Jacobian term, so it differentiates the op that ran (to FP32 rounding), with no second forward.
+    ``deterministic``: PyTorch's default kernel adds each key block's share of dQ with FP32 atomic adds, so two
+    runs of one step differ in the last bits (measured on an H100, 2026-12-06: the same step in two processes gave
+    other weights); True runs its fixed-order variant (:func:`deterministic_algorithms`)."""
     no_rng = torch.empty(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty(0, dtype=torch.uint64, device=q.device)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
-        cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, no_rng, unused, scale=scale)
+    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
+            cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, no_rng, unused, scale=scale)
     return dq, dk, dv
 
 

@@ -108,7 +108,8 @@ def model_numerics(cfg: RunConfig) -> dict[str, Any]:
             "reference_quant": cfg.switches.reference_quant, "attn_match": cfg.policy.jet_rl.attn_match,
             "cuda_norms": cfg.policy.jet_rl.cuda_norms,
             "fuse_swiglu_grad_quant": cfg.policy.jet_rl.fuse_swiglu_grad_quant,
-            "swiglu_fp8_forms": cfg.policy.jet_rl.swiglu_fp8_forms, "stress": trainer_stress(cfg)}
+            "swiglu_fp8_forms": cfg.policy.jet_rl.swiglu_fp8_forms,
+            "deterministic_backward": cfg.policy.jet_rl.deterministic_backward, "stress": trainer_stress(cfg)}
 
 
 class ModelSourceError(UserError, FileNotFoundError):

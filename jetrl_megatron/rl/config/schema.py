@@ -287,6 +287,10 @@ class JetRlCfg:
     # silu_and_mul, on both sides) and it writes the next FP8 linear's input forms
     fuse_swiglu_grad_quant: bool = False
     swiglu_fp8_forms: bool = False
+    # the GPU trainer's attention backward in PyTorch's fixed-order kernels (no atomic adds): two runs of one step
+    # give the same weights bit for bit. Off: PyTorch's default (faster; the last bits of a step then vary from run
+    # to run). The forward, the logprobs and so the on-policy exactness are the same either way (docs/config.md)
+    deterministic_backward: bool = False
     # colocated GPU engines sleep through the trainer's phases at vLLM's level 1 (weights backed up on the host, KV
     # cache freed) or 2 (weights discarded too: no host copy, no copies at sleep and wake; the in-place refit
     # rewrites every parameter before the next rollout, which a GPU test checks (passed on an H100); 1 until the
