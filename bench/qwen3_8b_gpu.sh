@@ -24,7 +24,7 @@
 #           LEN 1024 micro-batches 1 / 2 and policy.logprob_chunk_size 256 (1K with micro-batches of 4 / 8 and chunks
 #           planned at 74.3 GiB but its engine could not wake after step 1 on 2026-12-05, as the 4K runs of
 #           2026-12-05/06: the optimizer's device FP32 grads and the last packed layout pinned torch's cache, freed
-#           since (plan 70.2 GiB), not yet re-measured)
+#           since (plan 70.2 GiB); with them the 4K run woke after every update on an H100, 2026-12-06)
 #           TAG=name suffixes the run directory (len<LEN>_<ARM>_<TAG>); RUN_IN_OUT=1 writes the run directory under
 #           OUT_DIR itself (a call cut by the device budget still returns its log and the steps it finished)
 #   optcost the optimizer CPU offload's copies (issue 27 item 4), side by side in one call: grpo with CARD=h100 and the
