@@ -18,6 +18,7 @@ import, as they would in a cold process) and applies the request's own changes o
 from __future__ import annotations
 
 import atexit
+import gc
 import io
 import multiprocessing
 import os
@@ -114,6 +115,9 @@ def _run_module(module: str, argv: list[str], env: dict[str, str], start_env: di
         os.chdir(cwd)
     sys.argv = [module, *argv]
     sys.modules.pop(module, None)  # run it afresh as __main__, as `python -m` does (and without runpy's warning)
+    # The server's imports live as long as the run: in the permanent generation, the collector's full passes skip
+    # them (~0.5 million objects, ~0.3 s a pass on a 2-core box; vLLM runs several at an engine's start). O(1).
+    gc.freeze()
     code = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)

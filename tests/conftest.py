@@ -81,6 +81,18 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "own_process: run this test in a fresh Python process (vLLM engines that cannot share one: "
         "the CuMem allocator of sleep-mode engines is one per process)")
+    import gc_heap
+
+    gc_heap.install()  # full GC passes skip what lives for the whole process (gc_heap.py)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After each test's teardown: its garbage collected, the survivors frozen (gc_heap.py)."""
+    yield
+    import gc_heap
+
+    gc_heap.freeze_survivors()
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -46,6 +46,8 @@ sys.path.insert(0, {tests!r})
 from jetrl_megatron.vllm_cpu.build import ATTN_ISA_ENV, apply_forced_build
 apply_forced_build()  # the build of this child's environment, before vLLM loads its kernels
 from parity_report import parity_report
+import gc_heap
+gc_heap.install()  # full GC passes skip what lives for the whole child (gc_heap.py)
 for isa in {isas!r}:
     os.environ[ATTN_ISA_ENV] = isa  # what the rollout plugin's own apply_forced_build() reads
     apply_forced_build(None, isa)
