@@ -4,34 +4,52 @@ Why: a test process holds ~0.5-0.8 million tracked objects (torch, vLLM, Megatro
 walks them all (~0.45 s each on the 2-core CI box). vLLM runs about nine per engine (two when it loads the model,
 one when it freezes its heap after start-up, the rest at shutdown, after it unfreezes everything): 38% of the
 wall time of three engine-heavy test files went to them (17.6 of 46.4 s, measured 2026-12-06). Freezing the
-survivors (``gc.freeze``: the permanent generation, which collections skip) after each test and after each engine
-shutdown leaves vLLM's start-up passes only the objects made since; the shutdown passes are vLLM's and stay.
-Only what survived a full collection is frozen, so nothing that was garbage then is kept; a cycle that dies later
-is collected at the next unfreeze (vLLM's, at the next engine shutdown), and at exit everything is unfrozen again
-(left frozen, the interpreter's last collection skips it and triton's nanobind bindings report "leaked" objects)."""
+survivors (``gc.freeze``: the permanent generation, which collections skip) after each test, and on CPU after each
+engine shutdown, leaves vLLM's start-up passes only the objects made since; the shutdown passes are vLLM's and stay.
+
+What is frozen survived a full collection. Frozen objects that die later are not collected until the next
+``gc.unfreeze``: after a test whose engine shutdown froze the heap mid-test, the teardown unfreezes and collects
+before freezing again (that test's models, still referenced at the shutdown, are freed there); the mid-test freeze is
+CPU-only (on a GPU a dead model kept alive until the test's end would hold memory the next engine's start counts);
+and everything is unfrozen at exit (left frozen, the interpreter's last collection skips it and triton's nanobind
+bindings report "leaked" objects)."""
 
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
+
+_froze_mid_test = [False]
 
 
 def freeze_survivors() -> None:
-    """Collect, then move every surviving tracked object to the permanent generation."""
+    """Collect, then move every surviving tracked object to the permanent generation (after an engine shutdown
+    froze the heap during the test: unfreeze first, so what the test dropped since is collected too)."""
+    if _froze_mid_test[0]:
+        gc.unfreeze()
+        _froze_mid_test[0] = False
     gc.collect()
     gc.freeze()
 
 
 def install() -> None:
-    """Freeze the survivors now and after every :meth:`RolloutEngine.shutdown` of this process (once per process)."""
+    """Freeze the survivors now and, on a machine without CUDA, after every :meth:`RolloutEngine.shutdown` of this
+    process; unfreeze at exit (once per process)."""
+    import torch
+
     from jetrl_megatron.rollout.engine import RolloutEngine
 
-    if not getattr(RolloutEngine.shutdown, "_freezes_survivors", False):
+    if not getattr(RolloutEngine.shutdown, "_freezes_survivors", False) and not torch.cuda.is_available():
         shutdown = RolloutEngine.shutdown
 
+        @functools.wraps(shutdown)
         def shutdown_then_freeze(self) -> None:
-            shutdown(self)  # its last step is a full collection: what is left is alive
-            gc.freeze()
+            running = getattr(self, "llm", None) is not None
+            shutdown(self)
+            if running:  # its last step was a full collection: what is left is alive
+                gc.freeze()
+                _froze_mid_test[0] = True
 
         shutdown_then_freeze._freezes_survivors = True  # type: ignore[attr-defined]
         RolloutEngine.shutdown = shutdown_then_freeze  # type: ignore[method-assign]

@@ -1,7 +1,7 @@
 """slurm/jetrl.sbatch and `jetrl sbatch`, checked without SLURM (command lines, Makefile, template text) and under a
 real one-node SLURM 22.05 (tests/slurm_cluster.py) that the slow tests install, start and stop themselves:
 
-* the CPU recipe through `jetrl sbatch --submit` with 1 rank and with 2 ranks (trainer TP2 + one vLLM TP2 engine)
+* the CPU recipe through `jetrl sbatch --submit` with 2 ranks (trainer TP2 + one vLLM TP2 engine)
   completes (COMPLETED, exit 0:0) with the metrics of a healthy run, the right rank count, OMP threads from the
   node's CPUs, a rendezvous port from the job id and all of the node's memory (--mem=0);
 * a job that fails in its ranks ends FAILED 1:0 with the ranks' error in the batch log; a bad override submitted with

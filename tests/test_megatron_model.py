@@ -323,13 +323,18 @@ def test_deterministic_backward_reaches_every_attention_and_its_switch_is_scoped
         attn = [m for m in model.modules() if isinstance(m, RolloutCoreAttention)]
         assert fp8_context(model).deterministic_backward is on
         assert len(attn) == shape.num_layers and all(m.deterministic_backward is on for m in attn)
+    import torch.utils.deterministic as det
+
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    fill = det.fill_uninitialized_memory
     try:
         for outside in ((False, False), (True, True)):
             torch.use_deterministic_algorithms(outside[0], warn_only=outside[1])
             with deterministic_algorithms():
                 inside = (torch.are_deterministic_algorithms_enabled(),
                           torch.is_deterministic_algorithms_warn_only_enabled())
+                # no NaN fill of torch.empty that the caller's setting did not already have
+                assert det.fill_uninitialized_memory is (fill and outside[0])
             assert inside == (True, False)
             assert (torch.are_deterministic_algorithms_enabled(),
                     torch.is_deterministic_algorithms_warn_only_enabled()) == outside
@@ -337,6 +342,7 @@ def test_deterministic_backward_reaches_every_attention_and_its_switch_is_scoped
                 raise RuntimeError("inside")
             assert (torch.are_deterministic_algorithms_enabled(),
                     torch.is_deterministic_algorithms_warn_only_enabled()) == outside
+            assert det.fill_uninitialized_memory is fill
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 

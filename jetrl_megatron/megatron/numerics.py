@@ -881,14 +881,22 @@ def deterministic_algorithms() -> Iterator[None]:
 
     Why scoped: PyTorch reads the switch when a kernel launches (its flash-attention backward then accumulates dQ
     in a fixed order instead of with atomic adds), but the switch is process-wide, and turned on for a whole run it
-    would also refuse every op without a deterministic implementation."""
+    would also refuse every op without a deterministic implementation. Inside, PyTorch's filling of uninitialized
+    memory (NaN into every ``torch.empty``, a deterministic-mode default) stays as it was outside: it changes no
+    result here and costs a memset per allocation. Process-wide also means another thread launching kernels during
+    the call sees the switch (the autograd device thread runs this; the caller waits in ``backward``)."""
+    import torch.utils.deterministic as det
+
     was_on = torch.are_deterministic_algorithms_enabled()
     was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_fill = det.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True)
+    det.fill_uninitialized_memory = was_fill if was_on else False
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(was_on, warn_only=was_warn_only)
+        det.fill_uninitialized_memory = was_fill
 
 
 def flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
