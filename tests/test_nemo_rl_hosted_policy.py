@@ -116,6 +116,26 @@ def test_hosted_models_follow_the_engine_ops_the_policy_asks_vllm_for(mp):
         policy_plan(policy, shape)
 
 
+def test_a_policy_jet_rl_block_is_named_as_unread_by_the_hosted_policy(caplog):
+    """`jetrl run` reads policy.jet_rl; NeMo-RL's driver hands the hosted worker the same YAML's policy, whose
+    models take their numerics from the engines' hf_overrides and JETRL_* only: the block's keys are named once,
+    and the plan is the one without the block."""
+    import logging
+
+    from nemo_rl_standin import policy_config
+
+    from jetrl_megatron.nemo_rl.policy_cfg import policy_plan
+
+    shape = tiny_shape("qwen3")
+    policy = policy_config(num_layers=shape.num_layers)
+    with caplog.at_level(logging.WARNING, logger="jetrl_megatron.nemo_rl.policy_cfg"):
+        plain = policy_plan(policy, shape)
+        assert "policy.jet_rl" not in caplog.text
+        with_block = policy_plan({**policy, "jet_rl": {"deterministic_backward": True, "cuda_norms": "vllm"}}, shape)
+    assert "policy.jet_rl.{cuda_norms, deterministic_backward}: not read by the NeMo-RL driver" in caplog.text
+    assert with_block == plain
+
+
 # ------------------------------------------------------------------------------------------------ DP=2, gloo
 STEPS = 2
 

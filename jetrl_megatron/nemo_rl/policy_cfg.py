@@ -13,6 +13,7 @@ Plain dicts in, :class:`~jetrl_megatron.recipe.Fp8Recipe` out; no NeMo-RL import
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -265,6 +266,12 @@ def policy_plan(policy: Mapping[str, Any], shape: ModelShape | None = None) -> P
     policy = hosted_form(policy, shape.num_layers)
     recipe = check_policy(policy, shape.num_layers)
     cuda_norms, swiglu_fp8_forms = engine_numerics(policy)
+    unread = sorted(policy["jet_rl"]) if isinstance(policy.get("jet_rl"), Mapping) else []
+    if unread:  # one YAML may serve both drivers (jetrl run reads the block); say that this one does not
+        logging.getLogger(__name__).warning(
+            "policy.jet_rl.{%s}: not read by the NeMo-RL driver's hosted policy (`jetrl run` reads it); here the "
+            "models' numerics come from vllm_kwargs.hf_overrides' jetrl_* entries and the JETRL_* variables "
+            "(docs/nemo_rl.md)", ", ".join(map(str, unread)))
     return PolicyPlan(shape, recipe, bool(_get(policy, "megatron_cfg.sequence_parallel", False)),
                       resolve_switches(JetRlCfg(), os.environ), cuda_norms, swiglu_fp8_forms)
 
