@@ -21,6 +21,7 @@ import functools
 import gc
 
 _froze_mid_test = [False]
+_installed = [False]
 
 
 def freeze_survivors() -> None:
@@ -35,23 +36,24 @@ def freeze_survivors() -> None:
 
 def install() -> None:
     """Freeze the survivors now and, on a machine without CUDA, after every :meth:`RolloutEngine.shutdown` of this
-    process; unfreeze at exit (once per process)."""
-    import torch
-
-    from jetrl_megatron.rollout.engine import RolloutEngine
-
-    if not getattr(RolloutEngine.shutdown, "_freezes_survivors", False) and not torch.cuda.is_available():
-        shutdown = RolloutEngine.shutdown
-
-        @functools.wraps(shutdown)
-        def shutdown_then_freeze(self) -> None:
-            running = getattr(self, "llm", None) is not None
-            shutdown(self)
-            if running:  # its last step was a full collection: what is left is alive
-                gc.freeze()
-                _froze_mid_test[0] = True
-
-        shutdown_then_freeze._freezes_survivors = True  # type: ignore[attr-defined]
-        RolloutEngine.shutdown = shutdown_then_freeze  # type: ignore[method-assign]
+    process; unfreeze at exit (set up once per process)."""
+    if not _installed[0]:
+        _installed[0] = True
         atexit.register(gc.unfreeze)
+        import torch
+
+        if not torch.cuda.is_available():
+            from jetrl_megatron.rollout.engine import RolloutEngine
+
+            shutdown = RolloutEngine.shutdown
+
+            @functools.wraps(shutdown)
+            def shutdown_then_freeze(self) -> None:
+                running = getattr(self, "llm", None) is not None
+                shutdown(self)
+                if running:  # its last step was a full collection: what is left is alive
+                    gc.freeze()
+                    _froze_mid_test[0] = True
+
+            RolloutEngine.shutdown = shutdown_then_freeze  # type: ignore[method-assign]
     freeze_survivors()
