@@ -104,8 +104,9 @@ case $mode in
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     python3 -c "import vllm, megatron.core; print('vllm', vllm.__version__, 'megatron-core', megatron.core.__version__)"
     start=$(date +%s)
-    # -v with each line's seconds since the start: a run cut by the limit still says where its time went
-    PYTEST_ADDOPTS=-v timeout "${RUN_LIMIT:-540}" make test-gpu ENV=system 2>&1 \
+    # one line per test (-vv against the Makefile's -q) with its seconds since the start: a run cut by the limit
+    # still says where its time went (with -v alone, 2026-12-05, the log had one line per file)
+    PYTEST_ADDOPTS=-vv timeout "${RUN_LIMIT:-540}" make test-gpu ENV=system 2>&1 \
       | while IFS= read -r line; do printf '%4d %s\n' $(( $(date +%s) - start )) "$line"; done > "$out/test_gpu.log"
     echo "make test-gpu rc ${PIPESTATUS[0]} in $(( $(date +%s) - start )) s"
     grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$out/test_gpu.log" | tail -25 ;;
