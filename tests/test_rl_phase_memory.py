@@ -169,3 +169,40 @@ def test_gpu_cache_breakdown_of_real_allocations():
     assert m["memory/gpu_cache_private_pools_gib_rollout"] * 1024 >= 32 - 1e-6, m
     assert m["memory/gpu_cache_returnable_gib_rollout"] * 1024 < 2, m
     del small, pool
+
+
+@pytest.mark.gpu
+def test_the_allocators_frees_in_a_phase_near_the_memory_limit_are_counted():
+    """Under a memory cap a 2.5 GiB block cannot sit beside a cached 2 GiB one: torch frees its cache (cudaFree waits
+    for the whole device) and allocates again. The phase where that happened counts it; the next phase does not."""
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info()[1]
+    cap = torch.cuda.memory_reserved() + (3 << 30)
+    meter = PhaseMemory(torch.device("cuda"))
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    try:
+        meter.begin()
+        x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+        del x  # cached by torch, not returned
+        y = torch.empty(5 << 29, dtype=torch.uint8, device="cuda")  # 2.5 GiB: only fits once the cache is freed
+        del y
+        meter.end("update")
+        meter.begin()
+        # 64 MiB: a large-pool block, split off the cached 2.5 GiB one (1 MiB or less would open a small-pool segment)
+        z = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        del z
+        meter.end("refit")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    m = meter.metrics()
+    assert m["memory/gpu_cuda_mallocs_update"] >= 2 and m["memory/gpu_cuda_frees_update"] >= 1, m
+    assert m["memory/gpu_cuda_mallocs_refit"] == 0 and m["memory/gpu_cuda_frees_refit"] == 0, m
+    assert m["memory/gpu_alloc_retries_refit"] == 0, m
+
+
+def test_a_cpu_meter_has_no_allocator_counts():
+    meter = PhaseMemory(torch.device("cpu"))
+    meter.begin()
+    meter.end("update")
+    assert not any("cuda_" in k or "alloc_retries" in k for k in meter.metrics())

@@ -10,7 +10,12 @@ of ~1000 decode steps) is ~1M events, and the profiler's own table of 200K ops t
 profiled 8B step did not finish inside a 390 s device call. So only the chosen phases are recorded
 (``profile_phases``; the rollout, vLLM's own decode loop, is left out by default: its rate is measured anyway) and in
 them the first ``profile_micro_batches`` micro-batches of each pass and what follows the pass (the optimizer step);
-the phases' wall times are recorded whole."""
+the phases' wall times are recorded whole.
+
+Why windows: whether a phase is host-bound shows only against its recorded wall time, so each recorded stretch of a
+phase is a ``window/<phase>`` range and the report gives, per phase, the device's busy time inside those windows and
+its kernels by kind (``profile_windows``), and the host's top operators by their own CPU time (synchronizations and
+allocator calls show there)."""
 
 from __future__ import annotations
 
@@ -22,9 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
-RANGE_PREFIXES = ("phase/", "part/")
+from jetrl_megatron.rl.outputs.profile_windows import WINDOW_PREFIX, split_events, window_report
+
+RANGE_PREFIXES = ("phase/", "part/", WINDOW_PREFIX)
 PHASES = ("rollout", "logprob", "update", "refit")  # the phases StepMeter opens, in step order
 DEFAULT_PHASES = ("logprob", "update", "refit")
 
@@ -84,6 +91,7 @@ class StepProfile:
         self._acts: list[ProfilerActivity] = []
         self._recording = False
         self._phase: str | None = None
+        self._window: tuple[str, record_function] | None = None  # the open window/<phase> range
         self.window_failed: str | None = None  # why the profiler could not pause (then it records everything)
 
     @contextmanager
@@ -99,12 +107,13 @@ class StepProfile:
             try:
                 yield
             finally:
+                self._phase = None
                 self._record(True)
                 if cuda:
                     torch.cuda.synchronize()
                 self._prof = None
         if self.write:
-            self.save(prof.key_averages(), cuda)
+            self.save(prof.key_averages(), cuda, window_report(*split_events(prof.events())))
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -141,22 +150,46 @@ class StepProfile:
             self._record(True)
 
     def _record(self, on: bool) -> None:
-        """Turn the profiler's collection on or off; the GPU's queued work first lands on the side it was issued."""
-        if self._prof is None or on == self._recording or self.window_failed:
+        """Turn the profiler's collection on or off; the GPU's queued work first lands on the side it was issued.
+        Then a ``window/<phase>`` range is open exactly while a profiled phase is being recorded."""
+        if self._prof is None:
+            return
+        if on != self._recording and not self.window_failed:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            if not on:
+                self._close_window()
+            try:
+                self._prof.toggle_collection_dynamic(on, self._acts)
+                self._recording = on
+            except (RuntimeError, AttributeError) as err:  # a profiler build without it: record everything, go on
+                self.window_failed = str(err) or type(err).__name__
+                warnings.warn(f"step profile: the profiler could not pause its collection ({self.window_failed}); "
+                              "the whole step is recorded", stacklevel=2)
+        self._match_window()
+
+    def _match_window(self) -> None:
+        want = self._phase if self._recording and self._recorded_window() is not None else None
+        if self._window is not None and self._window[0] == want:
+            return
+        self._close_window()
+        if want is not None:
+            rng = record_function(WINDOW_PREFIX + want)
+            rng.__enter__()
+            self._window = (want, rng)
+
+    def _close_window(self) -> None:
+        """End the open window, once the device has finished what was issued in it (its wall time covers that)."""
+        if self._window is None:
             return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        try:
-            self._prof.toggle_collection_dynamic(on, self._acts)
-        except (RuntimeError, AttributeError) as err:  # a profiler build without it: record everything, go on
-            self.window_failed = str(err) or type(err).__name__
-            warnings.warn(f"step profile: the profiler could not pause its collection ({self.window_failed}); the "
-                          "whole step is recorded", stacklevel=2)
-            return
-        self._recording = on
+        self._window[1].__exit__(None, None, None)
+        self._window = None
 
-    def table(self, averages, cuda: bool) -> dict:
-        """The step's ranges and its top operators, times in ms."""
+    def table(self, averages, cuda: bool, windows: dict | None = None) -> dict:
+        """The step's ranges, its top operators by own device time (CPU time on a CPU run) and by own host time, and
+        per recorded phase the device's busy time and kernels by kind (``windows``: ``window_report``); ms."""
         ranges, ops = [], []
         for evt in averages:
             row = {"name": evt.key, "calls": int(evt.count), "cpu_total_ms": evt.cpu_time_total / 1e3,
@@ -172,11 +205,13 @@ class StepProfile:
         if self.window_failed:
             recorded = {name: f"{name}: whole (the profiler could not pause: {self.window_failed})"
                         for name in PHASES}
+        host_top = sorted(ops, key=lambda r: r["self_cpu_ms"], reverse=True)[: self.top]
         return {"step": self.step, "device": "cuda" if cuda else "cpu", "sorted_by": key, "total_self_ms": total,
-                "recorded": recorded, "ranges": ranges, "top": ops[: self.top]}
+                "recorded": recorded, "ranges": ranges, "top": ops[: self.top], "host_top": host_top,
+                "windows": windows or {}}
 
-    def save(self, averages, cuda: bool) -> Path:
-        report = self.table(averages, cuda)
+    def save(self, averages, cuda: bool, windows: dict | None = None) -> Path:
+        report = self.table(averages, cuda, windows)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         (self.log_dir / f"profile_step{self.step}.json").write_text(json.dumps(report, indent=1))
         key = report["sorted_by"]
@@ -194,6 +229,34 @@ class StepProfile:
             share = r[key] / report["total_self_ms"] if report["total_self_ms"] else 0.0
             lines.append(f"| {i} | {r['name'][:90]} | {r['calls']} | {r['self_device_ms']:.1f} | "
                          f"{r['self_cpu_ms']:.1f} | {share:.1%} |")
+        lines += _window_lines(report["windows"], cuda)
+        lines += ["", f"Top {len(report['host_top'])} operators by self CPU ms (the host's side: launches, "
+                  "synchronizations, allocator calls):", "", "| # | name | calls | self CPU ms | self device ms |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {i} | {r['name'][:90]} | {r['calls']} | {r['self_cpu_ms']:.1f} | {r['self_device_ms']:.1f} |"
+                  for i, r in enumerate(report["host_top"], 1)]
         path = self.log_dir / f"profile_step{self.step}.md"
         path.write_text("\n".join(lines) + "\n")
         return path
+
+
+def _window_lines(windows: dict, cuda: bool) -> list[str]:
+    """The per-phase busy table and each phase's kernels by kind and top kernels, as markdown lines."""
+    if not windows:
+        return []
+    lines = ["", "Per recorded phase (its `window/<phase>` stretches): wall time, the device's busy time inside it "
+             "(union of kernels, copies, memsets) and what is left idle" + ("" if cuda else
+             " (a CPU run: no device events, so busy is 0)") + ":", "",
+             "| phase | windows | wall ms | device busy ms | idle ms (share) | kernel sum ms |",
+             "|---|---|---|---|---|---|"]
+    for phase, w in windows.items():
+        idle_share = w["idle_ms"] / w["wall_ms"] if w["wall_ms"] else 0.0
+        lines.append(f"| {phase} | {w['windows']} | {w['wall_ms']:.1f} | {w['busy_ms']:.1f} | {w['idle_ms']:.1f} "
+                     f"({idle_share:.0%}) | {w['kernel_sum_ms']:.1f} |")
+    for phase, w in windows.items():
+        if not w["kinds_ms"]:
+            continue
+        kinds = ", ".join(f"{k} {v:.1f}" for k, v in w["kinds_ms"].items())
+        lines += ["", f"{phase}: device ms by kind: {kinds}", "", "| kernel | calls | ms |", "|---|---|---|"]
+        lines += [f"| {t['name'][:100]} | {t['calls']} | {t['ms']:.1f} |" for t in w["top"]]
+    return lines
