@@ -1,7 +1,7 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|te|round OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|te|round OUT_DIR
 #   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
 #           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
 #   stage1, stage2  copy .vc/p1, .vc/p2 (one 44 MiB part per call: a call takes at most 64 MiB with the tree) for a
@@ -27,6 +27,9 @@
 #           since (plan 70.2 GiB); with them the 4K run woke after every update on an H100, 2026-12-06)
 #           TAG=name suffixes the run directory (len<LEN>_<ARM>_<TAG>); RUN_IN_OUT=1 writes the run directory under
 #           OUT_DIR itself (a call cut by the device budget still returns its log and the steps it finished)
+#   arms    ARMS="jetrl bf16 ..." the grpo mode once per arm (RUN_IN_OUT, LIMIT_ARM seconds each) in one call, then a
+#           side-by-side table of their last steps (bench/step_table.py: phase seconds, k3, the update's cudaFree calls
+#           and peak, and with PROFILE the device's busy share of the profiled logprob / update stretches)
 #   optcost the optimizer CPU offload's copies (issue 27 item 4), side by side in one call: grpo with CARD=h100 and the
 #           same ARM / LEN / STEPS / EXTRA three times, the host FP32 masters pageable (pin_cpu_params=false, the
 #           before), page-locked (the default), and page-locked with overlap_cpu_optimizer_d2h_h2d=true; then a table
@@ -57,7 +60,7 @@
 # pytest runs under `timeout -s INT`: at its limit pytest is interrupted, not killed, and still prints which tests
 # failed and why (a killed run's log ended mid-test on 2026-12-05 with one failure and no message)
 set -uo pipefail
-mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|te|round}
+mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|te|round}
 out=${2:?OUT_DIR}
 mkdir -p /tmp/vc "$out"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -154,6 +157,12 @@ case $mode in
     # the run directory as one archive (under OUT already with RUN_IN_OUT=1: no second copy)
     [ "${RUN_IN_OUT:-0}" = 1 ] || (cd "$dir/.." && tar czf "$out/grpo8b_$name.tgz" --exclude='model_init_engine*' "$name")
     [ "${LAYER:-0}" = 1 ] && layer_cost ;;
+  arms)  # ARMS="jetrl bf16 ..." one grpo run per arm with the same CARD / LEN / STEPS / PROFILE / EXTRA, one after
+    # another in this call (LIMIT_ARM seconds each), then bench/step_table.py's side-by-side table of their last steps
+    for a in ${ARMS:?ARMS=\"arm arm ...\"}; do
+      ARM=$a RUN_IN_OUT=1 PACK_DG=0 RUN_LIMIT=${LIMIT_ARM:-${RUN_LIMIT:-280}} bash "$0" grpo "$out"
+    done
+    python3 bench/step_table.py "$out"/r8b/* | tee "$out/step_table.md" ;;
   optcost)  # the host masters pageable / page-locked / page-locked + overlapped copies, one run each, side by side
     opt=policy.megatron_cfg.optimizer
     for v in "pageable:$opt.pin_cpu_params=false" "pinned:" "overlap:$opt.overlap_cpu_optimizer_d2h_h2d=true"; do
@@ -260,7 +269,7 @@ PY
       limit_var=LIMIT_$m  # LIMIT_<mode>=seconds: that mode's RUN_LIMIT in this round
       echo "== round: $m ($(date +%T))"; PACK_DG=0 RUN_LIMIT=${!limit_var:-${RUN_LIMIT:-}} bash "$0" "$m" "$out/$m"
     done ;;
-  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|te|round OUT_DIR" >&2
+  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|te|round OUT_DIR" >&2
      exit 2 ;;
 esac
 # PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz, and

@@ -1,0 +1,77 @@
+"""Side-by-side table of GRPO runs' last step: phase seconds, the mismatch, and (for a profiled step) how busy the
+device was in the logprob and update phases.
+
+Why: the 8B rounds compare arms run one after another in one device call (bench/qwen3_8b_gpu.sh arms); the table is
+read from each run's own files (metrics.jsonl, profile_step<N>.json), so it can be recomputed from the committed runs.
+
+Usage: python3 bench/step_table.py RUN_DIR [RUN_DIR ...]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+COLUMNS = (("rollout s", "time/rollout"), ("logprob s", "time/logprob"), ("update s", "time/update"),
+           ("optimizer s", "time/optimizer"), ("refit s", "time/refit"), ("step s", "time/step"),
+           ("k3", "mismatch/k3_kl"), ("update cudaFree", "memory/gpu_cuda_frees_update"),
+           ("update peak GiB", "memory/gpu_peak_gib_update"))
+
+
+def last_step(run: Path) -> dict:
+    """The last metrics row of a run (empty when the run wrote none)."""
+    path = run / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return rows[-1] if rows else {}
+
+
+def busy(run: Path, step: int | None) -> dict[str, tuple[float, float]]:
+    """Per profiled phase: (device busy ms, wall ms) of the recorded windows of that step's profile, if any."""
+    if step is None:
+        return {}
+    path = run / f"profile_step{step}.json"
+    if not path.exists():
+        return {}
+    windows = json.loads(path.read_text()).get("windows", {})
+    return {phase: (w["busy_ms"], w["wall_ms"]) for phase, w in windows.items()}
+
+
+def _fmt(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float) and value != 0 and abs(value) < 1e-2:
+        return f"{value:.2e}"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def table(runs: list[Path]) -> str:
+    head = ["run", "step", *(name for name, _ in COLUMNS), "logprob busy", "update busy"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run in runs:
+        row = last_step(run)
+        step = row.get("step")
+        shares = busy(run, int(step) if step is not None else None)
+        cells = [run.name, _fmt(step), *(_fmt(row.get(key)) for _, key in COLUMNS)]
+        for phase in ("logprob", "update"):
+            b, w = shares.get(phase, (None, None))
+            cells.append(f"{b / w:.0%} of {w:.0f} ms" if b is not None and w else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__.strip().splitlines()[-1], file=sys.stderr)
+        return 2
+    missing = [a for a in argv if not Path(a).is_dir()]
+    if missing:
+        print(f"step_table: not a run directory: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    print(table([Path(a) for a in argv]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
