@@ -116,24 +116,40 @@ def test_hosted_models_follow_the_engine_ops_the_policy_asks_vllm_for(mp):
         policy_plan(policy, shape)
 
 
-def test_a_policy_jet_rl_block_is_named_as_unread_by_the_hosted_policy(caplog):
-    """`jetrl run` reads policy.jet_rl; NeMo-RL's driver hands the hosted worker the same YAML's policy, whose
-    models take their numerics from the engines' hf_overrides and JETRL_* only: the block's keys are named once,
-    and the plan is the one without the block."""
+def test_the_hosted_policy_reads_the_trainer_only_keys_of_policy_jet_rl_and_names_the_rest(mp, caplog):
+    """`jetrl run` reads policy.jet_rl; NeMo-RL's driver hands the hosted worker the same YAML's policy. The keys
+    that change only the trainer's backward (deterministic_backward, fuse_swiglu_grad_quant) reach the hosted model;
+    the others (ops the engines run too, taken from hf_overrides there) are named once as unread and change
+    nothing; a non-boolean value is refused by its key."""
     import logging
 
     from nemo_rl_standin import policy_config
 
-    from jetrl_megatron.nemo_rl.policy_cfg import policy_plan
+    from jetrl_megatron.megatron.model import fp8_context
+    from jetrl_megatron.megatron.numerics import RolloutCoreAttention
+    from jetrl_megatron.nemo_rl.hosted_policy import ChunkBuilder
+    from jetrl_megatron.nemo_rl.policy_cfg import PolicyConfigError, policy_plan
 
     shape = tiny_shape("qwen3")
     policy = policy_config(num_layers=shape.num_layers)
     with caplog.at_level(logging.WARNING, logger="jetrl_megatron.nemo_rl.policy_cfg"):
         plain = policy_plan(policy, shape)
         assert "policy.jet_rl" not in caplog.text
-        with_block = policy_plan({**policy, "jet_rl": {"deterministic_backward": True, "cuda_norms": "vllm"}}, shape)
-    assert "policy.jet_rl.{cuda_norms, deterministic_backward}: not read by the NeMo-RL driver" in caplog.text
-    assert with_block == plain
+        block = {"deterministic_backward": True, "fuse_swiglu_grad_quant": True, "cuda_norms": "vllm"}
+        with_block = policy_plan({**policy, "jet_rl": block}, shape)
+    assert "policy.jet_rl.{cuda_norms}: not read by the NeMo-RL driver" in caplog.text
+    assert (plain.deterministic_backward, plain.fuse_swiglu_grad_quant) == (False, False)
+    assert (with_block.deterministic_backward, with_block.fuse_swiglu_grad_quant) == (True, True)
+    assert with_block.cuda_norms == plain.cuda_norms == "batch_invariant"  # the engines' norms, not the block's
+    for plan, on in ((plain, False), (with_block, True)):
+        builder = ChunkBuilder.for_plan(plan)
+        assert (builder.deterministic_backward, builder.fuse_swiglu_grad_quant) == (on, on)
+        model = builder()
+        attn = [m for m in model.modules() if isinstance(m, RolloutCoreAttention)]
+        assert fp8_context(model).deterministic_backward is on
+        assert len(attn) == shape.num_layers and all(m.deterministic_backward is on for m in attn)
+    with pytest.raises(PolicyConfigError, match="policy.jet_rl.deterministic_backward: 'yes'; must be true or false"):
+        policy_plan({**policy, "jet_rl": {"deterministic_backward": "yes"}}, shape)
 
 
 # ------------------------------------------------------------------------------------------------ DP=2, gloo

@@ -87,19 +87,24 @@ class ChunkBuilder:
     reference_quant: bool = False  # the torch reference quantizer on CUDA too (Fp8ModelContext.reference_quant)
     cuda_norms: str = "batch_invariant"  # the GPU engines' norms (Fp8ModelContext.cuda_norms)
     swiglu_fp8_forms: bool = False  # the GPU engines' SwiGLU (Fp8ModelContext.swiglu_fp8_forms)
+    deterministic_backward: bool = False  # policy.jet_rl's (Fp8ModelContext.deterministic_backward)
+    fuse_swiglu_grad_quant: bool = False  # policy.jet_rl's (Fp8ModelContext.fuse_swiglu_grad_quant)
 
     @classmethod
     def for_plan(cls, plan: PolicyPlan) -> ChunkBuilder:
         """The builder of a checked hosted policy's chunks (its numerics switches and engine ops included)."""
         return cls(plan.shape, plan.recipe, plan.sequence_parallel, plan.switches.elementwise,
-                   plan.switches.reference_quant, plan.cuda_norms, plan.swiglu_fp8_forms)
+                   plan.switches.reference_quant, plan.cuda_norms, plan.swiglu_fp8_forms,
+                   plan.deterministic_backward, plan.fuse_swiglu_grad_quant)
 
     def __call__(self, pre_process: bool | None = None, post_process: bool | None = None,
                  vp_stage: int | None = None) -> torch.nn.Module:
         return build_policy_chunk(self.shape, self.recipe, pre_process=pre_process, post_process=post_process,
                                   vp_stage=vp_stage, sequence_parallel=self.sequence_parallel,
                                   elementwise=self.elementwise, reference_quant=self.reference_quant,
-                                  cuda_norms=self.cuda_norms, swiglu_fp8_forms=self.swiglu_fp8_forms)
+                                  cuda_norms=self.cuda_norms, swiglu_fp8_forms=self.swiglu_fp8_forms,
+                                  deterministic_backward=self.deterministic_backward,
+                                  fuse_swiglu_grad_quant=self.fuse_swiglu_grad_quant)
 
 
 def _chunks(chunks: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:

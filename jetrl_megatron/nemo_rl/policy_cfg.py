@@ -250,12 +250,36 @@ class PolicyPlan:
     shape: ModelShape
     recipe: Fp8Recipe
     sequence_parallel: bool
-    # the model's numerics switches: the policy.jet_rl defaults with the JETRL_* environment overrides, read once
-    # here (rl/config/switches.py; the hosted policy config carries no policy.jet_rl block)
+    # the model's run switches: the policy.jet_rl defaults with the JETRL_* environment overrides, read once here
+    # (rl/config/switches.py)
     switches: RunSwitches = field(default_factory=RunSwitches)
     # the GPU engines' element-wise ops the models follow (engine_numerics)
     cuda_norms: str = "batch_invariant"
     swiglu_fp8_forms: bool = False
+    # the trainer-only numerics switches of policy.jet_rl (TRAINER_ONLY_KEYS): no engine runs them, so the hosted
+    # worker reads them from the policy's own block, as `jetrl run` does
+    deterministic_backward: bool = False
+    fuse_swiglu_grad_quant: bool = False
+
+
+# policy.jet_rl keys the hosted worker reads: they change the trainer's backward only (the engines never run it), so
+# one YAML can set them for both drivers; the block's other keys describe ops the engines must run too, which the
+# hosted worker takes from vllm_kwargs.hf_overrides (what vLLM reads) instead
+TRAINER_ONLY_KEYS = ("deterministic_backward", "fuse_swiglu_grad_quant")
+
+
+def _trainer_only_switches(block: Any) -> dict[str, bool]:
+    """The TRAINER_ONLY_KEYS set in a ``policy.jet_rl`` block, each a boolean (a refusal names the key)."""
+    if not isinstance(block, Mapping):
+        return {}
+    out = {}
+    for key in TRAINER_ONLY_KEYS:
+        if key in block:
+            value = block[key]
+            if not isinstance(value, bool):
+                raise PolicyConfigError(f"policy.jet_rl.{key}: {value!r}; must be true or false")
+            out[key] = value
+    return out
 
 
 def policy_plan(policy: Mapping[str, Any], shape: ModelShape | None = None) -> PolicyPlan:
@@ -266,14 +290,16 @@ def policy_plan(policy: Mapping[str, Any], shape: ModelShape | None = None) -> P
     policy = hosted_form(policy, shape.num_layers)
     recipe = check_policy(policy, shape.num_layers)
     cuda_norms, swiglu_fp8_forms = engine_numerics(policy)
-    unread = sorted(policy["jet_rl"]) if isinstance(policy.get("jet_rl"), Mapping) else []
+    block = policy.get("jet_rl")
+    trainer_only = _trainer_only_switches(block)
+    unread = sorted(k for k in block if k not in TRAINER_ONLY_KEYS) if isinstance(block, Mapping) else []
     if unread:  # one YAML may serve both drivers (jetrl run reads the block); say that this one does not
         logging.getLogger(__name__).warning(
             "policy.jet_rl.{%s}: not read by the NeMo-RL driver's hosted policy (`jetrl run` reads it); here the "
-            "models' numerics come from vllm_kwargs.hf_overrides' jetrl_* entries and the JETRL_* variables "
-            "(docs/nemo_rl.md)", ", ".join(map(str, unread)))
+            "models' numerics come from vllm_kwargs.hf_overrides' jetrl_* entries and the JETRL_* variables, and "
+            "of policy.jet_rl only %s (docs/nemo_rl.md)", ", ".join(map(str, unread)), " and ".join(TRAINER_ONLY_KEYS))
     return PolicyPlan(shape, recipe, bool(_get(policy, "megatron_cfg.sequence_parallel", False)),
-                      resolve_switches(JetRlCfg(), os.environ), cuda_norms, swiglu_fp8_forms)
+                      resolve_switches(JetRlCfg(), os.environ), cuda_norms, swiglu_fp8_forms, **trainer_only)
 
 
 def _switch_values(policy: Mapping[str, Any]) -> tuple[Any, Any, Any]:
