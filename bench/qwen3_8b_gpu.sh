@@ -27,7 +27,7 @@
 #           since (plan 70.2 GiB); with them the 4K run woke after every update on an H100, 2026-12-06)
 #           TAG=name suffixes the run directory (len<LEN>_<ARM>_<TAG>); RUN_IN_OUT=1 writes the run directory under
 #           OUT_DIR itself (a call cut by the device budget still returns its log and the steps it finished)
-#   arms    ARMS="jetrl bf16 ..." the grpo mode once per arm (RUN_IN_OUT, LIMIT_ARM seconds each) in one call, then a
+#   arms    ARMS="jetrl bf16 ..." the grpo mode once per arm (RUN_IN_OUT; RUN_LIMIT shared, or LIMIT_ARM each) in one call, then a
 #           side-by-side table of their last steps (bench/step_table.py: phase seconds, k3, the update's cudaFree calls
 #           and peak, and with PROFILE the device's busy share of the profiled logprob / update stretches)
 #   optcost the optimizer CPU offload's copies (issue 27 item 4), side by side in one call: grpo with CARD=h100 and the
@@ -158,9 +158,12 @@ case $mode in
     [ "${RUN_IN_OUT:-0}" = 1 ] || (cd "$dir/.." && tar czf "$out/grpo8b_$name.tgz" --exclude='model_init_engine*' "$name")
     [ "${LAYER:-0}" = 1 ] && layer_cost ;;
   arms)  # ARMS="jetrl bf16 ..." one grpo run per arm with the same CARD / LEN / STEPS / PROFILE / EXTRA, one after
-    # another in this call (LIMIT_ARM seconds each), then bench/step_table.py's side-by-side table of their last steps
-    for a in ${ARMS:?ARMS=\"arm arm ...\"}; do
-      ARM=$a RUN_IN_OUT=1 PACK_DG=0 RUN_LIMIT=${LIMIT_ARM:-${RUN_LIMIT:-280}} bash "$0" grpo "$out"
+    # another in this call, then bench/step_table.py's side-by-side table of their last steps; RUN_LIMIT (default 560)
+    # is the whole call's, shared evenly unless LIMIT_ARM gives each arm its seconds
+    arms=(${ARMS:?ARMS=\"arm arm ...\"})
+    per_arm=${LIMIT_ARM:-$(( ${RUN_LIMIT:-560} / ${#arms[@]} ))}
+    for a in "${arms[@]}"; do
+      ARM=$a RUN_IN_OUT=1 PACK_DG=0 RUN_LIMIT=$per_arm bash "$0" grpo "$out"
     done
     python3 bench/step_table.py "$out"/r8b/* | tee "$out/step_table.md" ;;
   optcost)  # the host masters pageable / page-locked / page-locked + overlapped copies, one run each, side by side

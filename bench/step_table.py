@@ -1,5 +1,5 @@
-"""Side-by-side table of GRPO runs' last step: phase seconds, the mismatch, and (for a profiled step) how busy the
-device was in the logprob and update phases.
+"""Side-by-side table of GRPO runs' last step: phase seconds, the mismatch, and (from the run's profiled step) how
+busy the device was in the logprob pass's and the update's recorded micro-batches.
 
 Why: the 8B rounds compare arms run one after another in one device call (bench/qwen3_8b_gpu.sh arms); the table is
 read from each run's own files (metrics.jsonl, profile_step<N>.json), so it can be recomputed from the committed runs.
@@ -27,15 +27,15 @@ def last_step(run: Path) -> dict:
     return rows[-1] if rows else {}
 
 
-def busy(run: Path, step: int | None) -> dict[str, tuple[float, float]]:
-    """Per profiled phase: (device busy ms, wall ms) of the recorded windows of that step's profile, if any."""
-    if step is None:
-        return {}
-    path = run / f"profile_step{step}.json"
-    if not path.exists():
-        return {}
-    windows = json.loads(path.read_text()).get("windows", {})
-    return {phase: (w["busy_ms"], w["wall_ms"]) for phase, w in windows.items()}
+def busy(run: Path) -> tuple[int | None, dict[str, tuple[float, float]]]:
+    """The run's profiled step (its last profile_step<N>.json) and per recorded stretch of it (``update``: the
+    micro-batches; ``update/after_pass``: the optimizer step) the device's busy ms and the wall ms."""
+    profiles = sorted(run.glob("profile_step*.json"), key=lambda p: int(p.stem.removeprefix("profile_step") or 0))
+    if not profiles:
+        return None, {}
+    step = int(profiles[-1].stem.removeprefix("profile_step"))
+    windows = json.loads(profiles[-1].read_text()).get("windows", {})
+    return step, {phase: (w["busy_ms"], w["wall_ms"]) for phase, w in windows.items()}
 
 
 def _fmt(value) -> str:
@@ -46,14 +46,21 @@ def _fmt(value) -> str:
     return f"{value:.2f}" if isinstance(value, float) else str(value)
 
 
+def _fwd_bwd(row: dict) -> float | None:
+    """The update without its optimizer step (the micro-batches' forward and backward), seconds."""
+    update, opt = row.get("time/update"), row.get("time/optimizer")
+    return None if update is None or opt is None else update - opt
+
+
 def table(runs: list[Path]) -> str:
-    head = ["run", "step", *(name for name, _ in COLUMNS), "logprob busy", "update busy"]
+    head = ["run", "step", *(name for name, _ in COLUMNS), "update fwd+bwd s", "profiled step",
+            "logprob busy", "update busy"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in runs:
         row = last_step(run)
-        step = row.get("step")
-        shares = busy(run, int(step) if step is not None else None)
-        cells = [run.name, _fmt(step), *(_fmt(row.get(key)) for _, key in COLUMNS)]
+        profiled, shares = busy(run)
+        cells = [run.name, _fmt(row.get("step")), *(_fmt(row.get(key)) for _, key in COLUMNS), _fmt(_fwd_bwd(row)),
+                 _fmt(profiled)]
         for phase in ("logprob", "update"):
             b, w = shares.get(phase, (None, None))
             cells.append(f"{b / w:.0%} of {w:.0f} ms" if b is not None and w else "-")

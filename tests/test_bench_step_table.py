@@ -39,11 +39,17 @@ def test_a_profiled_run_shows_the_busy_share_of_its_windows(tmp_path):
     run.mkdir()
     rows = [{"step": 1, "time/update": 30.0}, {"step": 2, "time/update": 20.5, "mismatch/k3_kl": 0.0}]
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    windows = {"update": {"busy_ms": 300.0, "wall_ms": 400.0}, "logprob": {"busy_ms": 95.0, "wall_ms": 100.0}}
+    windows = {"update": {"busy_ms": 300.0, "wall_ms": 400.0}, "logprob": {"busy_ms": 95.0, "wall_ms": 100.0},
+               "update/after_pass": {"busy_ms": 10.0, "wall_ms": 3000.0}}
+    (run / "profile_step1.json").write_text(json.dumps({"windows": {}}))
     (run / "profile_step2.json").write_text(json.dumps({"windows": windows}))
-    cells = dict(zip(_cells(step_table.table([run]).splitlines()[0]),
-                     _cells(step_table.table([run]).splitlines()[2]), strict=True))
+    rows[-1]["time/optimizer"] = 3.0
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    lines = step_table.table([run]).splitlines()
+    cells = dict(zip(_cells(lines[0]), _cells(lines[2]), strict=True))
     assert cells["step"] == "2" and cells["update s"] == "20.50" and cells["k3"] == "0.00"
+    # the last profile's micro-batch stretches, not the optimizer step after them
+    assert cells["profiled step"] == "2" and cells["update fwd+bwd s"] == "17.50"
     assert cells["update busy"] == "75% of 400 ms" and cells["logprob busy"] == "95% of 100 ms"
     assert cells["rollout s"] == "-"
 

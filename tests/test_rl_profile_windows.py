@@ -55,7 +55,8 @@ def test_window_report_matches_a_brute_force_count(seed):
 
 
 def test_kernel_kinds_of_names_seen_in_the_8b_profiles():
-    """Names copied from bench/qwen3_8b_1gpu/20261206c_h100's profiles (an H100, both arms)."""
+    """Names from bench/qwen3_8b_1gpu/20261206c_h100's profiles (an H100, both arms), the project's own Triton kernels
+    and the optimizer's (gradient clipping's L2 norm is no RMSNorm)."""
     seen = {
         "void deep_gemm::sm90_fp8_gemm_1d2d_impl<(cute::UMMA::Major)0, 0u, 24576u, 4096u, 1u, 256u,": "fp8_gemm",
         "void deep_gemm::sm90_fp8_gemm_1d1d_impl<0u, 4096u, 4224u, 1u, 128u, 152u, 128u, 128u, 128u": "fp8_gemm",
@@ -68,6 +69,9 @@ def test_kernel_kinds_of_names_seen_in_the_8b_profiles():
         "_topk_log_softmax_kernel": "softmax_logprob", "_rms_fwd_kernel": "norm", "_rope_kernel": "rope",
         "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda(at": "copy_cast",
         "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std:": "elementwise",
+        "_sum_splits_kernel": "fp8_gemm", "_residual_add_bwd_kernel": "elementwise",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<LpNormFunctor<float>>": "optimizer",
+        "void at::native::normal_kernel<float>": "other",
     }
     assert {name: kernel_kind(name) for name in seen} == seen
     assert kernel_kind("some_kernel_nobody_named") == "other"
@@ -95,16 +99,33 @@ def test_the_recorded_stretches_of_a_phase_are_its_windows(tmp_path):
     total = time.perf_counter() - t0
     report = json.loads((tmp_path / "profile_step1.json").read_text())
     w = report["windows"]
-    assert set(w) == {"update"}  # the rollout is not profiled: no window
-    # two stretches: micro-batches 0-1, and what follows the pass; the three unrecorded micro-batches (0.15 s of
-    # sleep) are outside them
-    assert w["update"]["windows"] == 2
-    assert 0.1 <= w["update"]["wall_ms"] / 1e3 < total - 0.15 - 0.05
-    assert w["update"]["busy_ms"] == 0.0 and w["update"]["idle_ms"] == pytest.approx(w["update"]["wall_ms"])
+    # the rollout is not profiled: no window; the update's recorded micro-batches (0-1) and what follows its pass
+    # are two stretches, kept apart; the three unrecorded micro-batches (0.15 s of sleep) are in neither
+    assert set(w) == {"update", "update/after_pass"}
+    assert w["update"]["windows"] == w["update/after_pass"]["windows"] == 1
+    assert 0.1 <= w["update"]["wall_ms"] / 1e3 < 0.1 + (total - 0.15 - 0.05 - 0.1)
+    assert w["update/after_pass"]["wall_ms"] / 1e3 < total - 0.15 - 0.05 - 0.1  # no sleep after the pass
+    assert w["update"]["busy_ms"] == 0.0 and w["update"]["kinds_ms"] == {}  # no device on this run
     assert not any(r["name"].startswith("window/") for r in report["top"] + report["host_top"])
-    assert any(r["name"] == "window/update" for r in report["ranges"])
+    assert {"window/update", "window/update/after_pass"} <= {r["name"] for r in report["ranges"]}
     assert report["host_top"][0]["self_cpu_ms"] >= report["host_top"][-1]["self_cpu_ms"]
-    assert "| update | 2 |" in (tmp_path / "profile_step1.md").read_text()
+    assert "| update | 1 |" in (tmp_path / "profile_step1.md").read_text()
+
+
+def test_a_second_pass_in_a_phase_gets_its_micro_batches_back_in_the_pass_window(tmp_path):
+    """The logprob phase runs a policy and a reference pass: each pass's micro-batches go to ``<phase>``, what follows
+    each pass to ``<phase>/after_pass``."""
+    prof = StepProfile(1, tmp_path, phases=("logprob",), micro_batches=1)
+    with prof.around(1), prof.phase("logprob"):
+        for _ in range(2):
+            for i in range(3):
+                prof.micro_batch(i)
+                time.sleep(0.02)
+            prof.micro_batches_done()
+            time.sleep(0.01)
+    w = json.loads((tmp_path / "profile_step1.json").read_text())["windows"]
+    assert w["logprob"]["windows"] == 2 and w["logprob/after_pass"]["windows"] == 2
+    assert 0.04 <= w["logprob"]["wall_ms"] / 1e3 < 0.04 + 0.04  # micro-batch 0 of each pass, not 1-2 (0.08 s)
 
 
 @pytest.mark.gpu
@@ -125,7 +146,8 @@ def test_host_time_between_kernels_shows_as_idle_device_time(tmp_path):
         _step_with_sleeps(prof, work, 0.05)
     w = json.loads((tmp_path / "profile_step1.json").read_text())["windows"]["update"]
     assert w["windows"] == 1
-    # six GEMMs and copies, each followed by 50 ms of host sleep (five of them): idle >= 0.25 s, busy > 0
-    assert w["busy_ms"] > 0 and w["idle_ms"] >= 250 and w["busy_ms"] + w["idle_ms"] == pytest.approx(w["wall_ms"])
+    # five GEMMs and copies, each followed by 50 ms of host sleep: idle >= 0.25 s; the device was busy for the
+    # GEMMs and copies (~1-2 ms each on a Hopper card), not for the sleeps
+    assert 0 < w["busy_ms"] < 100 and w["idle_ms"] >= 250, w
     assert w["kinds_ms"].get("gemm", 0) > 0 and w["kinds_ms"].get("memcpy", 0) > 0, w["kinds_ms"]
-    assert w["kernel_sum_ms"] >= w["busy_ms"] - 1e-6
+    assert sum(t["calls"] for t in w["top"] if kernel_kind(t["name"]) == "gemm") >= 5, w["top"]

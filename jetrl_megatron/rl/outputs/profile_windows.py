@@ -1,10 +1,11 @@
 """Where a profiled phase's wall time went: the device's busy time inside it, and its kernels by kind.
 
-Why: at Qwen3-8B with 4K-token responses the jetrl arm's update ran 0.86x the bf16 arm's (2026-12-06) while its FP8
+Why: at Qwen3-8B with 4K-token responses the jetrl arm's update ran 0.85x the bf16 arm's (2026-12-06) while its FP8
 linears took less device time than bf16's GEMMs; a table of operators cannot tell whether the GPU sat waiting for the
-host. Each recorded stretch of a phase is a ``window/<phase>`` range (``StepProfile`` opens them, synchronized at both
-ends); inside those windows the device's busy time is the union of its kernel, copy and memset intervals, so
-``wall - busy`` is the time the GPU was idle (host-bound launches, synchronizations, allocator work).
+host. Each recorded stretch of a phase is a ``window/<phase>`` range, or ``window/<phase>/after_pass`` for what
+follows its micro-batches (``StepProfile`` opens them, synchronized at both ends); inside those windows the device's
+busy time is the union of its kernel, copy and memset intervals, so ``wall - busy`` is the time the GPU was idle
+(host-bound launches, synchronizations, allocator work).
 """
 
 from __future__ import annotations
@@ -12,24 +13,27 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 WINDOW_PREFIX = "window/"
+AFTER_PASS = "/after_pass"  # a phase's stretch after its micro-batches (the update's optimizer step)
 
 # A kernel's kind from its name (lower-cased; the first rule that matches wins): what the precision contract makes
 # FP8 (the GEMMs and their quantization), what stays BF16 in both arms (attention, norms, element-wise), and the
 # traffic (copies, host-device transfers).
 KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("fp8_gemm", ("deep_gemm", "fp8_gemm", "e4m3", "scaled_mm", "nvjet_sm90_qq")),
-    ("fp8_quant", ("quant", "regroup", "sum_splits")),
+    # the project's Triton FP8 GEMM sums its split-K partials in _sum_splits_kernel
+    ("fp8_gemm", ("deep_gemm", "fp8_gemm", "e4m3", "scaled_mm", "sum_splits")),
+    ("fp8_quant", ("quant", "regroup")),
     ("attention", ("flash", "fmha", "attn", "sdpa")),
     ("gemm", ("nvjet", "gemm", "xmma", "cutlass")),
     ("memcpy", ("memcpy",)),
     ("memset", ("memset",)),
-    ("norm", ("rms", "norm")),
+    # before the norms: the optimizer's and gradient clipping's kernels (Adam, multi-tensor apply, L2 norms)
+    ("optimizer", ("adam", "multi_tensor", "lpnorm", "l2norm", "norm_two", "normtwo")),
+    ("norm", ("rms", "layer_norm", "layernorm")),
     ("swiglu", ("swiglu", "silu", "act_and_mul")),
     ("rope", ("rope", "rotary")),
     ("softmax_logprob", ("softmax", "logprob", "cross_entropy", "topk")),
-    ("optimizer", ("adam", "multi_tensor")),
     ("copy_cast", ("copy",)),
-    ("elementwise", ("elementwise", "reduce", "triton")),
+    ("elementwise", ("elementwise", "reduce", "residual_add", "triton")),
 )
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from jetrl_megatron.rl.outputs.profile_windows import WINDOW_PREFIX, split_events, window_report
+from jetrl_megatron.rl.outputs.profile_windows import AFTER_PASS, WINDOW_PREFIX, split_events, window_report
 
 RANGE_PREFIXES = ("phase/", "part/", WINDOW_PREFIX)
 PHASES = ("rollout", "logprob", "update", "refit")  # the phases StepMeter opens, in step order
@@ -92,6 +92,7 @@ class StepProfile:
         self._recording = False
         self._phase: str | None = None
         self._window: tuple[str, record_function] | None = None  # the open window/<phase> range
+        self._after_pass = False  # the phase's last pass is done: what runs now follows it
         self.window_failed: str | None = None  # why the profiler could not pause (then it records everything)
 
     @contextmanager
@@ -122,7 +123,7 @@ class StepProfile:
             yield
             return
         window = self.windows.setdefault(name, PhaseWindow(profiled=name in self.phases))
-        self._phase = name
+        self._phase, self._after_pass = name, False
         self._record(window.profiled)
         try:
             yield
@@ -140,13 +141,16 @@ class StepProfile:
         if (window := self._recorded_window()) is None:
             return
         window.micro_batches += 1
+        self._after_pass = False
         if self.micro_batches and index >= self.micro_batches:
             self._record(False)
         else:
             window.recorded_micro_batches += 1
+            self._match_window()
 
     def micro_batches_done(self) -> None:
         if self._recorded_window() is not None:
+            self._after_pass = True
             self._record(True)
 
     def _record(self, on: bool) -> None:
@@ -169,11 +173,18 @@ class StepProfile:
         self._match_window()
 
     def _match_window(self) -> None:
-        want = self._phase if self._recording and self._recorded_window() is not None else None
+        """Open or switch the window to the stretch now recorded: ``<phase>`` (its micro-batches and what precedes
+        them) or ``<phase>/after_pass`` (what follows a pass: the update's optimizer step), kept apart so that the
+        optimizer's host work does not blur whether the micro-batches keep the device busy."""
+        want = None
+        if self._recording and self._recorded_window() is not None:
+            want = self._phase + (AFTER_PASS if self._after_pass else "")
         if self._window is not None and self._window[0] == want:
             return
         self._close_window()
         if want is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the window holds only work issued inside it
             rng = record_function(WINDOW_PREFIX + want)
             rng.__enter__()
             self._window = (want, rng)
@@ -244,9 +255,12 @@ def _window_lines(windows: dict, cuda: bool) -> list[str]:
     """The per-phase busy table and each phase's kernels by kind and top kernels, as markdown lines."""
     if not windows:
         return []
-    lines = ["", "Per recorded phase (its `window/<phase>` stretches): wall time, the device's busy time inside it "
-             "(union of kernels, copies, memsets) and what is left idle" + ("" if cuda else
-             " (a CPU run: no device events, so busy is 0)") + ":", "",
+    intro = ("Per recorded stretch (`window/<phase>`: its micro-batches; `<phase>/after_pass`: what follows a pass, "
+             "the update's optimizer step): wall time, the device's busy time inside it (union of kernels, copies, "
+             "memsets) and what is left idle: the device waited for the host (launches, synchronizations, allocator "
+             "calls)" + ("" if cuda else " (a CPU run: no device events, so busy is 0)") + ". The profile's own "
+             "synchronizations at each stretch's ends show as `cudaDeviceSynchronize` in the host table below.")
+    lines = ["", intro, "",
              "| phase | windows | wall ms | device busy ms | idle ms (share) | kernel sum ms |",
              "|---|---|---|---|---|---|"]
     for phase, w in windows.items():
