@@ -163,7 +163,7 @@ case $mode in
     arms=(${ARMS:?ARMS=\"arm arm ...\"})
     per_arm=${LIMIT_ARM:-$(( ${RUN_LIMIT:-560} / ${#arms[@]} ))}
     for a in "${arms[@]}"; do
-      ARM=$a RUN_IN_OUT=1 PACK_DG=0 RUN_LIMIT=$per_arm bash "$0" grpo "$out"
+      ARM=$a RUN_IN_OUT=1 PACK_DG=0 NO_PACK=1 RUN_LIMIT=$per_arm bash "$0" grpo "$out"
     done
     python3 bench/step_table.py "$out"/r8b/* | tee "$out/step_table.md" ;;
   optcost)  # the host masters pageable / page-locked / page-locked + overlapped copies, one run each, side by side
@@ -286,6 +286,7 @@ if [ "${PACK_DG:-0}" = 1 ] && [ -d /tmp/triton_cache ]; then
 fi
 # At most 8 files come back from a device call (2026-12-05: a vtests log was left out): where this mode wrote more
 # than 6, everything but the archives travels as one logs.tgz
-if [ "$(find "$out" -type f | wc -l)" -gt 6 ]; then
+# (NO_PACK=1: a mode run inside another, which packs once at its end: arms)
+if [ "${NO_PACK:-0}" != 1 ] && [ "$(find "$out" -type f | wc -l)" -gt 6 ]; then
   (cd "$out" && find . -type f ! -name '*.tgz' ! -name '*.tar.xz' -print0 | tar czf logs.tgz --null -T - --remove-files)
 fi
