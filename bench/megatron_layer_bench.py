@@ -56,6 +56,7 @@ from jetrl_megatron.megatron.model import megatron_config, seed_everything  # no
 from jetrl_megatron.megatron.spec import gpt_layer_spec  # noqa: E402
 from jetrl_megatron.model.shapes import get_model_shape  # noqa: E402
 from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
+from jetrl_megatron.rl.outputs.profile_windows import classify  # noqa: E402
 
 try:
     from jetrl_megatron.fp8 import kernels as fp8_kernels  # noqa: E402
@@ -227,11 +228,7 @@ KERNEL_GROUPS = (  # (group, lower-case name fragments), first match wins
 
 
 def kernel_group(name: str) -> str:
-    low = name.lower()
-    for group, frags in KERNEL_GROUPS:
-        if any(f in low for f in frags):
-            return group
-    return "other (torch element-wise, copies, reductions)"
+    return classify(name, KERNEL_GROUPS, "other (torch element-wise, copies, reductions)")
 
 
 def profile_step(step, device, top: int) -> dict:

@@ -37,13 +37,15 @@ KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+def classify(name: str, rules: tuple[tuple[str, tuple[str, ...]], ...], default: str) -> str:
+    """The label of the first rule one of whose lower-case fragments is in ``name`` (``default`` when none is)."""
+    low = name.lower()
+    return next((label for label, needles in rules if any(n in low for n in needles)), default)
+
+
 def kernel_kind(name: str) -> str:
     """The kind of a device event by its name (``other`` when no rule names it)."""
-    low = name.lower()
-    for kind, needles in KERNEL_KINDS:
-        if any(n in low for n in needles):
-            return kind
-    return "other"
+    return classify(name, KERNEL_KINDS, "other")
 
 
 def union_length(intervals: Iterable[tuple[float, float]]) -> float:
