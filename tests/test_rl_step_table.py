@@ -1,4 +1,5 @@
-"""bench/step_table.py: the side-by-side table reads each run's own last metrics row and its profile's windows."""
+"""bench/step_table.py, the side-by-side table of GRPO runs (the rl layer's metrics.jsonl and step profiles): it
+reads each run's own last metrics row and its last profile's windows."""
 
 from __future__ import annotations
 
