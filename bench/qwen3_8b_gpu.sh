@@ -127,7 +127,7 @@ case $mode in
     base=/tmp; [ "$(stat -f -c %T /tmp)" = tmpfs ] && base=$PWD/..
     [ "${RUN_IN_OUT:-0}" = 1 ] && base=$out  # a call the budget may cut: what the run wrote so far still comes back
     name=len${len}_$arm${TAG:+_$TAG}; dir=$base/r8b/$name; rm -rf "$dir"; mkdir -p "$dir"
-    kv=$(( (len <= 1024 ? 20 : 80) * 1073741824 ))
+    kv=$(( 20 * 1073741824 ))
     card=()
     if [ "${CARD:-h200}" = h100 ]; then  # 8B on an 80 GB card (jetrl plan: rollout 60.8 GiB, update 70.2 at the
       # optimizer step, host 109.8 (before 2026-12-06: 66.9 / 74.3, the device FP32 grads kept); torch reports 79.2 GiB, ~2.1 GiB of which the CUDA context and vLLM's graph pool hold;
@@ -139,6 +139,15 @@ case $mode in
       # (plan: 70.2 GiB at 4K, as at 1K above; 9.3 GiB of logits without the chunks)
       (( len > 1024 )) && card+=(policy.train_micro_batch_size=1 policy.logprob_batch_size=2 policy.logprob_chunk_size=256)
       FRACTION=${FRACTION:-0.8}
+    elif (( len > 1024 )); then  # the H200 (the recipe's 128 responses, micro-batches 4 / 8; 20 GiB of KV is one
+      # wave at 1K) above 1K: KV_GIB (default 40: 4K-token sequences in two waves of ~64; 72.6 GiB would hold all 128,
+      # plan 128.4 of 139.8 GiB, too close for the plan's measured +4-9%), the logits 256 positions at a time (the
+      # update's alone are 37.4 GiB without) and optimizer offload 0.6 (0.75 leaves the bf16 arm's host, which keeps
+      # its engine's BF16 weights while asleep, 6.8 GiB short of the plan's margin). jetrl plan at 4K: rollout 107.1
+      # GiB of 139.8, host 91.2 (bf16 97.6) of 125
+      kv=$(( ${KV_GIB:-40} * 1073741824 ))
+      card=(policy.logprob_chunk_size=256)
+      FRACTION=${FRACTION:-0.6}
     fi
     timeout "${RUN_LIMIT:-520}" python3 -m jetrl_megatron.cli run --recipe qwen3_8b_1gpu --arm "$arm" \
       grpo.max_num_steps="$steps" policy.generation.ignore_eos=true policy.generation.max_new_tokens="$len" \
