@@ -86,14 +86,15 @@ def window_report(windows: dict[str, list[tuple[float, float]]], device_events: 
         inside = _clipped(device_events, spans)
         wall = sum(e - s for s, e in spans)
         busy = union_length((s, e) for _, s, e in inside)
-        kinds: dict[str, float] = {}
         per_name: dict[str, list[float]] = {}
         for name, s, e in inside:
-            kind = kernel_kind(name)
-            kinds[kind] = kinds.get(kind, 0.0) + (e - s)
             entry = per_name.setdefault(name, [0, 0.0])
             entry[0] += 1
             entry[1] += e - s
+        kinds: dict[str, float] = {}
+        for name, (_, t) in per_name.items():  # each distinct name classified once
+            kind = kernel_kind(name)
+            kinds[kind] = kinds.get(kind, 0.0) + t
         ranked = sorted(per_name.items(), key=lambda item: item[1][1], reverse=True)[:top]
         report[phase] = {
             "windows": len(spans), "wall_ms": wall / 1e3, "busy_ms": busy / 1e3, "idle_ms": (wall - busy) / 1e3,

@@ -13,9 +13,9 @@ them the first ``profile_micro_batches`` micro-batches of each pass and what fol
 the phases' wall times are recorded whole.
 
 Why windows: whether a phase is host-bound shows only against its recorded wall time, so each recorded stretch of a
-phase is a ``window/<phase>`` range and the report gives, per phase, the device's busy time inside those windows and
-its kernels by kind (``profile_windows``), and the host's top operators by their own CPU time (synchronizations and
-allocator calls show there)."""
+phase is a ``window/<phase>`` range (``window/<phase>/after_pass`` after its micro-batches) and the report gives, per
+stretch, the device's busy time inside it and its kernels by kind (``profile_windows``), and the host's top operators
+by their own CPU time (synchronizations and allocator calls show there)."""
 
 from __future__ import annotations
 
@@ -159,10 +159,10 @@ class StepProfile:
         if self._prof is None:
             return
         if on != self._recording and not self.window_failed:
-            if torch.cuda.is_available():
+            if not on and self._window is not None:
+                self._close_window()  # synchronizes first
+            elif torch.cuda.is_available():
                 torch.cuda.synchronize()
-            if not on:
-                self._close_window()
             try:
                 self._prof.toggle_collection_dynamic(on, self._acts)
                 self._recording = on
