@@ -316,8 +316,8 @@ def test_batch_invariant_norms_make_the_trainer_equal_vllm_decode_at_hidden_4096
     engine's norms and the trainer's are one batch-invariant kernel: the trainer's logprobs of the sampled tokens are
     the engine's decode logprobs bit for bit (CUDA graphs FULL_DECODE_ONLY, vLLM's defaults otherwise); also with
     ``swiglu_fp8_forms``, where engine and trainer run the project's SwiGLU kernel and hand its FP8 forms to the down
-    projection. The same with vLLM's own norms is printed beside it (not asserted: it is a property of vLLM's
-    kernels)."""
+    projection. (vLLM's own norms at this width are measured op by op by bench/decode_invariance.py; an engine on
+    them is started by tests/test_rollout_gpu.py's export test: a third engine here cost ~20 s of the suite.)"""
     _ops()
     import dataclasses
 
@@ -336,7 +336,8 @@ def test_batch_invariant_norms_make_the_trainer_equal_vllm_decode_at_hidden_4096
     cpu.init_parallel(1, 1)
     sd = random_hf_state_dict(shape, seed=0, logit_std=1.0)
     same, total = {}, 0
-    for norms, swiglu in (("batch_invariant", False), ("batch_invariant", True), ("vllm", False)):
+    norms = "batch_invariant"
+    for swiglu in (False, True):
         tag = norms + ("+swiglu_fp8_forms" if swiglu else "")
         gpt = build_gpt(shape, recipe, cuda_norms=norms, swiglu_fp8_forms=swiglu)
         assert (fp8_context(gpt).cuda_norms, fp8_context(gpt).swiglu_fp8_forms) == (norms, swiglu)
@@ -354,9 +355,7 @@ def test_batch_invariant_norms_make_the_trainer_equal_vllm_decode_at_hidden_4096
             layers = 2 * 4 + 1  # per layer input, post-attention, q and k norms; the final norm
             # the hidden-sized ones hand their output's FP8 forms to the plugin's linears (the trainer quantizes
             # its own: the tokens below being identical checks that the forms are quant_act's bytes)
-            assert engine.norms == ({"batch_invariant": layers, "vllm": 0, "fp8_input": 2 * 2 + 1}
-                                    if norms == "batch_invariant"
-                                    else {"batch_invariant": 0, "vllm": layers, "fp8_input": 0}), engine.norms
+            assert engine.norms == {"batch_invariant": layers, "vllm": 0, "fp8_input": 2 * 2 + 1}, engine.norms
             assert engine.swiglu == ({"project": 2, "vllm": 0, "fp8_output": 2} if swiglu
                                      else {"project": 0, "vllm": 2, "fp8_output": 0}), engine.swiglu
             samples = engine.generate(_prompts(48, shape.vocab_size, seed=3), n=1, max_tokens=300, seed=3,
@@ -365,10 +364,9 @@ def test_batch_invariant_norms_make_the_trainer_equal_vllm_decode_at_hidden_4096
             # the trainer's hidden-sized norms write FP8 forms with the batch-invariant norms, as the engine's do (and
             # the tokens below being identical says the linears that take them compute the engine's bytes)
             seen, hooks = [], []
-            want = norms == "batch_invariant"
             for layer in unwrap(gpt).decoder.layers:
                 for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
-                    hooks.append(norm.register_forward_hook(functools.partial(_note_forms, seen, want)))
+                    hooks.append(norm.register_forward_hook(functools.partial(_note_forms, seen, True)))
                 hooks.append(layer.mlp.activation_func.register_forward_hook(
                     functools.partial(_note_forms, seen, swiglu)))  # the SwiGLU's forms for the down projection
             try:
