@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from jetrl_megatron.errors import UserError
 from jetrl_megatron.rl.config.nemo_rl_keys import IGNORED, IMPLEMENTED, REFUSED, RULES, classify, schema_status
 from jetrl_megatron.rl.config.run_config import (
     ConfigError,
@@ -177,10 +178,32 @@ def test_fp8_recipe_built_from_nemo_rl_keys():
     assert r.layer_is_fp8(1, 4) and not r.layer_is_fp8(0, 4) and not r.layer_is_fp8(3, 4)
 
 
-def test_use_deep_gemm_means_what_it_means_in_nemo_rl():
+def test_use_deep_gemm_means_what_it_means_in_nemo_rl(monkeypatch):
+    """NeMo-RL's key puts vLLM's FP8 GEMMs on DeepGEMM. Here the jetrl arm keeps `auto`, whose measured table puts
+    FProp (the rollout's too) and DGrad on DeepGEMM and WGrad on cuBLAS (DeepGEMM's WGrad writes FP32 only: a zeroed
+    accumulator and a cast per GEMM, 2026-12-06 profile); a CUDA run without DeepGEMM stops naming the key."""
+    from jetrl_megatron.fp8 import gemm
+    from jetrl_megatron.fp8.backends.auto_table import pick
+    from jetrl_megatron.rl.config.run_config import arm_overrides
+    from jetrl_megatron.rl.trainer import require_deep_gemm
+
     cfg = load_config("tiny_cpu", ["policy.generation.vllm_cfg.use_deep_gemm=true"])
-    assert cfg.recipe.gemm_backend == "deep_gemm"
+    assert cfg.recipe.gemm_backend == "auto"
+    m_invariant = gemm.needs_m_invariant_fprop(cfg.recipe)
+    assert [pick(form, 4128, m_invariant=m_invariant) for form in ("fprop", "dgrad", "wgrad")] == [
+        "deep_gemm", "deep_gemm", "cublas"]
+    assert load_config("tiny_cpu", ["policy.generation.vllm_cfg.use_deep_gemm=true",
+                                    "policy.jet_rl.gemm_backend=deep_gemm"]).recipe.gemm_backend == "deep_gemm"
     assert cfg.rollout_env() == {"VLLM_USE_DEEP_GEMM": "1", "VLLM_USE_DEEP_GEMM_E8M0": "0"}
+    monkeypatch.setattr(gemm, "_loaded", {"deep_gemm": None})  # DeepGEMM not importable on this "GPU" machine
+    with pytest.raises(UserError, match=r"use_deep_gemm: true, but DeepGEMM cannot run here"):
+        require_deep_gemm(cfg, on_cuda=True)
+    require_deep_gemm(cfg, on_cuda=False)  # CPU runs use the emulated GEMMs
+    bf16 = load_config("tiny_cpu", ["policy.generation.vllm_cfg.use_deep_gemm=true", *arm_overrides("bf16")])
+    require_deep_gemm(bf16, on_cuda=True)  # no FP8 training GEMMs in the bf16 arm
+    require_deep_gemm(load_config("tiny_cpu"), on_cuda=True)
+    monkeypatch.setattr(gemm, "_loaded", {"deep_gemm": object()})
+    require_deep_gemm(cfg, on_cuda=True)
     with pytest.raises(ConfigError, match="use_deep_gemm: true contradicts policy.jet_rl.gemm_backend"):
         load_config("tiny_cpu", ["policy.generation.vllm_cfg.use_deep_gemm=true", "policy.jet_rl.gemm_backend=cublas"])
     assert load_config("tiny_cpu").rollout_env() == {}

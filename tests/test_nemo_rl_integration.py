@@ -283,11 +283,11 @@ def test_driver_runs_nemo_rls_own_fp8_yaml_as_jetrl_in_the_hosted_form(nemo_root
     out = _nemo_python(nemo_root, code, tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     recipe, policy = json.loads(out.stdout.splitlines()[-1])
-    assert Fp8Recipe.from_dict(recipe) == Fp8Recipe(gemm_backend="deep_gemm")  # use_deep_gemm: true in that YAML
+    assert Fp8Recipe.from_dict(recipe) == Fp8Recipe()  # use_deep_gemm: true in that YAML: auto (DeepGEMM FProp, DGrad)
     assert policy["megatron_cfg"]["fp8_cfg"]["enabled"] is False
     assert policy["generation"]["vllm_cfg"]["precision"] == "bfloat16"
     assert policy["generation"]["vllm_kwargs"]["quantization"] == "jetrl_fp8"
-    assert check_policy(policy, tiny.num_layers) == Fp8Recipe(gemm_backend="deep_gemm")
+    assert check_policy(policy, tiny.num_layers) == Fp8Recipe()
 
 
 # ------------------------------------------------------------------------------------------------ the patch

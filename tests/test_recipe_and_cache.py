@@ -57,8 +57,8 @@ def test_config_keys_build_the_run_recipe():
     assert r == Fp8Recipe(mode="jetrl", scale_fmt="pow2", amax_eps=1e-8, bf16_first_layers=1, bf16_last_layers=2,
                           bf16_module_keywords=("down_proj",), gemm_backend="cublas", batch_invariant=True)
     assert load_config("tiny_cpu").recipe == Fp8Recipe()  # tiny_cpu: the Jet-RL defaults
-    # use_deep_gemm (NeMo-RL: DeepGEMM for vLLM's FP8 GEMMs) puts the jetrl arm's GEMMs on DeepGEMM
-    assert load_config("tiny_cpu", ["policy.generation.vllm_cfg.use_deep_gemm=true"]).recipe.gemm_backend == "deep_gemm"
+    # use_deep_gemm (NeMo-RL: DeepGEMM for vLLM's FP8 GEMMs) keeps auto, which picks DeepGEMM for FProp and DGrad
+    assert load_config("tiny_cpu", ["policy.generation.vllm_cfg.use_deep_gemm=true"]).recipe.gemm_backend == "auto"
 
 
 @pytest.mark.parametrize("override, key", [

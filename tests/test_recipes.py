@@ -105,8 +105,9 @@ def test_nemo_rl_hyperparameters():
     assert q32.policy.generation.vllm_cfg.tensor_parallel_size == 2 and q32.policy.train_global_batch_size == 2048
     assert ll.policy.megatron_cfg.optimizer.lr == 3e-7 and ll.loss_fn.truncated_importance_sampling_type == "tis"
     assert q8.grpo.num_prompts_per_step == 64 and q8.grpo.num_generations_per_prompt == 32
-    # grpo_math_8B_megatron_fp8.yaml's FP8 flow: blockwise FP8 trainer + FP8 rollout on DeepGEMM, FP32 block scales
-    assert q8.arm == "jetrl" and q8.recipe.scale_fmt == "fp32" and q8.recipe.gemm_backend == "deep_gemm"
+    # grpo_math_8B_megatron_fp8.yaml's FP8 flow: blockwise FP8 trainer + FP8 rollout on DeepGEMM (auto's FProp and
+    # DGrad pick; WGrad on cuBLAS), FP32 block scales
+    assert q8.arm == "jetrl" and q8.recipe.scale_fmt == "fp32" and q8.recipe.gemm_backend == "auto"
     assert q8.rollout_env() == {"VLLM_USE_DEEP_GEMM": "1", "VLLM_USE_DEEP_GEMM_E8M0": "0"}
     # NeMo-RL's interpolations resolve against the child's values
     assert q32.policy.make_sequence_length_divisible_by == 2 and q8.policy.make_sequence_length_divisible_by == 1

@@ -340,8 +340,9 @@ def hosted_form(policy: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
         recipe = Fp8Recipe(mode="jetrl", scale_fmt="pow2" if pow2 else "fp32",
                            bf16_first_layers=int(_get(policy, "generation.vllm_cfg.num_first_layers_in_bf16", 0)),
                            bf16_last_layers=int(_get(policy, "generation.vllm_cfg.num_last_layers_in_bf16", 0)),
-                           gemm_backend="deep_gemm" if _get(policy, "generation.vllm_cfg.use_deep_gemm", False)
-                           else "auto")
+                           # use_deep_gemm (NeMo-RL: vLLM's FP8 GEMMs on DeepGEMM): `auto` puts FProp and DGrad
+                           # there (rl/config/run_config.py, build_fp8_recipe, says why not WGrad)
+                           gemm_backend="auto")
         made = jetrl_vllm_kwargs(recipe, num_layers)
         kwargs["quantization"] = made["quantization"]
         kwargs.setdefault("hf_overrides", {})

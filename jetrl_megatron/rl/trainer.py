@@ -79,9 +79,24 @@ class Trainer:
         return unwrap(self.model)
 
 
+def require_deep_gemm(cfg: RunConfig, on_cuda: bool) -> None:
+    """``policy.generation.vllm_cfg.use_deep_gemm: true`` asks for DeepGEMM's FP8 GEMMs, which ``gemm_backend:
+    auto`` picks where they were measured fastest (FProp, DGrad) but would quietly replace by cuBLAS or Triton where
+    DeepGEMM cannot be imported: a CUDA run of an FP8-training arm without it stops here, naming the key."""
+    if not (on_cuda and cfg.policy.generation.vllm_cfg.use_deep_gemm and cfg.recipe.trains_fp8):
+        return
+    from jetrl_megatron.fp8.gemm import load_backend
+
+    if load_backend("deep_gemm") is None:
+        raise UserError("policy.generation.vllm_cfg.use_deep_gemm: true, but DeepGEMM cannot run here (neither "
+                        "`deep_gemm` nor vLLM's bundled vllm.third_party.deep_gemm imports, or the GPU is not "
+                        "SM90); install it or set use_deep_gemm: false (the FP8 GEMMs then run on cuBLAS / Triton)")
+
+
 def build_trainer(cfg: RunConfig) -> Trainer:
     from jetrl_megatron.megatron.policy import build_policy
 
+    require_deep_gemm(cfg, torch.cuda.is_available())
     shape, recipe = model_shape(cfg), cfg.recipe
     mc = cfg.policy.megatron_cfg
     settings = trainer_settings(cfg)  # the same object `jetrl plan` estimates memory from

@@ -471,11 +471,12 @@ def build_fp8_recipe(cfg: RunConfig, arm: str) -> Fp8Recipe:
     _choice(jr.elementwise, ELEMENTWISE_IMPLS, "policy.jet_rl.elementwise")
     _choice(jr.attn_impl, ("auto", *ATTN_IMPLS), "policy.jet_rl.attn_impl")
     backend = jr.gemm_backend
-    if v.use_deep_gemm:
-        if backend not in ("auto", "deep_gemm"):
-            raise ConfigError(f"policy.generation.vllm_cfg.use_deep_gemm: true contradicts policy.jet_rl.gemm_backend:"
-                              f" {backend!r}; leave gemm_backend at auto or set it to deep_gemm")
-        backend = "deep_gemm" if arm_recipe.trains_fp8 else backend
+    # use_deep_gemm keeps `auto`: its measured table already puts FProp (M-invariant: the rollout's too) and DGrad on
+    # DeepGEMM, and WGrad on cuBLAS, whose BF16 output needs no FP32 accumulator to zero and cast (DeepGEMM's 1D1D
+    # WGrad writes FP32 only); the trainer checks that DeepGEMM is there (rl/trainer.py, require_deep_gemm)
+    if v.use_deep_gemm and backend not in ("auto", "deep_gemm"):
+        raise ConfigError(f"policy.generation.vllm_cfg.use_deep_gemm: true contradicts policy.jet_rl.gemm_backend:"
+                          f" {backend!r}; leave gemm_backend at auto or set it to deep_gemm")
     try:
         return Fp8Recipe(mode=arm, scale_fmt="pow2" if v.pow2_weight_scaling_factors else "fp32",
                          amax_eps=jr.amax_eps, bf16_first_layers=v.num_first_layers_in_bf16,
