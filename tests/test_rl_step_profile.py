@@ -119,3 +119,23 @@ def test_a_negative_step_is_refused_by_its_key():
 def test_a_bad_window_is_refused_by_its_key(kw, key):
     with pytest.raises(ValueError, match=f"policy.jet_rl.{key}"):
         StepProfile(1, ".", **kw)
+
+
+def test_the_copy_table_names_the_operator_above_each_copy_and_its_shapes(tmp_path):
+    prof = StepProfile(1, tmp_path, top=5)
+    x = torch.randn(48, 32)
+    with prof.around(1), record_function("phase/update"):
+        for _ in range(3):
+            with record_function("my_transposer"):
+                x.t().contiguous()
+        with record_function("my_caster"):
+            x.to(torch.float64)
+    rows = json.loads((tmp_path / "profile_step1.json").read_text())["copies"]
+    transposes = [r for r in rows if "my_transposer" in r["origin"]]
+    casts = [r for r in rows if "my_caster" in r["origin"]]
+    # three transposes of one (32, 48) view (one group) and one cast, each under the range that launched it
+    assert len(transposes) == 1 and transposes[0]["calls"] == 3 and "32, 48" in transposes[0]["shapes"]
+    assert len(casts) == 1 and casts[0]["calls"] == 1 and "48, 32" in casts[0]["shapes"]
+    assert transposes[0]["origin"].index("aten::") < transposes[0]["origin"].index("my_transposer")
+    md = (tmp_path / "profile_step1.md").read_text()
+    assert "Copies and casts (`aten::copy_`) by origin" in md and "my_transposer" in md

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from jetrl_megatron.rl.outputs.profile_copies import copy_lines, copy_origins
 from jetrl_megatron.rl.outputs.profile_windows import AFTER_PASS, WINDOW_PREFIX, split_events, window_report
 
 RANGE_PREFIXES = ("phase/", "part/", WINDOW_PREFIX)
@@ -103,7 +104,8 @@ class StepProfile:
         cuda = torch.cuda.is_available()
         self._acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         self.windows = {}
-        with profile(activities=self._acts) as prof:
+        # record_shapes: the copy-origin table names the tensors copied (profile_copies)
+        with profile(activities=self._acts, record_shapes=True) as prof:
             self._prof, self._recording = prof, True
             try:
                 yield
@@ -114,7 +116,8 @@ class StepProfile:
                     torch.cuda.synchronize()
                 self._prof = None
         if self.write:
-            self.save(prof.key_averages(), cuda, window_report(*split_events(prof.events())))
+            events = prof.events()
+            self.save(prof.key_averages(), cuda, window_report(*split_events(events)), copy_origins(events, cuda))
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -198,7 +201,7 @@ class StepProfile:
         self._window[1].__exit__(None, None, None)
         self._window = None
 
-    def table(self, averages, cuda: bool, windows: dict | None = None) -> dict:
+    def table(self, averages, cuda: bool, windows: dict | None = None, copies: list | None = None) -> dict:
         """The step's ranges, its top operators by own device time (CPU time on a CPU run) and by own host time, and
         per recorded phase the device's busy time and kernels by kind (``windows``: ``window_report``); ms."""
         ranges, ops = [], []
@@ -219,10 +222,10 @@ class StepProfile:
         host_top = sorted(ops, key=lambda r: r["self_cpu_ms"], reverse=True)[: self.top]
         return {"step": self.step, "device": "cuda" if cuda else "cpu", "sorted_by": key, "total_self_ms": total,
                 "recorded": recorded, "ranges": ranges, "top": ops[: self.top], "host_top": host_top,
-                "windows": windows or {}}
+                "windows": windows or {}, "copies": copies or []}
 
-    def save(self, averages, cuda: bool, windows: dict | None = None) -> Path:
-        report = self.table(averages, cuda, windows)
+    def save(self, averages, cuda: bool, windows: dict | None = None, copies: list | None = None) -> Path:
+        report = self.table(averages, cuda, windows, copies)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         (self.log_dir / f"profile_step{self.step}.json").write_text(json.dumps(report, indent=1))
         key = report["sorted_by"]
@@ -241,6 +244,7 @@ class StepProfile:
             lines.append(f"| {i} | {r['name'][:90]} | {r['calls']} | {r['self_device_ms']:.1f} | "
                          f"{r['self_cpu_ms']:.1f} | {share:.1%} |")
         lines += _window_lines(report["windows"], cuda)
+        lines += copy_lines(report["copies"], cuda)
         lines += ["", f"Top {len(report['host_top'])} operators by self CPU ms (the host's side: launches, "
                   "synchronizations, allocator calls):", "", "| # | name | calls | self CPU ms | self device ms |",
                   "|---|---|---|---|---|"]
