@@ -67,8 +67,12 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_US
   TRANSFORMERS_OFFLINE=1 PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} DG_JIT_CACHE_DIR=/tmp/dg_cache \
   TRITON_CACHE_DIR=/tmp/triton_cache PYTHONUNBUFFERED=1
 # JIT caches carried from an earlier session (PACK_DG=1 below writes them): DeepGEMM's and Triton's
-[ -f .dgc/dg_cache.tgz ] && [ ! -d /tmp/dg_cache ] && mkdir -p /tmp/dg_cache && tar xzf .dgc/dg_cache.tgz -C /tmp
-[ -f .dgc/triton_cache.tar.xz ] && [ ! -d /tmp/triton_cache ] && tar xf .dgc/triton_cache.tar.xz -C /tmp
+# (an archive that does not unpack whole is dropped: its kernels compile again, none is loaded half-written)
+[ -f .dgc/dg_cache.tgz ] && [ ! -d /tmp/dg_cache ] && mkdir -p /tmp/dg_cache \
+  && { tar xzf .dgc/dg_cache.tgz -C /tmp || { echo "dg_cache.tgz did not unpack: cold JIT" >&2; rm -rf /tmp/dg_cache; }; }
+[ -f .dgc/triton_cache.tar.xz ] && [ ! -d /tmp/triton_cache ] \
+  && { tar xf .dgc/triton_cache.tar.xz -C /tmp || { echo "triton_cache.tar.xz did not unpack: cold JIT" >&2;
+       rm -rf /tmp/triton_cache; }; }
 wheels() {
   [ -f /tmp/site/.whl_ok ] && return 0
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -288,7 +292,9 @@ esac
 # Triton's kernels (binaries, metadata and launchers only: tools/triton_cache_pack.py) as .dgc/triton_cache.tar.xz
 # when that packs under 10 MiB (carried beside the last bundle part and the tree, a call stays under 64 MiB)
 if [ "${PACK_DG:-0}" = 1 ] && [ -d /tmp/dg_cache ]; then
-  tar czf "$out/dg_cache.tgz" -C /tmp dg_cache; ls -l "$out/dg_cache.tgz"
+  # written under another name and renamed when whole: a call cut while packing leaves no truncated archive
+  tar czf "$out/dg_cache.tgz.partial" -C /tmp dg_cache && mv "$out/dg_cache.tgz.partial" "$out/dg_cache.tgz" \
+    && ls -l "$out/dg_cache.tgz"
 fi
 if [ "${PACK_DG:-0}" = 1 ] && [ -d /tmp/triton_cache ]; then
   python3 tools/triton_cache_pack.py /tmp/triton_cache "$out/triton_cache.tar.xz" --max-mib 10

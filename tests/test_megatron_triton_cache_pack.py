@@ -7,6 +7,7 @@ second compile is a cache hit (its kernel has no PTX: it was loaded, not rebuilt
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -69,3 +70,34 @@ def test_pruned_cache_serves_the_kernel_without_a_rebuild(tmp_path):
     assert kinds2 == {"cubin"} and digest2 == digest, kinds2  # loaded from the pack, the same binary
     assert triton_cache_pack.main([str(cache), str(tmp_path / "tiny.tar.xz"), "--max-mib", "0.000001"]) == 1
     assert not (tmp_path / "tiny.tar.xz").exists()
+
+
+def test_a_pack_cut_midway_leaves_no_archive_behind(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import triton_cache_pack as tcp
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    cache = tmp_path / "triton_cache" / "abc123"
+    cache.mkdir(parents=True)
+    (cache / "k.json").write_text('{"name": "k"}')
+    (cache / "k.cubin").write_bytes(os.urandom(4096))
+    (cache / "k.ptx").write_text("// dropped by the pack")
+    (cache / "__grp__k.json").write_text(json.dumps({"child_paths": {
+        n: str(cache / n) for n in ("k.json", "k.cubin", "k.ptx")}}))
+    out = tmp_path / "triton_cache.tar.xz"
+    out.write_bytes(b"the previous whole pack")
+
+    def cut(self, *args, **kwargs):  # the device call's time limit arriving while the archive is written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tarfile.TarFile, "add", cut)
+    with pytest.raises(KeyboardInterrupt):
+        tcp.pack(cache.parent, out, max_mib=10)
+    # the earlier archive is untouched and no partial one is left to be carried
+    assert out.read_bytes() == b"the previous whole pack" and not list(tmp_path.glob("*.partial"))
+    monkeypatch.undo()
+    assert tcp.pack(cache.parent, out, max_mib=10)
+    with tarfile.open(out) as tar:
+        assert sorted(m.name for m in tar.getmembers() if m.isfile()) == [
+            "triton_cache/abc123/__grp__k.json", "triton_cache/abc123/k.cubin", "triton_cache/abc123/k.json"]

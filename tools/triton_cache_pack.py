@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tarfile
@@ -56,11 +57,20 @@ def prune_copy(cache: Path, dest: Path) -> tuple[int, int]:
 def pack(cache: Path, out: Path, max_mib: float) -> bool:
     """Write ``out`` (tar.xz of the pruned cache, rooted at ``cache``'s name); False (and no file) when it would be
     over ``max_mib``."""
+    # written beside ``out`` and renamed when whole: a device call cut while packing (its time limit) must not leave
+    # a truncated archive that the next session carries and fails to unpack (found 2026-12-06)
+    partial = out.with_name(out.name + ".partial")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / cache.name
+        root.mkdir()  # an empty cache packs as an empty folder
         kernels, kept = prune_copy(cache, root)
-        with tarfile.open(out, "w:xz") as tar:
-            tar.add(root, arcname=cache.name)
+        try:
+            with tarfile.open(partial, "w:xz") as tar:
+                tar.add(root, arcname=cache.name)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+    os.replace(partial, out)
     size = out.stat().st_size
     print(f"{out}: {kernels} kernels, {kept / 2**20:.1f} MiB of binaries and metadata, {size / 2**20:.1f} MiB packed")
     if size > max_mib * 2**20:
