@@ -309,13 +309,11 @@ def _bf16_residual_add_bwd(ds: Tensor, out_dtype: torch.dtype, res_dtype: torch.
 BF16_RESIDUAL_ADD = OpKernels("vllm_cuda", _bf16_residual_add_fwd, _bf16_residual_add_bwd)
 
 
-def _rope_fwd_vllm_cuda(x: Tensor, cos: Tensor, sin: Tensor, *, positions: Tensor, cache: Tensor) -> Tensor:
-    """vLLM's CUDA rotary kernel on packed x (T, heads, hd) at ``positions`` (T,) with vLLM's BF16 cache; cos/sin
-    (the FP32 values of that cache at those positions) serve the twin backward only."""
+def _rope_vllm_cuda_(x: Tensor, *, positions: Tensor, cache: Tensor) -> None:
+    """vLLM's CUDA rotary kernel, in place, on a packed contiguous x (T, heads, hd) at ``positions`` (T,) with vLLM's
+    BF16 cache (:class:`_PackedRopeFn` hands it a buffer of its own)."""
     t, heads, hd = x.shape
-    flat = x.reshape(t, heads * hd).clone()
-    vllm_cuda_ops.rope_neox_(positions, flat, None, hd, cache)
-    return flat.view(t, heads, hd)
+    vllm_cuda_ops.rope_neox_(positions, x.view(t, heads * hd), None, hd, cache)
 
 
 def triton_kernels(op: str, tn: ModuleType | None = None) -> OpKernels:
@@ -733,19 +731,63 @@ class RolloutCoreAttention(torch.nn.Module):
         if rows.max_len > cache.shape[0]:
             raise ValueError(f"sequence length {rows.max_len} exceeds max_position_embeddings {cache.shape[0]}")
         cos, sin = rows.cos_sin(cache)
-        rope = OpKernels("vllm_cuda", functools.partial(_rope_fwd_vllm_cuda, positions=rows.positions, cache=cache),
-                         _rope_bwd_packed_triton if self.elementwise.triton_for(query) is not None
-                         else _rope_bwd_twin)
-
-        def packed(t: Tensor) -> Tensor:
-            return t.transpose(0, 1).reshape(b * sq, t.shape[2], hd).index_select(0, rows.idx)
-
-        q = _RopeFn.apply(packed(query), cos, sin, rope)
-        k = _RopeFn.apply(packed(key), cos, sin, rope)
-        out = _VllmCudaAttentionFn.apply(q, k, packed(value), rows.paged, hd ** -0.5, prefill,
+        rotate_ = functools.partial(_rope_vllm_cuda_, positions=rows.positions, cache=cache)
+        inverse = _rope_bwd_packed_triton if self.elementwise.triton_for(query) is not None else _rope_bwd_twin
+        q = _PackedRopeFn.apply(token_grid(query), rows.grid_idx, cos, sin, rotate_, inverse)
+        k = _PackedRopeFn.apply(token_grid(key), rows.grid_idx, cos, sin, rotate_, inverse)
+        out = _VllmCudaAttentionFn.apply(q, k, pack_tokens(value, rows.grid_idx), rows.paged, hd ** -0.5, prefill,
                                          self.deterministic_backward)
-        full = out.new_zeros(b * sq, nh, hd).index_copy(0, rows.idx, out)
-        return full.view(b, sq, nh * hd).transpose(0, 1).contiguous()
+        return unpack_tokens(out, rows.grid_idx, sq, b)
+
+
+def token_grid(t: Tensor) -> Tensor:
+    """Megatron's (sq, b, heads, hd) activations as the (sq * b, heads, hd) token grid, position-major as they lie in
+    memory: a view for the q/k/v that Megatron's QKV split and the q/k norms hand attention (no copy)."""
+    sq, b, heads, hd = t.shape
+    return t.reshape(sq * b, heads, hd)
+
+
+def pack_tokens(t: Tensor, grid_idx: Tensor | None) -> Tensor:
+    """The real tokens of (sq, b, heads, hd) ``t`` in vLLM's packed order (sequence by sequence): one gather from
+    the token grid (``grid_idx``, :attr:`PackedRows.grid_idx`), or the grid itself when it already is that order."""
+    grid = token_grid(t)
+    return grid if grid_idx is None else grid.index_select(0, grid_idx)
+
+
+def unpack_tokens(out: Tensor, grid_idx: Tensor | None, sq: int, b: int) -> Tensor:
+    """Packed (T, heads, hd) attention output back into Megatron's (sq, b, heads * hd), zeros at padded positions:
+    written straight into the position-major grid (no transpose copy after)."""
+    t, heads, hd = out.shape
+    if grid_idx is None:
+        return out.view(sq, b, heads * hd)
+    full = out.new_zeros(sq * b, heads, hd)
+    full.index_copy_(0, grid_idx, out)
+    return full.view(sq, b, heads * hd)
+
+
+class _PackedRopeFn(torch.autograd.Function):
+    """q or k from Megatron's token grid (:func:`token_grid`) to vLLM's packed order, rotated by vLLM's rotary kernel
+    in place on that one gathered buffer: one copy per tensor where a transpose, a gather and the rotary's own
+    clone were three (at Qwen3-8B, 2-sequence micro-batches of 4K tokens, strided copies, most of them these
+    transposes, were ~9% of a logprob micro-batch's device time, H100, 2026-12-06). Backward: the inverse rotation, then the gradient added
+    into a zero grid at the gathered rows (the bytes a gather's own backward gives; with no gather, the rotation's
+    gradient itself, -0 kept)."""
+
+    @staticmethod
+    def forward(ctx, x, grid_idx, cos, sin, rotate_: Callable, inverse: Callable):
+        buf = x.clone(memory_format=torch.contiguous_format) if grid_idx is None else x.index_select(0, grid_idx)
+        rotate_(buf)
+        ctx.save_for_backward(cos, sin, grid_idx)
+        ctx.inverse, ctx.grid_rows = inverse, x.shape[0]
+        return buf
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin, grid_idx = ctx.saved_tensors
+        dx = ctx.inverse(dy, cos, sin)
+        if grid_idx is not None:
+            dx = dx.new_zeros(ctx.grid_rows, *dx.shape[1:]).index_add_(0, grid_idx, dx)
+        return dx, None, None, None, None, None
 
 
 def _rope_bwd_packed_triton(dy: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -780,6 +822,9 @@ class PackedRows:
     positions: Tensor  # (T,) each token's position in its sequence
     max_len: int
     paged: vllm_cuda_ops.PagedLayout
+    # (T,) the same tokens' rows in Megatron's position-major (sq * b) grid (``token_grid``); None when that grid
+    # already is the packed order (one row, every position real): then packing is no gather at all
+    grid_idx: Tensor | None = None
     _cos_sin: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -794,7 +839,10 @@ class PackedRows:
         max_len = int(lengths.max())
         idx = (col[None, :] < lengths[:, None]).reshape(-1).nonzero().squeeze(1)
         paged = vllm_cuda_ops.PagedLayout.build(cu, max_len, decode_from=decode_from)
-        return cls(lengths, idx, idx % sq, max_len, paged)
+        positions = idx % sq
+        whole_one_row = b == 1 and idx.shape[0] == sq
+        grid_idx = None if whole_one_row else positions * b + idx // sq
+        return cls(lengths, idx, positions, max_len, paged, grid_idx)
 
     def cos_sin(self, cache: Tensor) -> tuple[Tensor, Tensor]:
         """FP32 (T, d/2) cos and sin of vLLM's BF16 table ``cache`` at each token's position."""
