@@ -31,7 +31,7 @@ def origin(evt, depth: int = 4) -> str:
     return " < ".join(names) or "-"
 
 
-def copy_origins(events, on_device: bool, top: int = 15) -> list[dict]:
+def copy_origins(events, on_device: bool, top: int = 30) -> list[dict]:
     """``aten::copy_`` events grouped by (origin, input shapes): calls and own time in ms (device time on a CUDA
     run, CPU time otherwise), the largest first."""
     groups: dict[tuple[str, str], list[float]] = {}
