@@ -769,9 +769,9 @@ class _PackedRopeFn(torch.autograd.Function):
     """q or k from Megatron's token grid (:func:`token_grid`) to vLLM's packed order, rotated by vLLM's rotary kernel
     in place on that one gathered buffer: one copy per tensor where a transpose, a gather and the rotary's own
     clone were three (at Qwen3-8B, 2-sequence micro-batches of 4K tokens, strided copies, most of them these
-    transposes, were ~9% of a logprob micro-batch's device time, H100, 2026-12-06). Backward: the inverse rotation, then the gradient added
-    into a zero grid at the gathered rows (the bytes a gather's own backward gives; with no gather, the rotation's
-    gradient itself, -0 kept)."""
+    transposes, were ~9% of a logprob micro-batch's device time, H100, 2026-12-06). Backward: the inverse
+    rotation, then the gradient added into a zero grid at the gathered rows (the bytes a gather's own backward
+    gives; with no gather, the rotation's gradient itself, -0 kept)."""
 
     @staticmethod
     def forward(ctx, x, grid_idx, cos, sin, rotate_: Callable, inverse: Callable):
