@@ -295,8 +295,8 @@ def _bf16_residual_add_fwd(out: Tensor, residual: Tensor) -> Tensor:
     Two BF16 operands go through torch's own BF16 add, which upcasts each to FP32, adds once and rounds once: the
     same bytes as the spelled-out ``(out.float() + residual.float()).to(bf16)`` in one kernel instead of four (two
     upcasts, the FP32 add, the downcast): 6 bytes of traffic per element instead of 26. At Qwen3-8B with 4K tokens
-    the four were ~19% of a logprob micro-batch's copies and casts (2026-12-06, H100,
-    bench/qwen3_8b_1gpu/20261206e_h100); tests/test_megatron_residual_add.py checks the bytes."""
+    the four were ~16% of a logprob micro-batch's device time (2026-12-06, H100, bench/qwen3_8b_1gpu/20261206e_h100);
+    tests/test_megatron_residual_add.py checks the bytes."""
     if out.dtype == residual.dtype == torch.bfloat16:
         return out + residual
     return (out.float() + residual.float()).to(out.dtype)
