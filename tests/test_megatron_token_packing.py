@@ -7,6 +7,8 @@ with the torch twin of the rotary; on the GPU the same buffers go through vLLM's
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -97,3 +99,45 @@ def test_value_packing_and_the_output_unpacking_equal_the_spelled_out_form(sq, l
     got.backward(dy)
     want.backward(dy)
     assert torch.equal(_bits(out.grad), _bits(out_ref.grad))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_vllms_rotary_in_place_on_the_gathered_buffer_equals_the_spelled_out_form_on_cuda():
+    """The same comparison with vLLM's own CUDA rotary kernel at a Qwen3-8B head layout (32/8 heads of 128, 4K
+    positions, two rows, one padded): the kernel rotates the one gathered buffer in place, where it used to rotate a
+    clone of the transposed-and-gathered tensor."""
+    pytest.importorskip("vllm")
+    from jetrl_megatron.megatron.numerics import _rope_vllm_cuda_
+    from jetrl_megatron.vllm_cuda import ops
+
+    if not ops.available():
+        pytest.skip(f"GPU vLLM ops unavailable: {ops.unavailable_reason()}")
+    dev = torch.device("cuda")
+    sq, lengths, heads, hd = 4128, [4128, 3001], 32, 128
+    rows = PackedRowsCache().get(_Packed(lengths), 2, sq, dev)
+    cache = ops.rope_cache(hd, 8192, 1e6, None, dev)
+    cos, sin = rows.cos_sin(cache)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(sq, 2, heads, hd, generator=g, device=dev).to(torch.bfloat16).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    rotate_ = functools.partial(_rope_vllm_cuda_, positions=rows.positions, cache=cache)
+    got = _PackedRopeFn.apply(token_grid(x), rows.grid_idx, cos, sin, rotate_, _rope_bwd_twin)
+
+    class _SpelledOutRope(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, packed):
+            flat = packed.reshape(packed.shape[0], heads * hd).clone()
+            ops.rope_neox_(rows.positions, flat, None, hd, cache)
+            return flat.view(packed.shape)
+
+        @staticmethod
+        def backward(ctx, dy):
+            return _rope_bwd_twin(dy, cos, sin)
+
+    want = _SpelledOutRope.apply(_spelled_out_pack(x_ref, rows.idx))
+    assert torch.equal(_bits(got), _bits(want))
+    dy = torch.randn(got.shape, generator=g, device=dev).to(torch.bfloat16)
+    got.backward(dy)
+    want.backward(dy)
+    assert torch.equal(_bits(x.grad), _bits(x_ref.grad))
