@@ -757,7 +757,7 @@ def pack_tokens(t: Tensor, grid_idx: Tensor | None) -> Tensor:
 def unpack_tokens(out: Tensor, grid_idx: Tensor | None, sq: int, b: int) -> Tensor:
     """Packed (T, heads, hd) attention output back into Megatron's (sq, b, heads * hd), zeros at padded positions:
     written straight into the position-major grid (no transpose copy after)."""
-    t, heads, hd = out.shape
+    _, heads, hd = out.shape
     if grid_idx is None:
         return out.view(sq, b, heads * hd)
     full = out.new_zeros(sq * b, heads, hd)

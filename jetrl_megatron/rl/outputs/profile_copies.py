@@ -10,16 +10,9 @@ and with ``record_shapes`` its input shapes name the tensor.
 
 from __future__ import annotations
 
+from jetrl_megatron.rl.outputs.profile_windows import device_us
+
 COPY_OP = "aten::copy_"
-
-
-def _device_us(evt) -> float:
-    """The device time (us) of the kernels an operator launched itself, under either torch release line's name."""
-    for name in ("self_device_time_total", "self_cuda_time_total"):
-        value = getattr(evt, name, None)
-        if value is not None:
-            return float(value)
-    return 0.0
 
 
 def origin(evt, depth: int = 4) -> str:
@@ -41,7 +34,7 @@ def copy_origins(events, on_device: bool, top: int = 30) -> list[dict]:
         shapes = str(getattr(evt, "input_shapes", None) or [])
         entry = groups.setdefault((origin(evt), shapes), [0, 0.0])
         entry[0] += 1
-        entry[1] += _device_us(evt) if on_device else float(evt.self_cpu_time_total)
+        entry[1] += device_us(evt, self_only=True) if on_device else float(evt.self_cpu_time_total)
     ranked = sorted(groups.items(), key=lambda item: item[1][1], reverse=True)[:top]
     return [{"origin": o, "shapes": s, "calls": int(c), "ms": t / 1e3} for (o, s), (c, t) in ranked]
 

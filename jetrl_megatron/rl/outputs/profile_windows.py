@@ -105,6 +105,18 @@ def window_report(windows: dict[str, list[tuple[float, float]]], device_events: 
     return report
 
 
+def device_us(evt, self_only: bool) -> float:
+    """An event's device (CUDA) time in microseconds (its own kernels' with ``self_only``, else with its children's),
+    under the attribute names of either torch release line."""
+    names = ("self_device_time_total", "self_cuda_time_total") if self_only else ("device_time_total",
+                                                                                   "cuda_time_total")
+    for name in names:
+        value = getattr(evt, name, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
 def _device_name(evt) -> str:
     device_type = getattr(evt, "device_type", None)
     return "CPU" if device_type is None else getattr(device_type, "name", str(device_type)).upper()

@@ -30,22 +30,17 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from jetrl_megatron.rl.outputs.profile_copies import copy_lines, copy_origins
-from jetrl_megatron.rl.outputs.profile_windows import AFTER_PASS, WINDOW_PREFIX, split_events, window_report
+from jetrl_megatron.rl.outputs.profile_windows import (
+    AFTER_PASS,
+    WINDOW_PREFIX,
+    device_us,
+    split_events,
+    window_report,
+)
 
 RANGE_PREFIXES = ("phase/", "part/", WINDOW_PREFIX)
 PHASES = ("rollout", "logprob", "update", "refit")  # the phases StepMeter opens, in step order
 DEFAULT_PHASES = ("logprob", "update", "refit")
-
-
-def _device_us(evt, self_only: bool) -> float:
-    """An event's device (CUDA) time in microseconds, under the attribute names of either torch release line."""
-    names = ("self_device_time_total", "self_cuda_time_total") if self_only else ("device_time_total",
-                                                                                   "cuda_time_total")
-    for name in names:
-        value = getattr(evt, name, None)
-        if value is not None:
-            return float(value)
-    return 0.0
 
 
 @dataclass
@@ -207,8 +202,8 @@ class StepProfile:
         ranges, ops = [], []
         for evt in averages:
             row = {"name": evt.key, "calls": int(evt.count), "cpu_total_ms": evt.cpu_time_total / 1e3,
-                   "self_cpu_ms": evt.self_cpu_time_total / 1e3, "device_total_ms": _device_us(evt, False) / 1e3,
-                   "self_device_ms": _device_us(evt, True) / 1e3}
+                   "self_cpu_ms": evt.self_cpu_time_total / 1e3, "device_total_ms": device_us(evt, False) / 1e3,
+                   "self_device_ms": device_us(evt, True) / 1e3}
             (ranges if evt.key.startswith(RANGE_PREFIXES) else ops).append(row)
         key = "self_device_ms" if cuda else "self_cpu_ms"
         ops.sort(key=lambda r: r[key], reverse=True)
