@@ -97,6 +97,14 @@ class Fp8WeightCache:
         for entry in self._entries.values():
             entry.generation = generation
 
+    def clear(self) -> None:
+        """Drop every entry and the layouts derived from it (a model whose weights leave the device between passes:
+        megatron/host_resident.py); the next forward needs a ``refresh``."""
+        for entry in self._entries.values():
+            forget_derived(entry.q)
+            forget_derived(entry.s)
+        self._entries.clear()
+
     def invalidate(self) -> None:
         """Mark every entry stale (e.g. after an out-of-band weight load through `param.data`)."""
         for entry in self._entries.values():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from jetrl_megatron.errors import UserError
+from jetrl_megatron.megatron.host_resident import HostResidentWeights
 from jetrl_megatron.model.hub import WEIGHT_FILES, is_hub_id, snapshot
 from jetrl_megatron.reshard.mover import MegatronShards, iter_canonical
 from jetrl_megatron.reshard.transport import Transport
@@ -68,7 +70,7 @@ class Trainer:
 
     model: Any
     optimizer: Any
-    ref_model: Any | None
+    ref_model: ReferencePolicy | None
     shape: Any
     recipe: Any
 
@@ -147,20 +149,41 @@ def resolve_model_weights(cfg: RunConfig) -> str | None:
     return str(snapshot(name, cfg.hub, key="policy.model_name", need=WEIGHT_FILES))
 
 
-def make_reference(cfg: RunConfig, trainer: Trainer, weights: dict[str, torch.Tensor] | None = None):
+@dataclass
+class ReferencePolicy:
+    """The KL term's frozen reference model; ``host``: its weights live in host memory between its passes
+    (``policy.jet_rl.reference_on_host``), else on the device throughout."""
+
+    model: Any
+    host: HostResidentWeights | None
+
+    def on_device(self) -> AbstractContextManager:
+        """The reference model, its weights on the device, for one pass."""
+        return self.host.on_device() if self.host is not None else nullcontext(self.model)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The reference's weights (host tensors between passes when on the host) for a checkpoint."""
+        return self.model.state_dict()
+
+
+def make_reference(cfg: RunConfig, trainer: Trainer, weights: dict[str, torch.Tensor] | None = None
+                   ) -> ReferencePolicy:
     """A frozen copy of the current policy (for the KL penalty), same shards and arm; ``weights``: a saved
     reference's instead (a resumed run keeps the reference of the run it continues)."""
-    from jetrl_megatron.megatron.model import build_gpt
+    from jetrl_megatron.megatron.model import build_gpt, fp8_linears, refresh_fp8_cache
 
     ref = build_gpt(trainer.shape, trainer.recipe, seed=cfg.grpo.seed, **model_numerics(cfg))
     ref.load_state_dict(trainer.gpt.state_dict() if weights is None else weights, strict=True)
-    from jetrl_megatron.megatron.model import refresh_fp8_cache
-
     for p in ref.parameters():
         p.requires_grad_(False)
         torch.autograd.graph.increment_version(p)
-    refresh_fp8_cache(ref)
-    return ref
+    if not cfg.policy.jet_rl.reference_on_host:
+        refresh_fp8_cache(ref)
+        return ReferencePolicy(ref, None)
+    host = HostResidentWeights(ref, fp8_cache=bool(fp8_linears(ref)))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the upload's blocks, before the engine sizes its memory
+    return ReferencePolicy(ref, host)
 
 
 def rollout_sampling(cfg: RunConfig) -> LogitsSampling:
@@ -198,12 +221,13 @@ def policy_logprobs(cfg: RunConfig, model, batch: RolloutBatch, observer: PassOb
     return mask_filtered_out(logp, batch.mask) if sampling.filters else (logp, 0)
 
 
-def reference_logprobs(cfg: RunConfig, model, batch: RolloutBatch, observer: PassObserver | None = None
-                       ) -> torch.Tensor:
+def reference_logprobs(cfg: RunConfig, reference: ReferencePolicy, batch: RolloutBatch,
+                       observer: PassObserver | None = None) -> torch.Tensor:
     """The reference policy's logprobs for the KL penalty: at the rollout temperature, never filtered (NeMo-RL: its
     top-k / top-p set differs from the policy's, so filtered values would be -inf where the policy's are not)."""
-    return trainer_logprobs(cfg, model, batch.tokens, rollout_sampling(cfg).unfiltered(), batch.lengths,
-                            batch.prompt_lengths, observer)
+    with reference.on_device() as model:
+        return trainer_logprobs(cfg, model, batch.tokens, rollout_sampling(cfg).unfiltered(), batch.lengths,
+                                batch.prompt_lengths, observer)
 
 
 def policy_loss(cfg: RunConfig) -> grpo.PolicyLoss:

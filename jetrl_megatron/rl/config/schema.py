@@ -300,6 +300,11 @@ class JetRlCfg:
     # in-place refit writes every tensor, as NeMo-RL starts its training engines; "auto" = from a BF16 checkpoint of
     # the policy written at start-up (16 GB at 8B, plus an FP8 copy for the FP8 arms), as before 2026-12-05
     engine_load_format: str = key("dummy", allowed=("dummy", "auto"))
+    # the KL term's reference policy (loss_fn.reference_policy_kl_penalty > 0) keeps its weights in page-locked host
+    # memory between its passes and uploads them for each reference pass (NeMo-RL keeps its reference state dict on
+    # the host too): 2 B/param of host memory per rank instead of its BF16 weights and FP8 cache on the GPU in every
+    # phase (21.7 GiB at Qwen3-8B), for one upload per step. false: on the GPU throughout
+    reference_on_host: bool = True
     fp8_reference_quant: bool = False  # quantize CUDA tensors with the torch reference instead of Triton
     verify_served_fp8: bool | None = None  # compare vLLM's FP8 weights with the trainer's each step (None: CPU)
     batch_invariant: bool = key(False, recipe="batch_invariant")

@@ -266,6 +266,12 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
       ``policy.logprob_chunk_size``); without checkpointing every layer's full set plus
       the logits' peak; the optimizer step adds one parameter's FP32 copy at a time (``optimizer_step_scratch``), and
       the jetrl arm's cache refresh after it a second FP8 copy (``fp8_refresh_transient``);
+    - the reference policy (``loss_fn.reference_policy_kl_penalty`` > 0; ``rl/trainer.py make_reference``): a frozen
+      copy of the model, its BF16 weights and, in the FP8-training arms, its own FP8 cache (no gradients, no
+      optimizer state, no DGrad copies: it runs forward only). With ``policy.jet_rl.reference_on_host`` (default) its
+      weights wait in host memory (2 B/param per rank) and are on the GPU, with the FP8 cache made from them, only
+      during its logprob pass; otherwise on the GPU in every phase. Its pass runs after the policy's, so its logits
+      add nothing to that phase's peak;
     - the logprob pass (forward only, no autograd graph): one logprob_batch_size micro-batch's logits
       (``logprob_logits``), the largest transient next to the resident state;
     - refit exchange buffers (trainer TP x PP > 1): the busiest rank's send + receive staging buffers, exactly as
@@ -335,14 +341,17 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
         "refit_quantize_scratch": plan_terms.refit_quantize_scratch_bytes(cfg, fp8_lin_engine, streamed),
         "refit_quantize_one_weight": plan_terms.refit_quantize_one_weight_bytes(cfg, largest_fp8_engine, streamed),
     }
+    with_reference = cfg.loss_fn.reference_policy_kl_penalty > 0
+    ref_on_host = with_reference and cfg.policy.jet_rl.reference_on_host
+    out["reference_model"] = out["weights_bf16"] + out["fp8_weight_copies"] if with_reference else 0.0
     out = {k: v / GiB for k, v in out.items()}
     # held in every phase of a steady step (the grad buffers too when the loop keeps them)
     resident = (out["weights_bf16"] + out["fp8_weight_copies"] + out["optimizer_adam"] + out["refit_buffers"]
-                + out["refit_quantize_scratch"])
+                + out["refit_quantize_scratch"] + (0.0 if ref_on_host else out["reference_model"]))
     if not settings.release_grad_buffers:
         resident += out["grad_buffers"]
     out["resident_all_phases"] = resident
-    out["logprob_phase_total"] = resident + out["logprob_logits"]
+    out["logprob_phase_total"] = resident + out["logprob_logits"] + (out["reference_model"] if ref_on_host else 0.0)
     # the step, then the FP8 cache refresh after it (one at a time, both after the activations are gone)
     step_extra = max(out["optimizer_step_scratch"] + out["main_grads_fp32"], out["fp8_refresh_transient"])
     out["train_phase_total"] = (resident + (out["grad_buffers"] if settings.release_grad_buffers else 0.0)
@@ -372,9 +381,10 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     # vLLM's level-1 sleep backs its weights up on the host; level 2 discards them (the refit rewrites them)
     out["host_vllm_sleep"] = (rollout_w if cfg.policy.generation.colocated.enabled
                               and cfg.policy.jet_rl.engine_sleep_level == 1 else 0.0)
+    out["host_reference"] = out["weights_bf16"] if ref_on_host else 0.0
     per_node = per_node_processes(cfg, layout)
     out["host_per_node"] = per_node * (out["host_optimizer"] + out["host_grads_fp32"] + out["host_pinned_staging"]
-                                       + out["host_vllm_sleep"])
+                                       + out["host_vllm_sleep"] + out["host_reference"])
     return out
 
 
