@@ -26,6 +26,8 @@ integer bit arithmetic instead (``EMU_BF16``); on GPU the hardware's round-to-ne
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -313,8 +315,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@functools.cache
 def _inv(n: int) -> float:
-    """1/n rounded to FP32 (torch's CUDA mean multiplies the sum by this factor)."""
+    """1/n rounded to FP32 (torch's CUDA mean multiplies the sum by this factor); cached: two host tensors per call
+    were ~7 us of each norm launch's host time, and the update's micro-batches are host-bound (bench/RESULTS.md)."""
     return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(n), dtype=torch.float32))
 
 
