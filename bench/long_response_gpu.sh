@@ -12,7 +12,7 @@
 #              (per-token loss LEARN_STOP, default 0.01, continuing from the short warm start), GRPO at lr LEARN_LR
 #              (default 3e-5: on the CPU count task 1e-4 and above made BF16 itself worse) for LEARN_STEPS steps
 #              (default 20), the three arms and the INT4 stressor's off-policy and unified arms (one GPU, opted in
-#              with policy.jet_rl.stress.gpu) x 2 seeds, PARALLEL (default 5) at once; then the dose-response table
+#              with policy.jet_rl.stress.gpu; LEARN_ARMS to choose) x 2 seeds, PARALLEL (default 5; 80 GB cards: 3) at once; then the dose-response table
 #              and plot. WARMSTART_ONLY=1 stops after the warm start (a call of its own).
 # Everything the runs write stays in /tmp/jetrl_long/<length>; OUT_DIR gets the metrics, summaries, logs and plots
 # (not the model directories). TIME_LIMIT (seconds) stops the harness so what was written is still copied out.
@@ -29,7 +29,7 @@ short_ov=(grpo.max_num_steps=30)
 learn_ov=("${long_ov[@]/policy.jet_rl.sft_warmstart.stop_at_loss=0.001/policy.jet_rl.sft_warmstart.stop_at_loss=${LEARN_STOP:-0.01}}"
           "grpo.max_num_steps=${LEARN_STEPS:-20}" "policy.megatron_cfg.optimizer.lr=${LEARN_LR:-3e-5}"
           "policy.megatron_cfg.optimizer.min_lr=${LEARN_LR:-3e-5}" policy.jet_rl.stress.gpu=true grpo.val_period=5)
-learn_arms=bf16,bf16_train_fp8_rollout,jetrl,offpolicy_int4_tensor,unified_int4_tensor
+learn_arms=${LEARN_ARMS:-bf16,bf16_train_fp8_rollout,jetrl,offpolicy_int4_tensor,unified_int4_tensor}
 common=(logger.tensorboard_enabled=false)
 compare() {  # length parallel [flags...]
   local length=$1 parallel=$2

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|te|round OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|te|long|round OUT_DIR
 #   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
 #           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
 #   stage1, stage2  copy .vc/p1, .vc/p2 (one 44 MiB part per call: a call takes at most 64 MiB with the tree) for a
@@ -55,12 +55,13 @@
 #   te      issue 29 item 5, like for like with TransformerEngine's blockwise-FP8 guide: the layer at hidden 4096,
 #           FFN 16384, 15,872 tokens, and the Qwen3-8B layer at 16,384 tokens, each with --profile: the GEMM +
 #           quantization ratio next to TE's 1.40x (needs the bundle for DeepGEMM)
+#   long    issue 31's GPU learning rounds: install, then bench/long_response_gpu.sh LONG_MODE (default learn) OUT_DIR
 #   round   ROUND="mode ..." runs those modes one after another in this call (each into OUT_DIR/<mode>);
 #           LIMIT_<mode>=seconds gives that mode its own RUN_LIMIT
 # pytest runs under `timeout -s INT`: at its limit pytest is interrupted, not killed, and still prints which tests
 # failed and why (a killed run's log ended mid-test on 2026-12-05 with one failure and no message)
 set -uo pipefail
-mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|te|round}
+mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|te|long|round}
 out=${2:?OUT_DIR}
 mkdir -p /tmp/vc "$out"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -278,6 +279,13 @@ PY
       --prompt-len 32 --new "${LEN:-1024}" --kv-gib "${KV_GIB:-4,20}" --out "$out/rollout_waves.json" \
       > "$out/rollout_waves.log" 2>&1
     echo "rollout waves rc $?"; grep "^|" "$out/rollout_waves.log" ;;
+  long)  # issue 31's GPU rounds: install, then bench/long_response_gpu.sh LONG_MODE (default learn) with this
+    # script's environment (PYTHONPATH=/tmp/site, vLLM's flags); its own variables pass through (PARALLEL, SEEDS,
+    # LEARN_STOP, LEARN_LR, LEARN_STEPS, LEARN_ARMS, WARMSTART_ONLY, TIME_LIMIT); EXTRA="key=value ..." are overrides.
+    # Its state (/tmp/jetrl_long) lasts as long as the machine: chain the calls of one round
+    wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
+    ln -sf "$(command -v python3)" /tmp/site/python 2>/dev/null; PATH=/tmp/site:$PATH \
+      TIME_LIMIT=${TIME_LIMIT:-${RUN_LIMIT:-540}} bash bench/long_response_gpu.sh "${LONG_MODE:-learn}" "$out" ${EXTRA:-} ;;
   round)  # several modes in one device call, in order, each into its own folder: ROUND="vtests fuse"; a mode's own
     # variables (ARM, LEN, RUN_LIMIT, ...) apply to every mode of the round, so keep their sum of limits under a call's
     for m in ${ROUND:?ROUND=\"mode mode ...\"}; do
@@ -285,7 +293,7 @@ PY
       limit_var=LIMIT_$m  # LIMIT_<mode>=seconds: that mode's RUN_LIMIT in this round
       echo "== round: $m ($(date +%T))"; PACK_DG=0 RUN_LIMIT=${!limit_var:-${RUN_LIMIT:-}} bash "$0" "$m" "$out/$m"
     done ;;
-  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|te|round OUT_DIR" >&2
+  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|te|long|round OUT_DIR" >&2
      exit 2 ;;
 esac
 # PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz, and
