@@ -164,3 +164,24 @@ def test_plan_says_whether_the_run_fits_the_other_way_of_activation_checkpointin
     line = next(x.strip() for x in text.splitlines() if x.strip().startswith("activation_checkpointing: "))
     assert want in line and f"{peak:.1f} GiB" in line, line
     assert (peak + GPU_UNCOUNTED_GIB <= 139.0) == (want != "needed here")
+
+
+def test_an_engine_that_never_sleeps_is_counted_in_the_trainer_phases():
+    """count_150m_gpu shares one GPU between several runs with the engine's sleep off (colocated.enabled false): its
+    weights and 4 GiB KV cache stay beside the logprob pass and the update (rl/loop.py TrainPhase sleeps only a
+    colocated engine). The same recipe with sleep on counts them in the rollout and refit phases alone."""
+    def estimate(*extra: str) -> dict[str, float]:
+        cfg = load_config("count_150m_gpu", [*extra, *arm_overrides("jetrl")])
+        return memory_estimate(cfg, model_shape(cfg), parallel_layout(cfg), 80.0)
+
+    awake, asleep = estimate(), estimate("policy.generation.colocated.enabled=true")
+    engine = awake["vllm_weights"] + awake["kv_cache_budget"]
+    assert awake["kv_cache_budget"] == pytest.approx(4.0)  # the recipe's kv_cache_memory_bytes, 4 GiB
+    assert awake["engine_in_trainer_phases"] == pytest.approx(engine) and engine > 4.0
+    assert asleep["engine_in_trainer_phases"] == 0.0
+    for phase in ("logprob_phase_total", "train_phase_total"):
+        assert awake[phase] == pytest.approx(asleep[phase] + engine)
+    for phase in ("rollout_phase_total", "refit_phase_total"):
+        assert awake[phase] == pytest.approx(asleep[phase])
+    # the trainer's update with the awake engine beside it is now this recipe's peak, above the rollout phase
+    assert max(awake[p] for p in ("rollout_phase_total", "train_phase_total")) == awake["train_phase_total"]

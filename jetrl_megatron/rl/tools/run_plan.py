@@ -283,6 +283,9 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     - KV cache: vLLM may use gpu_memory_utilization of the GPU for its weights + KV (colocated; freed while training),
       or exactly vllm_kwargs.kv_cache_memory_bytes of KV plus its weights when that key is set;
       the batch needs 2 x layers x kv_heads/rollout_TP x head_dim x 2 B per token for all sequences of one engine;
+    - an engine that does not sleep (``policy.generation.colocated.enabled: false``: several runs sharing one GPU, whose
+      free memory vLLM's sleep mode checks) holds its weights + KV budget in the logprob and train phases too
+      (``engine_in_trainer_phases``);
     - refit and rollout phases: the engine awake (its weights + KV budget) next to the trainer's resident state; the
       loop returns torch's cached blocks after the update (colocated), the refit and at the engine's sleep
       (``release_cached_gpu_memory``), so none are counted (a phase's own fragmentation is not: the run's
@@ -372,6 +375,11 @@ def memory_estimate(cfg: RunConfig, shape, layout: Layout, gpu_mem_gib: float = 
     # the refit runs with the engine awake (wake_up first); its copies go straight into the live parameters
     out["refit_phase_total"] = resident + vllm_budget + out["refit_quantize_one_weight"]
     out["rollout_phase_total"] = resident + vllm_budget
+    # an engine that never sleeps (policy.generation.colocated.enabled=false: rl/loop.py TrainPhase) keeps its weights
+    # and KV cache next to the trainer's logprob pass and update too
+    out["engine_in_trainer_phases"] = 0.0 if cfg.policy.generation.colocated.enabled else vllm_budget
+    out["logprob_phase_total"] += out["engine_in_trainer_phases"]
+    out["train_phase_total"] += out["engine_in_trainer_phases"]
     # host memory (per rank, then per node): the offloaded optimizer share, the pinned BF16 copy Megatron's hybrid
     # optimizer makes of each offloaded parameter on its way to the FP32 master (freed, but kept by torch's pinned
     # host allocator: Qwen3-8B at 0.75 measured 115.2 GiB RSS against 100.3 without it), vLLM's sleep backup
