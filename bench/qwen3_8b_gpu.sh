@@ -284,7 +284,9 @@ PY
     # LEARN_STOP, LEARN_LR, LEARN_STEPS, LEARN_ARMS, WARMSTART_ONLY, TIME_LIMIT); EXTRA="key=value ..." are overrides.
     # Its state (/tmp/jetrl_long) lasts as long as the machine: chain the calls of one round
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
-    ln -sf "$(command -v python3)" /tmp/site/python 2>/dev/null; PATH=/tmp/site:$PATH \
+    # `python` there: a wrapper, not a link (a link to a venv's interpreter loses the venv and its packages)
+    mkdir -p /tmp/pybin && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > /tmp/pybin/python \
+      && chmod +x /tmp/pybin/python; PATH=/tmp/pybin:$PATH \
       TIME_LIMIT=${TIME_LIMIT:-${RUN_LIMIT:-540}} bash bench/long_response_gpu.sh "${LONG_MODE:-learn}" "$out" ${EXTRA:-} ;;
   round)  # several modes in one device call, in order, each into its own folder: ROUND="vtests fuse"; a mode's own
     # variables (ARM, LEN, RUN_LIMIT, ...) apply to every mode of the round, so keep their sum of limits under a call's
