@@ -119,7 +119,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(f"jetrl compare: --seeds must be >= 1 (runs per arm), got {args.seeds}", file=sys.stderr)
         return 2
     return run_comparison(args.recipe, list(args.overrides), arms, args.seeds, out=args.out, parallel=args.parallel,
-                          reuse=args.reuse, warmstart_only=args.warmstart_only)
+                          reuse=args.reuse, warmstart_only=args.warmstart_only, reuse_from=args.reuse_from)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

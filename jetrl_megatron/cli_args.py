@@ -61,6 +61,10 @@ def _compare_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--reuse", action="store_true",
                    help="skip a run whose log dir holds an ok summary.json and the same configuration (without it, "
                         "every run starts afresh and its earlier output is removed)")
+    c.add_argument("--reuse-from", default=None, metavar="DIR",
+                   help="an earlier comparison's output (another machine's, a committed copy): when this run's warm "
+                        "start is the same (weights SHA-256; loss curve for older summaries), its finished runs with "
+                        "the same configuration are copied in and not run again")
     c.add_argument("--warmstart-only", action="store_true",
                    help="stop after the shared BF16 warm start (run the arms later with --reuse, which keeps it)")
 

@@ -294,6 +294,22 @@ def test_compare_e2e_shared_warmstart(tmp_path):
     assert r2.stdout.count("reusing") == 5 and "jetrl_megatron.cli run" not in r2.stdout
     assert time.time() - t1 < 60
 
+    # --reuse-from: a fresh output dir makes its warm start afresh; it is this one to the last bit (same weights
+    # digest), so the three finished runs of `out` are adopted and only the one cut there (no summary) runs
+    assert len(ws["weights_sha256"]) == 64
+    (out / "jetrl" / "seed43" / "summary.json").unlink()
+    out2 = tmp_path / "cmp2"
+    r3 = _compare(out2, "--reuse-from", str(out))
+    assert json.loads((out2 / "warmstart" / "summary.json").read_text())["weights_sha256"] == ws["weights_sha256"]
+    assert "the same warm start (weights SHA-256 equal); adopted 3 of 4 finished runs" in r3.stdout
+    ran = [ln for ln in r3.stdout.splitlines() if ln.startswith("   -m jetrl_megatron.cli run")]
+    assert len(ran) == 2 and "logger.log_dir=" + str(out2 / "jetrl" / "seed43") in ran[1]  # the warm start, then it
+    assert r3.stdout.count("reusing") == 3
+    for arm, seed in (("bf16", 42), ("bf16", 43), ("jetrl", 42)):
+        assert (out2 / arm / f"seed{seed}" / "metrics.jsonl").read_text() == \
+            (out / arm / f"seed{seed}" / "metrics.jsonl").read_text()
+    assert json.loads((out2 / "compare.json").read_text())["arms"]["jetrl"]["steps"] == {"42": 2, "43": 2}
+
 
 @pytest.mark.slow
 def test_compare_warmstart_only_stops_at_the_loss_target(tmp_path):
@@ -337,3 +353,98 @@ def test_compare_stops_at_a_failed_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "BF16 warm start failed (exit 2)" in err and str(tmp_path / "warmstart") in err
     assert not (tmp_path / "compare.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------ --reuse-from
+
+
+def test_weights_digest_is_the_sha256_of_the_safetensors_bytes(tmp_path):
+    import hashlib
+
+    import torch
+
+    from jetrl_megatron.rollout.model_dir import weights_sha256, write_model_dir
+
+    g = torch.Generator().manual_seed(3)
+    sd = {"a.weight": torch.randn(64, 32, generator=g).bfloat16(), "b.bias": torch.randn(32, generator=g)}
+    d1 = Path(write_model_dir(tmp_path / "m1", {"x": 1}, sd))
+    d2 = Path(write_model_dir(tmp_path / "m2", {"x": 2}, sd))  # another config.json: not part of the digest
+    want = hashlib.sha256(b"model.safetensors\0" + (d1 / "model.safetensors").read_bytes()).hexdigest()
+    assert weights_sha256(d1) == want == weights_sha256(d2)
+    sd["a.weight"].view(torch.int16)[5, 7] += 1  # one element's last bit
+    assert weights_sha256(write_model_dir(tmp_path / "m3", {"x": 1}, sd)) != want
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        weights_sha256(tmp_path)
+
+
+def _warm(out: Path, **summary) -> Path:
+    (out / "warmstart").mkdir(parents=True, exist_ok=True)
+    (out / "warmstart" / "summary.json").write_text(json.dumps({"ok": True, "sft_steps": 3, **summary}))
+    return out
+
+
+def test_same_warmstart_by_digest_or_by_the_whole_loss_curve(tmp_path):
+    curve = [5.1, 0.3, 0.0091]
+    a = _warm(tmp_path / "a", weights_sha256="ab", sft_loss_curve=curve)
+    assert compare.same_warmstart(a, _warm(tmp_path / "b", weights_sha256="ab", sft_loss_curve=[9.0]))[0]
+    assert not compare.same_warmstart(a, _warm(tmp_path / "c", weights_sha256="cd", sft_loss_curve=curve))[0]
+    old = _warm(tmp_path / "old", sft_loss_curve=curve)  # written before the digest existed
+    assert compare.same_warmstart(old, _warm(tmp_path / "d", weights_sha256="ef", sft_loss_curve=list(curve)))[0]
+    last_bit = [*curve[:2], float(np.nextafter(curve[2], 1.0))]
+    same, why = compare.same_warmstart(old, _warm(tmp_path / "e", sft_loss_curve=last_bit))
+    assert not same and "differ" in why
+    assert not compare.same_warmstart(old, _warm(tmp_path / "f", sft_loss_curve=curve, sft_steps=4))[0]
+    assert not compare.same_warmstart(old, _warm(tmp_path / "g", sft_loss_curve=curve, ok=False))[0]
+    assert not compare.same_warmstart(old, tmp_path / "none")[0]
+
+
+def _run(d: Path, cfg: dict, ok: bool | None = True) -> Path:
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.25}) + "\n")
+    if ok is not None:
+        (d / "summary.json").write_text(json.dumps({"ok": ok}))
+    d.with_suffix(".log").write_text(f"log of {d.name}\n")
+    return d
+
+
+def test_adopt_takes_finished_runs_of_the_same_configuration_up_to_the_root(tmp_path):
+    """A committed round keeps the paths of the machine it ran on (its warm start's model_dir says which); its finished
+    runs are adopted where everything but that root is this comparison's configuration."""
+    machine, src, out = "/machine/learn", tmp_path / "committed", tmp_path / "here"
+    _warm(src, model_dir=f"{machine}/warmstart/model", sft_loss_curve=[1.0])
+
+    def cfg(root: str, arm: str, seed: int, lr: float = 3e-5) -> dict:
+        return {"grpo": {"seed": seed}, "policy": {"model_name": f"{root}/warmstart/model", "lr": lr, "arm": arm},
+                "logger": {"log_dir": f"{root}/{arm}/seed{seed}"}}
+
+    _run(src / "bf16" / "seed42", cfg(machine, "bf16", 42))
+    _run(src / "jetrl" / "seed42", cfg(machine, "jetrl", 42, lr=1e-4))  # another learning rate
+    _run(src / "jetrl" / "seed43", cfg(machine, "jetrl", 43), ok=None)  # cut before its summary
+    _run(src / "bf16" / "seed43", cfg(machine, "bf16", 43), ok=False)  # failed
+    runs = {out / a / f"seed{s}": cfg(str(out), a, s) for a in ("bf16", "jetrl") for s in (42, 43)}
+    adopted = compare.adopt_finished_runs(src, out, runs)
+    assert adopted == [out / "bf16" / "seed42"]
+    assert compare.finished(out / "bf16" / "seed42", runs[out / "bf16" / "seed42"])
+    assert (out / "bf16" / "seed42" / "metrics.jsonl").read_text() == (src / "bf16/seed42/metrics.jsonl").read_text()
+    assert (out / "bf16" / "seed42.log").read_text() == "log of seed42\n"
+    assert not (out / "jetrl").exists()
+    assert compare.adopt_finished_runs(src, out, runs) == []  # already here and finished: nothing to copy
+
+
+def test_adopt_from_removes_stale_runs_only_for_a_fresh_same_warmstart(tmp_path, capsys):
+    from jetrl_megatron.rl.tools.compare_runner import adopt_from
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    want = {"grpo": {"seed": 42}}
+    _warm(src, weights_sha256="ab", model_dir=str(src / "warmstart" / "model"))
+    _run(src / "bf16" / "seed42", want)
+    stale = _run(out / "jetrl" / "seed42", {"grpo": {"seed": 42}})  # finished, from an earlier warm start
+    runs = {out / "bf16" / "seed42": want, stale: {"grpo": {"seed": 42}}}
+    _warm(out, weights_sha256="cd")
+    assert adopt_from(src, out, runs, reuse=False, ran=True) is False and stale.exists()
+    assert "another warm start (weights SHA-256 differ)" in capsys.readouterr().out
+    _warm(out, weights_sha256="ab")
+    assert adopt_from(src, out, runs, reuse=False, ran=True) is True
+    assert not stale.exists() and compare.finished(out / "bf16" / "seed42", want)
+    assert "adopted 1 of 2 finished runs" in capsys.readouterr().out

@@ -8,6 +8,7 @@ directory for the `bf16_train_fp8_rollout` arm. No vLLM import here.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -160,6 +161,22 @@ def write_tiny_model_dir(path: str | os.PathLike, *, preset: str = "tiny", seed:
 def read_config(model_dir: str | os.PathLike) -> dict:
     with open(os.path.join(os.fspath(model_dir), "config.json"), encoding="utf-8") as f:
         return json.load(f)
+
+
+def weights_sha256(model_dir: str | os.PathLike) -> str:
+    """SHA-256 over the directory's *.safetensors files (sorted by name, whole bytes). Why: two warm starts made on
+    two machines are the same policy only if their weights are the same bytes (`jetrl compare --reuse-from`)."""
+    model_dir = os.fspath(model_dir)
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.encode() + b"\0")
+        with open(os.path.join(model_dir, f), "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def load_state_dict(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:

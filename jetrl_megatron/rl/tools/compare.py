@@ -74,6 +74,62 @@ def finished(log_dir: Path, expected_config: dict[str, Any]) -> bool:
     return bool(summary.get("ok")) and config == expected_config
 
 
+def same_warmstart(src_out: Path, out: Path) -> tuple[bool, str]:
+    """Whether ``out``'s warm start is ``src_out``'s policy, and why. The weights' SHA-256 decides where both
+    summaries record it; for a warm start written before the digest existed, its whole logged loss curve and step
+    count, equal to the last bit (every supervised step ran the same arithmetic; the last update is not logged)."""
+    try:
+        a, b = (json.loads((d / "warmstart" / "summary.json").read_text()) for d in (src_out, out))
+    except (OSError, ValueError) as e:
+        return False, f"no readable warm-start summary ({e})"
+    if not (a.get("ok") and b.get("ok")):
+        return False, "a warm start did not end ok"
+    if a.get("weights_sha256") and b.get("weights_sha256"):
+        same = a["weights_sha256"] == b["weights_sha256"]
+        return same, f"weights SHA-256 {'equal' if same else 'differ'}"
+    curve_a, curve_b = a.get("sft_loss_curve"), b.get("sft_loss_curve")
+    same = bool(curve_a) and curve_a == curve_b and a.get("sft_steps") == b.get("sft_steps")
+    return same, (f"no weight digest in {'both' if not (a.get('weights_sha256') or b.get('weights_sha256')) else 'one'}"
+                  f" summary: loss curves ({len(curve_a or [])} vs {len(curve_b or [])} points) "
+                  f"{'equal to the last bit' if same else 'differ'}")
+
+
+def _with_root(x: Any, old: str, new: str) -> Any:
+    """``x`` (a loaded config) with every string path under ``old`` moved under ``new``."""
+    if isinstance(x, dict):
+        return {k: _with_root(v, old, new) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_with_root(v, old, new) for v in x]
+    if isinstance(x, str) and (x == old or x.startswith(old + os.sep)):
+        return new + x[len(old):]
+    return x
+
+
+def adopt_finished_runs(src_out: Path, out: Path, runs: dict[Path, dict[str, Any]]) -> list[Path]:
+    """Copy into ``out`` each run of ``runs`` ({log dir under out: its expected configuration}) that ``src_out``
+    holds finished with the same configuration up to the comparison's root (the warm start's ``model_dir`` says where
+    ``src_out``'s runs ran: a committed copy keeps the paths of the machine it ran on). Call only when
+    :func:`same_warmstart` holds. The copy's config.yaml is the expected one, so ``finished`` then accepts it here.
+    Returns the adopted log dirs."""
+    import shutil
+
+    summary = json.loads((src_out / "warmstart" / "summary.json").read_text())
+    src_root = str(Path(summary["model_dir"]).parent.parent) if summary.get("model_dir") else str(src_out)
+    adopted = []
+    for log_dir, expected in runs.items():
+        src = src_out / log_dir.relative_to(out)
+        if finished(log_dir, expected) or not finished(src, _with_root(expected, str(out), src_root)):
+            continue
+        if log_dir.exists():
+            shutil.rmtree(log_dir)
+        shutil.copytree(src, log_dir, ignore=shutil.ignore_patterns("checkpoints", "model*"))
+        (log_dir / "config.yaml").write_text(yaml.safe_dump(expected, sort_keys=False))
+        if src.with_suffix(".log").is_file():
+            shutil.copy2(src.with_suffix(".log"), log_dir.with_suffix(".log"))
+        adopted.append(log_dir)
+    return adopted
+
+
 # ------------------------------------------------------------------------------------------------ statistics
 
 

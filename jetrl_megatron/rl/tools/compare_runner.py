@@ -28,9 +28,16 @@ Run = tuple[str, Path, list[str]]  # (label, log dir, overrides)
 
 
 def run_comparison(recipe: str, overrides: list[str], arms: list[str], num_seeds: int, *, out: str | None,
-                   parallel: int, reuse: bool, warmstart_only: bool) -> int:
+                   parallel: int, reuse: bool, warmstart_only: bool, reuse_from: str | None = None) -> int:
     """Every arm x ``num_seeds`` seeds of ``recipe`` from one shared BF16 warm start, then compare.md / .json / .png
-    in ``out`` (default runs/compare/<recipe>); returns the exit code (that of the first failed run)."""
+    in ``out`` (default runs/compare/<recipe>); returns the exit code (that of the first failed run).
+    ``reuse_from``: an earlier comparison's output (another machine's, a committed copy): once this warm start is its
+    warm start to the last bit (:func:`compare.same_warmstart`), its finished runs are adopted, not run again."""
+    src_out = Path(reuse_from).resolve() if reuse_from else None
+    if src_out is not None and not (src_out / "warmstart" / "summary.json").is_file():
+        print(f"jetrl compare: --reuse-from {reuse_from}: no warmstart/summary.json there (not a comparison's "
+              "output)", file=sys.stderr)
+        return 2
     base = load_config(recipe, overrides)  # validate once before spending time
     out_dir = Path(out or REPO_ROOT / "runs" / "compare" / base.name).resolve()
     seeds = [base.grpo.seed + i for i in range(num_seeds)]
@@ -57,6 +64,8 @@ def run_comparison(recipe: str, overrides: list[str], arms: list[str], num_seeds
                       file=sys.stderr)
                 return 1
             reuse = reuse and not ran  # runs from an earlier warm start are not this comparison's
+            if src_out is not None and not warmstart_only:
+                reuse = adopt_from(src_out, out_dir, {d: expected[d] for _, d, _ in plan[1:]}, reuse, ran)
             if warmstart_only:
                 print(f"warm start ready: {compare.warmstart_model(out_dir)} (the arms: the same command with "
                       f"--reuse instead of --warmstart-only)")
@@ -71,6 +80,23 @@ def run_comparison(recipe: str, overrides: list[str], arms: list[str], num_seeds
     print(paths["md"].read_text())
     print(f"written: {paths['md']}, {paths['json']}, {paths['png']}")
     return 0
+
+
+def adopt_from(src_out: Path, out_dir: Path, arm_runs: dict[Path, dict[str, Any]], reuse: bool, ran: bool) -> bool:
+    """``--reuse-from``: adopt ``src_out``'s finished runs when its warm start is this one; returns the ``reuse``
+    the arm runs then get. A warm start made afresh here makes any other earlier run in ``out_dir`` stale: those are
+    removed, so reuse keeps only the adopted ones."""
+    same, why = compare.same_warmstart(src_out, out_dir)
+    if not same:
+        print(f"   --reuse-from {src_out}: another warm start ({why}); every run runs here", flush=True)
+        return reuse
+    if ran:
+        for d in arm_runs:
+            shutil.rmtree(d, ignore_errors=True)
+    adopted = compare.adopt_finished_runs(src_out, out_dir, arm_runs)
+    print(f"   --reuse-from {src_out}: the same warm start ({why}); adopted {len(adopted)} of {len(arm_runs)} "
+          f"finished runs" + "".join(f"\n     {d}" for d in adopted), flush=True)
+    return True
 
 
 def comparison_plan(overrides: list[str], out: Path, arms: list[str], seeds: list[int],
