@@ -281,9 +281,8 @@ PY
     echo "rollout waves rc $?"; grep "^|" "$out/rollout_waves.log" ;;
   long)  # issue 31's GPU rounds: install, then bench/long_response_gpu.sh LONG_MODE (default learn) with this
     # script's environment (PYTHONPATH=/tmp/site, vLLM's flags); its own variables pass through (PARALLEL, SEEDS,
-    # LEARN_STOP, LEARN_LR, LEARN_STEPS, LEARN_ARMS, LEARN_REUSE_FROM, WARMSTART_ONLY, TIME_LIMIT); EXTRA="key=value ..." are
-    # overrides.
-    # Its state (/tmp/jetrl_long) lasts as long as the machine: chain the calls of one round
+    # LEARN_STOP, LEARN_LR, LEARN_STEPS, LEARN_ARMS, LEARN_REUSE_FROM, WARMSTART_ONLY, TIME_LIMIT); EXTRA="key=value
+    # ..." are overrides. Its state (/tmp/jetrl_long) lasts as long as the machine: chain the calls of one round
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     # `python` there: a wrapper, not a link (a link to a venv's interpreter loses the venv and its packages)
     mkdir -p /tmp/pybin && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > /tmp/pybin/python \

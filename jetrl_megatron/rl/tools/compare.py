@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +112,6 @@ def adopt_finished_runs(src_out: Path, out: Path, runs: dict[Path, dict[str, Any
     ``src_out``'s runs ran: a committed copy keeps the paths of the machine it ran on). Call only when
     :func:`same_warmstart` holds. The copy's config.yaml is the expected one, so ``finished`` then accepts it here.
     Returns the adopted log dirs."""
-    import shutil
-
     summary = json.loads((src_out / "warmstart" / "summary.json").read_text())
     src_root = str(Path(summary["model_dir"]).parent.parent) if summary.get("model_dir") else str(src_out)
     adopted = []
