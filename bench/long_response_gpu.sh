@@ -13,8 +13,8 @@
 #              (default 3e-5: on the CPU count task 1e-4 and above made BF16 itself worse) for LEARN_STEPS steps
 #              (default 20), the three arms and the INT4 stressor's off-policy and unified arms (one GPU, opted in
 #              with policy.jet_rl.stress.gpu; LEARN_ARMS to choose) x 2 seeds, PARALLEL (default 5; 80 GB cards: 3)
-#              at once; then the dose-response table and plot. WARMSTART_ONLY=1 stops after the warm start (a call of its own). LEARN_REUSE_FROM=dir (e.g.
-#              bench/long_response/learn_1k_h100): that round's finished runs are adopted, not run again, when this
+#              at once; then the dose-response table and plot. WARMSTART_ONLY=1 stops after the warm start (a call
+#              of its own). LEARN_REUSE_FROM=dir (e.g. bench/long_response/learn_1k_h100): that round's finished runs are adopted, not run again, when this
 #              machine's warm start is the same to the last bit (`jetrl compare --reuse-from`)
 # Everything the runs write stays in /tmp/jetrl_long/<length>; OUT_DIR gets the metrics, summaries, logs and plots
 # (not the model directories). TIME_LIMIT (seconds) stops the harness so what was written is still copied out.
