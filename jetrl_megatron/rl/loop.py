@@ -373,7 +373,6 @@ def warm_start_only(cfg: RunConfig, logger: RunLogger, sft_losses: list[float]) 
                "sft_loss_curve": sft_losses[::max(1, len(sft_losses) // 50)],
                "model_dir": cfg.policy.jet_rl.sft_warmstart.save_model_dir}
     if is_main():
-        warm_dir = cfg.policy.jet_rl.sft_warmstart.save_model_dir
-        summary["weights_sha256"] = weights_sha256(warm_dir)  # written by this rank (write_model_dir only_rank0)
+        summary["weights_sha256"] = weights_sha256(summary["model_dir"])  # this rank wrote it (only_rank0)
         (Path(cfg.logger.log_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -90,9 +90,8 @@ def same_warmstart(src_out: Path, out: Path) -> tuple[bool, str]:
         return same, f"weights SHA-256 {'equal' if same else 'differ'}"
     curve_a, curve_b = a.get("sft_loss_curve"), b.get("sft_loss_curve")
     same = bool(curve_a) and curve_a == curve_b and a.get("sft_steps") == b.get("sft_steps")
-    return same, (f"no weight digest in {'both' if not (a.get('weights_sha256') or b.get('weights_sha256')) else 'one'}"
-                  f" summary: loss curves ({len(curve_a or [])} vs {len(curve_b or [])} points) "
-                  f"{'equal to the last bit' if same else 'differ'}")
+    verdict = "equal to the last bit" if same else "differ"
+    return same, f"no weight digest in both summaries: loss curves ({len(curve_a or [])} points) {verdict}"
 
 
 def _with_root(x: Any, old: str, new: str) -> Any:
