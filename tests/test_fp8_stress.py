@@ -21,7 +21,13 @@ from jetrl_megatron.fp8.stress import (
     round_element,
     stress_format,
 )
-from jetrl_megatron.fp8.stress_linear import stress_gemm, stress_linear, stress_linear_forward
+from jetrl_megatron.fp8.stress_linear import (
+    stress_gemm,
+    stress_linear,
+    stress_linear_forward,
+    stress_linear_forward_quantized,
+    weight_code_storage,
+)
 
 E2M1_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -184,6 +190,24 @@ def test_gemm_matches_float64_reference_and_is_batch_invariant(name):
     full = stress_linear_forward(x, w, bias, fmt)
     rows = torch.cat([stress_linear_forward(x[i:i + 1], w, bias, fmt) for i in range(x.shape[0])])
     assert torch.equal(full, rows)  # a row's bits do not depend on the batch (decode vs the trainer)
+
+
+@pytest.mark.parametrize("name", sorted(STRESS_FORMATS))
+def test_weight_codes_stored_narrow_give_the_same_forward_bits(name):
+    """The rollout keeps a weight's codes in ``weight_code_storage`` (int8 / BF16) between refits: every code must
+    survive the cast exactly (weights spanning 2**-12 to 2**3, so E5M2's small codes appear too), and the forward
+    from stored codes must be ``stress_linear_forward``'s bit for bit."""
+    fmt = stress_format(name)
+    g = torch.Generator().manual_seed(12)
+    w = (torch.randn(256, 256, generator=g) * torch.logspace(-12, 3, 256, base=2.0)).bfloat16()
+    x = torch.randn(2, 11, 256, generator=g).bfloat16()
+    bias = torch.randn(256, generator=g).bfloat16()
+    wq, ws = quantize_weight(w, fmt)
+    stored = wq.to(weight_code_storage(fmt))
+    assert torch.equal(stored.float(), wq), f"{name}: codes do not survive {stored.dtype}"
+    assert len(wq.unique()) > 4  # not a degenerate weight
+    want = stress_linear_forward(x, w, bias, fmt)
+    assert torch.equal(stress_linear_forward_quantized(x, stored, ws, bias, fmt), want)
 
 
 def test_straight_through_gradients():

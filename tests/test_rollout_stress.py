@@ -38,9 +38,10 @@ def _trainer(sd, fmt: str | None):
 def test_unified_is_bit_identical_and_off_policy_is_not(mp, tmp_path, fmt):
     from jetrl_megatron.megatron.convert import hf_state_dict
     from jetrl_megatron.megatron.model import token_logprobs
+    from jetrl_megatron.reshard import megatron_from_canonical
     from jetrl_megatron.rollout.engine import RolloutConfig, RolloutEngine
 
-    sd = random_hf_state_dict(SHAPE, seed=0)
+    sd, sd2 = random_hf_state_dict(SHAPE, seed=0), random_hf_state_dict(SHAPE, seed=5)
     model_dir = write_model_dir(tmp_path / "m", hf_config_for(SHAPE, None), random_hf_state_dict(SHAPE, seed=99))
     prompts = torch.randint(0, SHAPE.vocab_size, (4, PROMPT_LEN), generator=torch.Generator().manual_seed(7)).tolist()
     results = {}
@@ -48,17 +49,25 @@ def test_unified_is_bit_identical_and_off_policy_is_not(mp, tmp_path, fmt):
         engine = RolloutEngine(RolloutConfig(model_dir=model_dir, recipe=Fp8Recipe(mode="bf16"), seed=0,
                                              stress_format=fmt))
         try:
-            for arm, trainer_fmt in (("unified", fmt), ("offpolicy", None)):
-                trainer = _trainer(sd, trainer_fmt)
-                assert engine.refit(hf_state_dict(trainer)).verified  # plain BF16 parameters: read back in full
+            # the second unified trainer goes through the in-place refit (the GRPO loop's path): the engine's weight
+            # codes must follow each refit, whichever path wrote the BF16 bytes
+            for arm, trainer_fmt, weights in (("unified", fmt, sd), ("unified_inplace", fmt, sd2),
+                                              ("offpolicy", None, sd)):
+                trainer = _trainer(weights, trainer_fmt)
+                if arm == "unified_inplace":
+                    src = megatron_from_canonical(hf_state_dict(trainer), SHAPE, tp=1)
+                    assert engine.refit_from_shards(src, rank=0, verify=True).verified
+                else:
+                    assert engine.refit(hf_state_dict(trainer)).verified  # plain BF16 parameters: read back in full
                 samples = engine.generate(prompts, n=2, max_tokens=RESPONSE_LEN, seed=11, ignore_eos=True)
                 tokens = torch.tensor([s.prompt_token_ids + s.token_ids for s in samples])
                 rollout = torch.tensor([s.logprobs for s in samples])
                 results[arm] = (token_logprobs(trainer, tokens)[:, PROMPT_LEN - 1:], rollout)
         finally:
             engine.shutdown()
-    train, rollout = results["unified"]
-    assert torch.equal(train, rollout.float()), f"{fmt}: max |d| {(train - rollout).abs().max():.3g}"
+    for arm in ("unified", "unified_inplace"):
+        train, rollout = results[arm]
+        assert torch.equal(train, rollout.float()), f"{fmt} {arm}: max |d| {(train - rollout).abs().max():.3g}"
     train, rollout = results["offpolicy"]
     d = train.double() - rollout.double()
     assert (d.exp() - d - 1).mean() > 1e-4, f"{fmt}: the BF16 trainer matches the stressed rollout"

@@ -73,10 +73,24 @@ def stress_linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                           fmt: StressFormat) -> torch.Tensor:
     """y = Q(x) Q(W)^T (+ b) with both operands quantized in ``fmt``, no autograd; x (..., K), weight (N, K)."""
     _check_operands(x, weight, fmt)
+    return stress_linear_forward_quantized(x, *quantize_weight(weight, fmt), bias, fmt)
+
+
+def weight_code_storage(fmt: StressFormat) -> torch.dtype:
+    """The narrowest dtype that holds every weight code of ``fmt`` exactly: int8 for the INT formats (what the int8
+    GEMM reads), BF16 for the others (E4M3, E5M2 and E2M1 values need at most 3 mantissa bits and exponents in
+    [-16, 15], inside BF16's 7 bits and 8-bit exponent)."""
+    return torch.int8 if fmt.element in INTEGER_ELEMENTS else torch.bfloat16
+
+
+def stress_linear_forward_quantized(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
+                                    fmt: StressFormat) -> torch.Tensor:
+    """``stress_linear_forward`` with the weight already quantized (``quantize_weight``'s codes, in FP32 or
+    ``weight_code_storage``, and scales): the rollout quantizes a weight once per refit, not at every call."""
+    _check_operands(x, wq, fmt)
     x2d = x.reshape(-1, x.shape[-1])
-    y = stress_gemm(*quantize_act(x2d, fmt), *quantize_weight(weight, fmt), bias, x.dtype,
-                    fmt.element in INTEGER_ELEMENTS)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    y = stress_gemm(*quantize_act(x2d, fmt), wq, ws, bias, x.dtype, fmt.element in INTEGER_ELEMENTS)
+    return y.reshape(*x.shape[:-1], wq.shape[0])
 
 
 class _StressLinearFunction(torch.autograd.Function):

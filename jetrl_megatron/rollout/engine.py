@@ -471,7 +471,7 @@ class RolloutEngine:
         weights = dict(weights)
         t1 = time.perf_counter()
         self._reload(weights)
-        self.llm.reset_prefix_cache()
+        self._weights_written()
         t2 = time.perf_counter()
         verify = self._verify_default() if verify is None else verify
         checksum, unverifiable = self._verify(weights) if verify else (None, [])
@@ -561,6 +561,15 @@ class RolloutEngine:
             unverifiable = self._verify_reloaded(reload)
         return RefitReport(prog.num_tensors, prog.bytes, time.perf_counter() - t0, t2 - t1, verify, None,
                            unverifiable, rebuilt, reloaded)
+
+    def _weights_written(self) -> None:
+        """After a refit wrote weights: a stress engine re-derives its weight codes (rollout/stress_method.py), then
+        the prefix cache is dropped (it holds KV of the old weights)."""
+        if self.config.stress_format is not None:
+            from jetrl_megatron.rollout import stress_method
+
+            self.llm.apply_model(stress_method.requantize_model)
+        self.llm.reset_prefix_cache()
 
     def _build_inplace(self, src, rank: int, live: dict, key: tuple, exchange=None) -> None:
         self._inplace, self._inplace_key = None, None

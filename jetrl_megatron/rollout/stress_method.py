@@ -1,10 +1,13 @@
 """The `jetrl_stress` vLLM quantization method: experiment-only rollout linears in a stress format (fp8/stress.py).
 
-The engine keeps BF16 weights (refit is the BF16 arm's byte copy) and every linear quantizes its weight and its
-input in the format at each call, through ``stress_linear_forward``, the very function the unified arm's trainer
-runs. Registered by the engine only when a run asks for a stress format (in-process engines; on a GPU only with
-policy.jet_rl.stress.gpu); the vLLM plugin entry point (plugin.py) never registers it, so no production engine can
-select it.
+The engine keeps BF16 weights (refit is the BF16 arm's byte copy, read back as such) and every linear computes
+``stress_linear_forward``, the very function the unified arm's trainer runs: the input quantized in the format at
+each call, the weight through codes and scales that ``requantize_model`` rewrites in place after every load and
+refit (the engine calls it; in place, so captured CUDA graphs read the new codes). Quantizing the weight at every
+decode step instead made the 150M GPU model's INT4 rollout ~7x the BF16 arm's (35 vs 5 s per step, four runs sharing
+one H100, 2026-12-06). Registered by the engine only when a run asks for a stress format (in-process engines; on a
+GPU only with policy.jet_rl.stress.gpu); the vLLM plugin entry point (plugin.py) never registers it, so no production
+engine can select it.
 
 This module imports vLLM at the top; only the engine imports it.
 """
@@ -17,11 +20,12 @@ import torch
 from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.parameter import ModelWeightParameter
 
-from jetrl_megatron.fp8.stress import StressFormat, stress_format
-from jetrl_megatron.fp8.stress_linear import stress_linear_forward
+from jetrl_megatron.fp8.stress import StressFormat, quantize_weight, stress_format
+from jetrl_megatron.fp8.stress_linear import stress_linear_forward_quantized, weight_code_storage
 from jetrl_megatron.rollout.quant_method import LinearsOnlyConfig
 
 STRESS_METHOD = "jetrl_stress"
+CODES, SCALES = "jetrl_stress_codes", "jetrl_stress_scales"  # per-layer attributes, not parameters: never refit
 _registered = False
 
 
@@ -87,8 +91,34 @@ class JetRLStressLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        """Nothing: the BF16 bytes stay the runtime weight, so a refit is a byte copy and reads back."""
-        return None
+        """The BF16 bytes stay the runtime weight (a refit is a byte copy and reads back); its codes are derived."""
+        self.requantize(layer)
+
+    def requantize(self, layer: torch.nn.Module) -> None:
+        """Quantize ``layer.weight`` into its codes and scales, in place where they exist (a captured graph keeps
+        reading the same tensors); made on first use, and after vLLM re-created the weight with another shape."""
+        wq, ws = quantize_weight(layer.weight.data, self.fmt)
+        wq = wq.to(weight_code_storage(self.fmt))
+        old_q, old_s = getattr(layer, CODES, None), getattr(layer, SCALES, None)
+        if (old_q is not None and old_s is not None and old_q.shape == wq.shape and old_s.shape == ws.shape
+                and old_q.device == wq.device and old_q.dtype == wq.dtype):
+            old_q.copy_(wq)
+            old_s.copy_(ws)
+        else:
+            setattr(layer, CODES, wq)
+            setattr(layer, SCALES, ws)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return stress_linear_forward(x, layer.weight.data, bias, self.fmt)
+        return stress_linear_forward_quantized(x, getattr(layer, CODES), getattr(layer, SCALES), bias, self.fmt)
+
+
+def requantize_model(model: torch.nn.Module) -> int:
+    """Re-derive every stress linear's weight codes from its (refit) BF16 weight; returns how many layers. Run in
+    the worker through ``LLM.apply_model`` after each write of weights."""
+    count = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, JetRLStressLinearMethod):
+            method.requantize(module)
+            count += 1
+    return count
