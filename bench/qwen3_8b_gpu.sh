@@ -204,13 +204,14 @@ PY
   vtests)  # issue 26's GPU tests alone: vLLM's own CUDA ops, trainer == engine decode/prefill, the decode-matched trainer,
     # the batch-invariant norms (one launch, FP8 forms), the engine's sleep / wake / refit, the loop's phase memory
     # (cache release order, cache breakdown), the in-place refit (an engine started without weights); VTESTS=-k-expression
-    # narrows
+    # narrows; VTEST_FILES="tests/a.py ..." runs those files instead
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
+    # shellcheck disable=SC2086  # the file list splits on spaces
     timeout -s INT -k 30 "${RUN_LIMIT:-300}" python3 -m pytest -v -s -p no:cacheprovider -m gpu -rs --durations=10 \
-      ${VTESTS:+-k "$VTESTS"} tests/test_rollout_invariant_norm.py tests/test_vllm_cuda_gpu.py tests/test_rollout_gpu.py \
-      tests/test_rl_phase_memory.py tests/test_rollout_refit_inplace.py tests/test_rollout_kv_waves.py \
-      > "$out/vllm_cuda_tests.log" 2>&1
-    echo "vllm_cuda tests rc $?"; grep -E "PASSED|FAILED|SKIPPED|ERROR|bit-identical|passed|failed|Error" \
+      ${VTESTS:+-k "$VTESTS"} ${VTEST_FILES:-tests/test_rollout_invariant_norm.py tests/test_vllm_cuda_gpu.py \
+      tests/test_rollout_gpu.py tests/test_rl_phase_memory.py tests/test_rollout_refit_inplace.py \
+      tests/test_rollout_kv_waves.py} > "$out/vllm_cuda_tests.log" 2>&1
+    echo "vllm_cuda tests rc $?"; grep -E "PASSED|FAILED|SKIPPED|ERROR|bit-identical|decoded in|passed|failed|Error" \
       "$out/vllm_cuda_tests.log" | tail -20 ;;
   decode)
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
