@@ -550,7 +550,7 @@ class RolloutEngine:
         if reload:
             self._reload(reload)
             reloaded = len(reload)
-        self.llm.reset_prefix_cache()
+        self._weights_written()
         t2 = time.perf_counter()
         unverifiable: list[str] = []
         if verify:
