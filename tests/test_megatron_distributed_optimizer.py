@@ -348,38 +348,37 @@ LOOP = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "pol
         "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8", "policy.jet_rl.sft_warmstart.steps=2",
         "policy.jet_rl.sft_warmstart.batch_size=16", "policy.jet_rl.final_arm_probe=false",
         "policy.jet_rl.progress_bars=false", "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false",
-        *arm_overrides("jetrl"), "grpo.max_num_steps=3", "checkpointing.enabled=true",
-        "checkpointing.save_period=1", "checkpointing.keep_top_k=3",
+        *arm_overrides("jetrl"), "grpo.max_num_steps=2", "checkpointing.enabled=true",
+        "checkpointing.save_period=1", "checkpointing.keep_top_k=2",
         "policy.megatron_cfg.optimizer.use_distributed_optimizer=true"]
 
 
 def _grpo_dp2(log_dir: Path) -> list[dict]:
     import json
     import os
-    import subprocess
-    import sys
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "jetrl_megatron.cli", "run", "--recipe", "tiny_cpu", *LOOP, f"logger.log_dir={log_dir}",
-           f"checkpointing.checkpoint_dir={log_dir / 'ckpt'}"]
+    from warm_cli import run_world
+
+    args = ["run", "--recipe", "tiny_cpu", *LOOP, f"logger.log_dir={log_dir}",
+            f"checkpointing.checkpoint_dir={log_dir / 'ckpt'}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "JETRL_VERIFY_SERVED_FP8": "1"}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    r = run_world(args, 2, env=env, timeout=300)  # torchrun's two ranks, started warm
+    assert r.returncode == 0, f"{' '.join(args)}\n{r.stdout[-6000:]}"
     return [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines() if json.loads(x)["step"] > 0]
 
 
 def test_grpo_at_dp2_with_distributed_optimizer_and_exact_resume(tmp_path):
     """`jetrl run` at world 2 (trainer TP1 x DP2, one vLLM engine per rank) with the recipe key on: the rank files
-    hold distributed-optimizer shards, and a run resumed from the step-2 checkpoint reproduces step 3 exactly."""
+    hold distributed-optimizer shards, and a run resumed from the step-1 checkpoint reproduces step 2 exactly."""
     import shutil
 
     a = tmp_path / "a"
     rows = _grpo_dp2(a)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2]
     assert all(math.isfinite(r["train/loss"]) and r["refit/served_fp8_equal"] == 1.0 for r in rows)
     sizes, total = [], 0
     for rank in range(2):
-        state = torch.load(a / "ckpt" / "step_3" / f"rank_{rank}.pt", weights_only=True)
+        state = torch.load(a / "ckpt" / "step_2" / f"rank_{rank}.pt", weights_only=True)
         part = state["optimizer"]["parts"][0]
         assert part["kind"] == "distributed" and part["dp_size"] == 2
         sizes.append(sum(e["exp_avg"].numel() for k, per_dtype in part["param_state"].items() if isinstance(k, int)
@@ -389,8 +388,8 @@ def test_grpo_at_dp2_with_distributed_optimizer_and_exact_resume(tmp_path):
 
     b = tmp_path / "b"
     (b / "ckpt").mkdir(parents=True)
-    shutil.copytree(a / "ckpt" / "step_2", b / "ckpt" / "step_2")
+    shutil.copytree(a / "ckpt" / "step_1", b / "ckpt" / "step_1")
     rows_b = _grpo_dp2(b)
-    assert [r["step"] for r in rows_b] == [3]
+    assert [r["step"] for r in rows_b] == [2]
     for k in ("train/loss", "train/pg_loss", "train/grad_norm", "reward/mean", "mismatch/k3_kl"):
-        assert rows_b[0][k] == rows[2][k], (k, rows_b[0][k], rows[2][k])
+        assert rows_b[0][k] == rows[1][k], (k, rows_b[0][k], rows[1][k])

