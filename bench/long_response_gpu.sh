@@ -14,8 +14,11 @@
 #              (default 20), the three arms and the INT4 stressor's off-policy and unified arms (one GPU, opted in
 #              with policy.jet_rl.stress.gpu; LEARN_ARMS to choose) x 2 seeds, PARALLEL (default 5; 80 GB cards: 3)
 #              at once; then the dose-response table and plot. WARMSTART_ONLY=1 stops after the warm start (a call
-#              of its own). LEARN_REUSE_FROM=dir (e.g. bench/long_response/learn_1k_h100): that round's finished runs are adopted, not run again, when this
-#              machine's warm start is the same to the last bit (`jetrl compare --reuse-from`)
+#              of its own). LEARN_REUSE_FROM=dir (e.g. bench/long_response/learn_1k_h100): that round's finished
+#              runs are adopted, not run again, when this machine's warm start is the same to the last bit (`jetrl
+#              compare --reuse-from`). On the GPU it was not (2026-12-06: the short warm start's loss differed from
+#              its second logged point on), so a round finishing arms on another machine runs BF16 again beside
+#              them, e.g. LEARN_ARMS=bf16,offpolicy_int4_tensor,unified_int4_tensor
 # Everything the runs write stays in /tmp/jetrl_long/<length>; OUT_DIR gets the metrics, summaries, logs and plots
 # (not the model directories). TIME_LIMIT (seconds) stops the harness so what was written is still copied out.
 set -euo pipefail
@@ -55,7 +58,9 @@ case $mode in
          else PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
                 compare learn 5 --reuse --arms "$learn_arms" ${LEARN_REUSE_FROM:+--reuse-from "$LEARN_REUSE_FROM"} \
                 || status=$?
-              python -m jetrl_megatron.rl.tools.dose_response /tmp/jetrl_long/learn 2>&1 | tail -n 30 || true
+              if [ -f /tmp/jetrl_long/learn/compare.json ]; then
+                python -m jetrl_megatron.rl.tools.dose_response /tmp/jetrl_long/learn 2>&1 | tail -n 30 || true
+              else echo "no dose-response table: the comparison did not finish (no compare.json)"; fi
          fi ;;
   *) echo "usage: $0 warmstart|short|long|learn OUT_DIR [overrides...]" >&2; exit 2 ;;
 esac
