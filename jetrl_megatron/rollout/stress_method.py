@@ -3,11 +3,11 @@
 The engine keeps BF16 weights (refit is the BF16 arm's byte copy, read back as such) and every linear computes
 ``stress_linear_forward``, the very function the unified arm's trainer runs: the input quantized in the format at
 each call, the weight through codes and scales that ``requantize_model`` rewrites in place after every load and
-refit (the engine calls it; in place, so captured CUDA graphs read the new codes). Quantizing the weight at every
-decode step instead made the 150M GPU model's INT4 rollout ~7x the BF16 arm's (35 vs 5 s per step, four runs sharing
-one H100, 2026-12-06). Registered by the engine only when a run asks for a stress format (in-process engines; on a
-GPU only with policy.jet_rl.stress.gpu); the vLLM plugin entry point (plugin.py) never registers it, so no production
-engine can select it.
+refit (the engine calls it; in place, so captured CUDA graphs read the new codes). With the weight quantized at
+every decode step instead, the 150M GPU model's INT4 rollout took ~7x the BF16 arm's time (35 vs 5 s per step, four
+runs sharing one H100, 2026-12-06; that quantization's share not profiled). Registered by the engine only when a run
+asks for a stress format (in-process engines; on a GPU only with policy.jet_rl.stress.gpu); the vLLM plugin entry
+point (plugin.py) never registers it, so no production engine can select it.
 
 This module imports vLLM at the top; only the engine imports it.
 """
