@@ -99,11 +99,10 @@ class JetRLStressLinearMethod(LinearMethodBase):
         reading the same tensors); made on first use, and after vLLM re-created the weight with another shape."""
         wq, ws = quantize_weight(layer.weight.data, self.fmt)
         wq = wq.to(weight_code_storage(self.fmt))
-        old_q, old_s = getattr(layer, CODES, None), getattr(layer, SCALES, None)
-        if (old_q is not None and old_s is not None and old_q.shape == wq.shape and old_s.shape == ws.shape
-                and old_q.device == wq.device and old_q.dtype == wq.dtype):
+        old_q = getattr(layer, CODES, None)  # the scales' shape follows the codes' (the format's groups)
+        if old_q is not None and (old_q.shape, old_q.dtype, old_q.device) == (wq.shape, wq.dtype, wq.device):
             old_q.copy_(wq)
-            old_s.copy_(ws)
+            getattr(layer, SCALES).copy_(ws)
         else:
             setattr(layer, CODES, wq)
             setattr(layer, SCALES, ws)
