@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from jetrl_megatron.megatron.cpu import free_port
 from jetrl_megatron.warm_process import STDOUT, WarmLauncher, default_preload
 
 # The runs' imports, then what the spawned worlds' ranks import (their functions live in test modules: pytest).
@@ -37,7 +37,11 @@ def run_world(args: Sequence[str], nproc: int, *, env: Mapping[str, str] | None 
     a free local port). As torchrun does, the first rank to fail stops the others. Returns rank 0's exit code or the
     first failing rank's, and every rank's output (stdout with stderr) in rank order as stdout. The launch itself
     (torchrun, srun) is tested by tests/test_cli_slurm.py's jobs."""
-    port = free_port()
+    # a free port here, not megatron.cpu.free_port: importing that module ahead of warm_process (isort order) made
+    # every warm request of the full suite run cold (2026-12-06)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     shm_before = set(glob.glob(VLLM_CPU_SHM))
     base = dict(os.environ if env is None else env)
     with tempfile.TemporaryDirectory() as tmp:
