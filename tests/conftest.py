@@ -154,8 +154,11 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     """Start the warm server of the `jetrl` runs and spawned worlds (warm_cli.py) once the test modules are imported
     (what their imports add to the environment is in it) and before any test can change the environment for a while.
-    Not in pytest-xdist's controller (its workers run the tests)."""
+    Not in pytest-xdist's controller (its workers run the tests), nor in an ``own_process`` test's child (one test,
+    which would pay the server's imports for nothing)."""
     if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
+        return
+    if os.environ.get(OWN_PROCESS_ENV):
         return
     import warm_cli
 
