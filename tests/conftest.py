@@ -165,6 +165,56 @@ def pytest_collection_finish(session):
     warm_cli.start_server()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _environment_restored_after_each_module():
+    """Each test module leaves the environment as it found it, once its own module fixtures are torn down.
+
+    Why: an in-process vLLM engine exports variables at its start (VLLM_DIST_IDENT, VLLM_WORKER_MULTIPROC_METHOD,
+    LD_PRELOAD, ...: vLLM sets them again for each engine), and a `jetrl` run a later test starts with those
+    leftovers differs from the warm server's environment and starts cold (warm_cli.py; measured: test_cli.py's runs
+    after test_megatron_vllm_parity.py's engine)."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+WARM_STARTS_KEY = "jetrl_warm_starts"
+_worker_starts: list[dict[str, int]] = []  # pytest-xdist's controller: each worker's warm_cli.STARTS
+
+
+def pytest_sessionfinish(session):
+    """A worker hands its `python -m` start counts to the controller (pytest-xdist's workeroutput)."""
+    if hasattr(session.config, "workeroutput"):
+        import warm_cli
+
+        session.config.workeroutput[WARM_STARTS_KEY] = dict(warm_cli.STARTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _worker_starts.append(getattr(node, "workeroutput", {}).get(WARM_STARTS_KEY, {}))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How the tests' `jetrl` runs and worlds started: warm, or cold and why (warm_cli.STARTS of every worker)."""
+    import collections
+
+    import warm_cli
+
+    total = collections.Counter(warm_cli.STARTS)
+    for starts in _worker_starts:
+        total.update(starts)
+    if not total:
+        return
+    cold = sum(n for reason, n in total.items() if reason != "warm")
+    terminalreporter.write_line(f"python -m starts (tests/warm_cli.py): {total['warm']} warm, {cold} cold")
+    for reason, n in total.most_common():
+        if reason != "warm":
+            terminalreporter.write_line(f"  {n:4d} cold: {reason}")
+
+
 @pytest.fixture(scope="module")
 def mp():
     """TP=PP=1 Megatron parallel state for one test module; the process group is destroyed only if it created it."""

