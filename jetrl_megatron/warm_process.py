@@ -59,17 +59,20 @@ TERMINAL_ENV = frozenset({"COLUMNS", "LINES"})
 # Read when a run joins its process group (torch.distributed's env:// rendezvous), never at import: the ranks of one
 # world may be forked warm from one server, each with its own.
 PROCESS_GROUP_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
+# Megatron-Core's attention-backend switches: it sets them, and checks any already set, when it builds a model
+# (LanguageModule); TransformerEngine reads them per attention call. Never read at import.
+MEGATRON_ATTN_ENV = frozenset({"NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"})
 
 
 def runtime_only(key: str) -> bool:
     """Whether a variable may differ between the server and a warm child: the project's own switches (read when a
     run loads its configuration, never at import), pytest's bookkeeping, the terminal's size, a rank's process-group
-    variables, and ``OMP_NUM_THREADS`` when the request sets it (applied in the child through
-    ``torch.set_num_threads``)."""
+    variables, Megatron-Core's attention-backend switches, and ``OMP_NUM_THREADS`` when the request sets it (applied
+    in the child through ``torch.set_num_threads``)."""
     if key in IMPORT_TIME_PROJECT_ENV:
         return False
     return (key.startswith(("JETRL_", "PYTEST_")) or key in TERMINAL_ENV or key in PROCESS_GROUP_ENV
-            or key == "OMP_NUM_THREADS")
+            or key in MEGATRON_ATTN_ENV or key == "OMP_NUM_THREADS")
 
 
 def env_differences(server: Mapping[str, str], request: Mapping[str, str]) -> list[str]:

