@@ -91,3 +91,67 @@ def test_stress_engine_under_cuda_graphs_follows_each_refit(tmp_path, fmt):
             engine.shutdown()
     print(f"\n{fmt}: 16 x 400 tokens decoded in {seconds[fmt, 0]:.2f} s (after the refit {seconds[fmt, 1]:.2f} s), "
           f"BF16 engine {seconds['bf16', 0]:.2f} s")
+
+
+def _cuda_seconds(fn, iters: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+def _linear_seconds(x: torch.Tensor, w: torch.Tensor, fmt) -> dict[str, float]:
+    """Seconds per call: BF16 ``F.linear`` and the stress linear, forward (no grad) and forward + backward, and the
+    stress forward's two parts (the activation quantizer, the scaled group sum)."""
+    import torch.nn.functional as F
+
+    from jetrl_megatron.fp8.stress import quantize_act, quantize_weight
+    from jetrl_megatron.fp8.stress_linear import stress_gemm, stress_linear
+
+    xq, xs = quantize_act(x.detach(), fmt)
+    wq, ws = quantize_weight(w.detach(), fmt)
+    t = {}
+    with torch.no_grad():
+        t["bf16 fwd"] = _cuda_seconds(lambda: F.linear(x, w))
+        t["stress fwd"] = _cuda_seconds(lambda: stress_linear(x, w, None, fmt))
+        t["quantize x"] = _cuda_seconds(lambda: quantize_act(x, fmt))
+        t["group sum"] = _cuda_seconds(lambda: stress_gemm(xq, xs, wq, ws, None, torch.bfloat16, True))
+    t["bf16 fwd+bwd"] = _cuda_seconds(lambda: F.linear(x, w).sum().backward())
+    t["stress fwd+bwd"] = _cuda_seconds(lambda: stress_linear(x, w, None, fmt).sum().backward())
+    return t
+
+
+def test_the_int_stress_gemm_runs_on_int8_tensor_cores_at_the_150m_shapes():
+    """The unified INT4 arm's trainer linear on the GPU at count_150m_gpu's linear shapes and logprob micro-batch
+    (16 x 1,032 tokens): each K group's code products come from ``torch._int_mm`` (int8 tensor cores), not the FP64
+    fallback, and the result is the FP64 GEMM's bit for bit. Printed per shape: the stress linear's forward, its
+    forward + backward, the quantizer's and the scaled group sum's share, against BF16's ``F.linear`` (what the
+    learning round's unified arm pays per linear; its logprob pass took ~8x BF16's on an H100, 2026-12-06)."""
+    from jetrl_megatron.fp8.stress import quantize_act, quantize_weight, stress_format
+    from jetrl_megatron.fp8.stress_linear import _int8_products, stress_gemm
+    from jetrl_megatron.model.shapes import get_model_shape
+
+    shape, fmt, m = get_model_shape("qwen3-150m-char"), stress_format("int4_tensor"), 16 * 1032
+    h, hd = shape.hidden_size, shape.head_dim
+    linears = {"qkv": ((shape.num_attention_heads + 2 * shape.num_kv_heads) * hd, h),
+               "proj": (h, shape.num_attention_heads * hd), "fc1": (2 * shape.ffn_hidden_size, h),
+               "fc2": (h, shape.ffn_hidden_size)}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for name, (n, k) in linears.items():
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16).requires_grad_()
+        xq, xs = quantize_act(x.detach(), fmt)
+        wq, ws = quantize_weight(w.detach(), fmt)
+        products = _int8_products(xq, wq)
+        assert products is not None, (name, n, k)
+        assert torch.equal(products, xq.double() @ wq.double().T), name  # exact integers either way
+        y = stress_gemm(xq, xs, wq, ws, None, torch.bfloat16, integer_codes=True)
+        assert torch.equal(y, stress_gemm(xq, xs, wq, ws, None, torch.bfloat16, integer_codes=False)), name
+        rows.append((name, n, k, _linear_seconds(x, w, fmt)))
+    print(f"\nint4_tensor stress linear at {m} tokens, ms per call:")
+    for name, n, k, t in rows:
+        print(f"  {name} {n}x{k}: " + ", ".join(f"{key} {v * 1e3:.2f}" for key, v in t.items()))
