@@ -60,12 +60,17 @@ def _run_layouts(rank: int, world_size: int, layouts, out_path: str) -> None:
 
 def _report_shm_segments(rank: int, world_size: int, out_path: str) -> None:
     """Each rank's shared-memory all-reduce segments (vLLM's CPU shm_allreduce, vllm_cpu.ops.all_reduce_) and
-    whether they exist while it runs: the test then checks they are gone once the ranks have exited."""
+    whether they exist while it runs: the test then checks they are gone once the ranks have exited. Every rank
+    looks before any may leave (a barrier after): the first rank of a group to exit unlinks the group's segments,
+    and a rank still looking then saw them gone (a fresh-clone run, 2026-12-07)."""
+    import torch.distributed as dist
+
     from jetrl_megatron.vllm_cpu import ops
 
     names = ops.shm_segment_names() if ops.available() else []
     present = [os.path.exists(f"/dev/shm/{n}_{r}") for n in names for r in range(2)]
     Path(f"{out_path}.shm{rank}.json").write_text(json.dumps({"names": names, "present": present}))
+    dist.barrier()
 
 
 def _train_tp2(shape, sd, toks):
