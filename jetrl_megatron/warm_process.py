@@ -257,8 +257,8 @@ class WarmLauncher:
         out = None if stdout is None else os.fspath(stdout)
         err = stderr if stderr is None or stderr == STDOUT else os.fspath(stderr)  # type: ignore[arg-type]
         server = self.server_environ()
-        cold = self.cold_reason(env)
-        if server is not None and cold is None:
+        cold = self.cold_reason(env)  # None: the server is there and this environment may fork from it
+        if cold is None:
             where = None if cwd is None else os.fspath(cwd)
             proc = self._ctx.Process(target=_run_module, name=f"jetrl-warm {module}",
                                      args=(module, list(argv), env, server, out, err, where))
