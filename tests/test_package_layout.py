@@ -124,6 +124,8 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 # `jetrl_megatron.rl.loop.run` in backticks
 PATH_REF = re.compile(r"`([\w./-]+\.(?:py|md|yaml|toml|txt|sh|sbatch|patch))(?::\d+)?`")
 DOTTED_REF = re.compile(r"`(jetrl_megatron(?:\.\w+)+)")
+# `python -m jetrl_megatron.a.b` in a doc, a Makefile, a script or a message: it must name a module one can run
+RUN_REF = re.compile(r"-m (jetrl_megatron(?:\.\w+)*)")
 
 
 # Files of NeMo-RL, vLLM and Megatron-Core the docs name without their folders.
@@ -177,6 +179,24 @@ def unresolved_dotted(doc: Path, mods: dict[str, Path]) -> list[str]:
         if n == 0 or (n < len(parts) and parts[n] not in top_names(mods[".".join(parts[:n])])):
             bad.append(ref)
     return bad
+
+
+def unrunnable_modules(path: Path, root: Path = PKG) -> list[str]:
+    """``-m jetrl_megatron.x.y`` in ``path`` where ``jetrl_megatron/x/y.py`` (or its ``__main__.py``) does not exist."""
+    bad = []
+    for ref in sorted(set(RUN_REF.findall(path.read_text()))):
+        rel = Path(*ref.split(".")[1:]) if "." in ref else Path()
+        if not ((root / rel).with_suffix(".py").is_file() or (root / rel / "__main__.py").is_file()):
+            bad.append(ref)
+    return bad
+
+
+def command_texts() -> list[Path]:
+    """Where users and scripts find commands: the docs, bench results, the Makefile, the SLURM template, the
+    scripts, recipes and the package's own messages (run logs under bench/ are history, not instructions)."""
+    globs = ("slurm/*", "bench/*.sh", "tools/*.sh", "recipes/**/*.yaml", "patches/*.md", "jetrl_megatron/**/*.py")
+    return [*docs(), ROOT / "bench" / "RESULTS.md", ROOT / "Makefile",
+            *sorted(p for g in globs for p in ROOT.glob(g) if p.is_file())]
 
 
 def docs() -> list[Path]:
@@ -240,6 +260,12 @@ def test_doc_paths_resolve(doc):
     assert unresolved_doc_paths(doc) == [] and unresolved_dotted(doc, mods) == []
 
 
+def test_every_python_dash_m_names_a_runnable_module():
+    texts = command_texts()
+    assert sum(bool(RUN_REF.search(p.read_text())) for p in texts) >= 8  # the references were found, not none
+    assert {str(p.relative_to(ROOT)): unrunnable_modules(p) for p in texts if unrunnable_modules(p)} == {}
+
+
 # ------------------------------------------------------------------------------- the checks catch what they should
 
 
@@ -269,6 +295,19 @@ def test_checks_catch_a_cycle_a_twin_name_and_an_upward_import(tmp_path):
     assert duplicate_basenames(root, {"c.py": {"fp8/c.py", "rl/c.py"}}) == {}
     assert upward_imports(graph) == []  # the fp8 -> rl import is inside a function
     assert upward_imports(import_graph(mods, top_only=False)) == ["jetrl_megatron.fp8.c -> jetrl_megatron.rl.a"]
+
+
+def test_run_check_catches_a_module_that_is_not_there(tmp_path):
+    pkg = tmp_path / "jetrl_megatron"
+    (pkg / "rl" / "tools").mkdir(parents=True)
+    (pkg / "cli.py").write_text("")
+    (pkg / "rl" / "tools" / "dose_response.py").write_text("")
+    (pkg / "rl" / "tools" / "__main__.py").write_text("")
+    doc = tmp_path / "x.md"
+    doc.write_text("python -m jetrl_megatron.cli run; `python3 -m jetrl_megatron.rl.tools.dose_response d`\n"
+                   "    python -m jetrl_megatron.rl.dose_response d; python -m jetrl_megatron.rl.tools\n"
+                   "-m jetrl_megatron\n")
+    assert unrunnable_modules(doc, pkg) == ["jetrl_megatron", "jetrl_megatron.rl.dose_response"]
 
 
 def test_doc_check_catches_a_stale_path(tmp_path):
