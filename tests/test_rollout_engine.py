@@ -235,3 +235,23 @@ def test_sleep_is_a_documented_noop_on_cpu(setup):
         pytest.skip("CPU behaviour")
     assert engine.sleep() is False and engine.wake_up() is False
     assert len(engine.generate([[1, 2, 3]], max_tokens=2, seed=0)[0].token_ids) == 2
+
+
+def test_shutdown_leaves_the_next_engine_a_new_cuda_graph_pool():
+    """vLLM caches one CUDA-graph pool handle per process on its platform class; an engine's shutdown drops it, so
+    the next engine's graphs are captured into a new pool (the old one's reuse fails PyTorch's allocator assert;
+    tests/test_rollout_stress_gpu.py starts two graph-capturing engines in one process on the GPU)."""
+    from vllm.platforms import current_platform
+
+    from jetrl_megatron.rollout.engine import forget_cuda_graph_pool
+
+    platform_cls = type(current_platform)
+    saved = platform_cls.__dict__.get("_global_graph_pool")
+    platform_cls._global_graph_pool = handle = (0, 7)  # what torch.cuda.graph_pool_handle() returns: a pool id pair
+    try:
+        assert current_platform.get_global_graph_pool() is handle  # vLLM's own getter returns the cached handle
+        forget_cuda_graph_pool()
+        assert platform_cls._global_graph_pool is None
+        forget_cuda_graph_pool()  # nothing cached: a no-op
+    finally:
+        platform_cls._global_graph_pool = saved

@@ -109,16 +109,19 @@ def _linear_seconds(x: torch.Tensor, w: torch.Tensor, fmt) -> dict[str, float]:
     import torch.nn.functional as F
 
     from jetrl_megatron.fp8.stress import quantize_act, quantize_weight
-    from jetrl_megatron.fp8.stress_linear import stress_gemm, stress_linear
+    from jetrl_megatron.fp8.stress_linear import quantize_act_codes, stress_gemm, stress_linear
 
-    xq, xs = quantize_act(x.detach(), fmt)
+    xq, xs = quantize_act_codes(x.detach(), fmt)
     wq, ws = quantize_weight(w.detach(), fmt)
     t = {}
     with torch.no_grad():
         t["bf16 fwd"] = _cuda_seconds(lambda: F.linear(x, w))
         t["stress fwd"] = _cuda_seconds(lambda: stress_linear(x, w, None, fmt))
-        t["quantize x"] = _cuda_seconds(lambda: quantize_act(x, fmt))
+        t["quantize x"] = _cuda_seconds(lambda: quantize_act_codes(x, fmt))
+        t["quantize x (torch twin)"] = _cuda_seconds(lambda: quantize_act(x, fmt))
         t["group sum"] = _cuda_seconds(lambda: stress_gemm(xq, xs, wq, ws, None, torch.bfloat16, True))
+        t["group sum (torch twin)"] = _cuda_seconds(
+            lambda: stress_gemm(xq.float(), xs, wq, ws, None, torch.bfloat16, False))
     t["bf16 fwd+bwd"] = _cuda_seconds(lambda: F.linear(x, w).sum().backward())
     t["stress fwd+bwd"] = _cuda_seconds(lambda: stress_linear(x, w, None, fmt).sum().backward())
     return t

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from jetrl_megatron.fp8 import stress_kernels
 from jetrl_megatron.fp8.stress import StressFormat, dequantize, quantize_act, quantize_weight
 
 # formats whose codes are integers: a K group's code products sum exactly in int32, on int8 tensor cores
@@ -18,6 +19,12 @@ INTEGER_ELEMENTS = ("int4", "int3")
 def _int8_products(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor | None:
     """xq (M, k) @ wq (N, k)^T for integer codes in [-127, 127], exact (int32 accumulation: |sum| < k * 49), as FP64;
     None where ``torch._int_mm`` cannot take these sizes (then the FP64 GEMM computes the same numbers)."""
+    products = _int32_products(xq, wq)
+    return None if products is None else products.double()
+
+
+def _int32_products(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor | None:
+    """``_int8_products`` as the int32 GEMM output itself."""
     m, k = xq.shape
     n = wq.shape[0]
     if k % 8 or n % 8 or (xq.is_cuda and k <= 16):
@@ -30,7 +37,7 @@ def _int8_products(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor | None:
         out = torch._int_mm(a.contiguous(), wq.to(torch.int8).contiguous().t())
     except RuntimeError:  # a build without this int8 GEMM
         return None
-    return out[:m].double()
+    return out[:m]
 
 
 def stress_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
@@ -49,6 +56,10 @@ def stress_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.
         raise ValueError(f"stress_gemm: codes x {tuple(xq.shape)} / w {tuple(wq.shape)} and scales x "
                          f"{tuple(xs.shape)} / w {tuple(ws.shape)} do not fit one another")
     g = k // groups
+    if integer_codes and groups == 1:  # one K group: the scaled sum as one kernel over the int32 products (CUDA)
+        products = _int32_products(xq, wq)
+        if products is not None and stress_kernels.scaled_products_supported(products, out_dtype):
+            return stress_kernels.scaled_int_products(products, xs, ws, bias, out_dtype)
     xs64, ws64 = xs.double(), ws.double()
     acc = torch.zeros(m, n, dtype=torch.float64, device=xq.device)
     for j in range(groups):
@@ -60,6 +71,14 @@ def stress_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.
     if bias is not None:
         acc = acc + bias.double()
     return acc.to(out_dtype)
+
+
+def quantize_act_codes(x2d: torch.Tensor, fmt: StressFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_act``'s codes and scales; for the INT formats on CUDA from one kernel, as int8 codes (the same
+    values: the GEMM reads int8, ``dequantize`` any dtype)."""
+    if stress_kernels.int_codes_supported(x2d, fmt):
+        return stress_kernels.int_codes(x2d, fmt)
+    return quantize_act(x2d, fmt)
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, fmt: StressFormat) -> None:
@@ -88,7 +107,7 @@ def stress_linear_forward_quantized(x: torch.Tensor, wq: torch.Tensor, ws: torch
     ``weight_code_storage``, and scales): the rollout quantizes a weight once per refit, not at every call."""
     _check_operands(x, wq, fmt)
     x2d = x.reshape(-1, x.shape[-1])
-    y = stress_gemm(*quantize_act(x2d, fmt), wq, ws, bias, x.dtype, fmt.element in INTEGER_ELEMENTS)
+    y = stress_gemm(*quantize_act_codes(x2d, fmt), wq, ws, bias, x.dtype, fmt.element in INTEGER_ELEMENTS)
     return y.reshape(*x.shape[:-1], wq.shape[0])
 
 
@@ -99,7 +118,7 @@ class _StressLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, fmt):
         x2d = x.reshape(-1, x.shape[-1])
-        xq, xs = quantize_act(x2d, fmt)
+        xq, xs = quantize_act_codes(x2d, fmt)
         wq, ws = quantize_weight(weight.detach(), fmt)
         y = stress_gemm(xq, xs, wq, ws, bias, x.dtype, fmt.element in INTEGER_ELEMENTS)
         ctx.save_for_backward(dequantize(xq, xs, x.dtype), dequantize(wq, ws, weight.dtype))

@@ -32,6 +32,8 @@ import torch
 from torch import Tensor
 
 from jetrl_megatron.fp8.linear import attach_input_forms
+from jetrl_megatron.fp8.triton_common import interpreting
+from jetrl_megatron.fp8.triton_common import launch_opts as _launch_opts
 from jetrl_megatron.recipe import Fp8Recipe
 
 try:
@@ -40,6 +42,7 @@ try:
     from triton.language.extra import libdevice
 
     from jetrl_megatron.fp8 import kernels as fp8_kernels  # the FP8 scale rule and cast, for the fused norm + quant
+    from jetrl_megatron.fp8.triton_common import round_bf16 as _round_bf16
 except ImportError:  # CPU installs without triton: numerics.py keeps using its torch twins
     triton = None
 
@@ -55,31 +58,6 @@ def available() -> bool:
     return triton is not None
 
 
-def interpreting() -> bool:
-    """True under the Triton interpreter. Asked from Triton itself: ``TRITON_INTERPRET`` is Triton's switch (it
-    decides, when a kernel is defined, whether it runs interpreted), not one of this project's."""
-    return triton is not None and bool(triton.knobs.runtime.interpret)
-
-
-_CUDA_OPTS: list = []
-
-
-def _launch_opts() -> dict:
-    """No FMA contraction; non-FTZ libdevice (``expf``/``rsqrtf`` as in torch's non-FTZ CUDA build) where the
-    installed triton has that option."""
-    if interpreting():
-        return {}
-    if not _CUDA_OPTS:
-        opts = {"enable_fp_fusion": False}
-        try:
-            from triton.backends.nvidia.compiler import CUDAOptions
-
-            if "enable_reflect_ftz" in CUDAOptions.__dataclass_fields__:
-                opts["enable_reflect_ftz"] = False
-        except ImportError:
-            pass
-        _CUDA_OPTS.append(opts)
-    return _CUDA_OPTS[0]
 
 
 def _num_programs_cap(t: Tensor) -> int:
@@ -100,17 +78,6 @@ def _rows(x: Tensor, n: int) -> Tensor:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _round_bf16(x, EMU_BF16: tl.constexpr):
-        """FP32 -> the nearest-even BF16 value, kept in FP32."""
-        if EMU_BF16:
-            b = x.to(tl.uint32, bitcast=True)
-            b = b + 0x7FFF + ((b >> 16) & 1)
-            b = (b >> 16) << 16
-            return b.to(tl.float32, bitcast=True)
-        else:
-            return x.to(tl.bfloat16).to(tl.float32)
 
     @triton.jit
     def _exp(x, INTERP: tl.constexpr):

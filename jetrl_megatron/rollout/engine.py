@@ -132,6 +132,20 @@ class RefitReport:
     reloaded: int = 0
 
 
+def forget_cuda_graph_pool() -> None:
+    """Drop vLLM's cached CUDA-graph memory pool handle, so the next engine in this process captures into a new pool.
+
+    Why: vLLM keeps one graph pool per process (its platform class caches the handle). Once an engine is shut down
+    its graphs are gone and PyTorch's allocator holds that pool with no user; capturing into it again fails the
+    allocator's internal assert (``use_count > 0``; the second engine of one process on an H100, 2026-12-07).
+    """
+    from vllm.platforms import current_platform
+
+    platform_cls = type(current_platform)
+    if getattr(platform_cls, "_global_graph_pool", None) is not None:
+        platform_cls._global_graph_pool = None
+
+
 class RolloutEngine:
     def __init__(self, config: RolloutConfig):
         self.config = config
@@ -366,6 +380,7 @@ class RolloutEngine:
                 engine_core_module.cleanup_dist_env_and_memory = saved
         self.llm = None
         gc.collect()
+        forget_cuda_graph_pool()
         if self._external_process_group:
             forget_vllm_groups()
         else:
