@@ -18,7 +18,9 @@
 #              runs are adopted, not run again, when this machine's warm start is the same to the last bit (`jetrl
 #              compare --reuse-from`). On the GPU it was not (2026-12-06: the short warm start's loss differed from
 #              its second logged point on), so a round finishing arms on another machine runs BF16 again beside
-#              them, e.g. LEARN_ARMS=bf16,offpolicy_int4_tensor,unified_int4_tensor
+#              them, e.g. LEARN_ARMS=bf16,offpolicy_int4_tensor,unified_int4_tensor. Each run checkpoints every 5
+#              steps (the newest kept): the same command again on the same machine (a call cut at its limit) keeps
+#              the finished runs and continues the cut ones from their last checkpoint (`jetrl compare --reuse`)
 # Everything the runs write stays in /tmp/jetrl_long/<length>; OUT_DIR gets the metrics, summaries, logs and plots
 # (not the model directories). TIME_LIMIT (seconds) stops the harness so what was written is still copied out.
 set -euo pipefail
@@ -33,7 +35,8 @@ long_ov=(data.train.num_terms=205 policy.generation.max_new_tokens=1056 policy.m
 short_ov=(grpo.max_num_steps=30)
 learn_ov=("${long_ov[@]/policy.jet_rl.sft_warmstart.stop_at_loss=0.001/policy.jet_rl.sft_warmstart.stop_at_loss=${LEARN_STOP:-0.01}}"
           "grpo.max_num_steps=${LEARN_STEPS:-20}" "policy.megatron_cfg.optimizer.lr=${LEARN_LR:-3e-5}"
-          "policy.megatron_cfg.optimizer.min_lr=${LEARN_LR:-3e-5}" policy.jet_rl.stress.gpu=true grpo.val_period=5)
+          "policy.megatron_cfg.optimizer.min_lr=${LEARN_LR:-3e-5}" policy.jet_rl.stress.gpu=true grpo.val_period=5
+          checkpointing.enabled=true checkpointing.save_period=5 checkpointing.keep_top_k=1)
 learn_arms=${LEARN_ARMS:-bf16,bf16_train_fp8_rollout,jetrl,offpolicy_int4_tensor,unified_int4_tensor}
 common=(logger.tensorboard_enabled=false)
 compare() {  # length parallel [flags...]

@@ -59,8 +59,9 @@ def _compare_args(c: argparse.ArgumentParser) -> None:
                    help="arm runs at once after the warm start (each its own process, output to <run dir>.log); on "
                         "one GPU they share it, so set vllm_cfg.gpu_memory_utilization to leave room for all")
     c.add_argument("--reuse", action="store_true",
-                   help="skip a run whose log dir holds an ok summary.json and the same configuration (without it, "
-                        "every run starts afresh and its earlier output is removed)")
+                   help="skip a run whose log dir holds an ok summary.json and the same configuration, and continue "
+                        "one cut before its end from its newest checkpoint (same configuration, checkpointing "
+                        "enabled); without it, every run starts afresh and its earlier output is removed")
     c.add_argument("--reuse-from", default=None, metavar="DIR",
                    help="an earlier comparison's output (another machine's, a committed copy): when this run's warm "
                         "start is the same (weights SHA-256; loss curve for older summaries), its finished runs with "

@@ -200,6 +200,51 @@ def test_finished_needs_ok_and_same_config(tmp_path):
     assert compare.finished(d, cfg) and not compare.finished(d, {"grpo": {"seed": 43}})
 
 
+def test_a_cut_run_resumes_only_with_the_same_config_and_a_complete_checkpoint(tmp_path):
+    d = tmp_path / "arm" / "seed42"
+    ckpts = d / "checkpoints"
+    cfg = {"grpo": {"seed": 42}, "checkpointing": {"enabled": True, "checkpoint_dir": str(ckpts)}}
+    assert compare.resumable(d, cfg) is None  # nothing there
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert compare.resumable(d, cfg) is None  # cut before its first checkpoint
+    (ckpts / "step_2").mkdir(parents=True)
+    assert compare.resumable(d, cfg) is None  # a checkpoint being written (no COMPLETE mark) is none
+    (ckpts / "step_2" / "COMPLETE").write_text("")
+    (ckpts / "step_4.tmp").mkdir()
+    assert compare.resumable(d, cfg) == ckpts / "step_2"
+    (ckpts / "step_10").mkdir()
+    (ckpts / "step_10" / "COMPLETE").write_text("")
+    assert compare.resumable(d, cfg) == ckpts / "step_10"  # the newest complete one, by step number
+    assert compare.resumable(d, {**cfg, "grpo": {"seed": 43}}) is None  # another configuration
+    off = {**cfg, "checkpointing": {**cfg["checkpointing"], "enabled": False}}
+    (d / "config.yaml").write_text(yaml.safe_dump(off))
+    assert compare.resumable(d, off) is None  # checkpointing off: nothing to resume from by design
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (d / "summary.json").write_text(json.dumps({"ok": True}))
+    assert compare.resumable(d, cfg) is None  # finished: reused, not resumed
+
+
+def test_reuse_continues_a_cut_run_and_keeps_each_parts_log(tmp_path, capsys):
+    from jetrl_megatron.rl.tools.compare_runner import fresh_run_command
+
+    d = tmp_path / "arm" / "seed42"
+    cfg = {"grpo": {"seed": 42}, "checkpointing": {"enabled": True, "checkpoint_dir": str(d / "checkpoints")}}
+    (d / "checkpoints" / "step_5").mkdir(parents=True)
+    (d / "checkpoints" / "step_5" / "COMPLETE").write_text("")
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    log = d.with_suffix(".log")
+    for part in (1, 2):
+        log.write_text(f"part {part}\n")
+        argv = fresh_run_command("tiny_cpu", d, ["grpo.seed=42"], cfg, reuse=True)
+        assert argv == ["run", "--recipe", "tiny_cpu", "grpo.seed=42"]
+        assert (d / "checkpoints" / "step_5" / "COMPLETE").exists() and not log.exists()
+        assert (d.parent / f"seed42.part{part}.log").read_text() == f"part {part}\n"
+        assert f"resuming {d} from step_5" in capsys.readouterr().out
+    # without --reuse the run starts afresh: its earlier output (checkpoints included) is removed
+    assert fresh_run_command("tiny_cpu", d, [], cfg, reuse=False) is not None and not d.exists()
+
+
 # ------------------------------------------------------------------------------------------------ end to end
 
 # keys the arm itself sets (NeMo-RL's switches that select it, and the restated arm) and the per-run paths

@@ -23,6 +23,7 @@ import numpy as np
 import yaml
 
 from jetrl_megatron.recipe import ARM_BY_SWITCHES
+from jetrl_megatron.rl.outputs.checkpoint_format import complete_checkpoints
 from jetrl_megatron.rl.outputs.metric_log import read_metrics, save_step_figure
 from jetrl_megatron.rl.stress_arms import compare_arm_overrides
 
@@ -73,6 +74,33 @@ def finished(log_dir: Path, expected_config: dict[str, Any]) -> bool:
     except (OSError, ValueError, yaml.YAMLError):
         return False
     return bool(summary.get("ok")) and config == expected_config
+
+
+def resumable(log_dir: Path, expected_config: dict[str, Any]) -> Path | None:
+    """A cut run `--reuse` continues instead of starting over: not finished, started with exactly the configuration
+    it would get now (checkpointing on), and holding a complete checkpoint (``jetrl run`` then resumes from its newest
+    usable one). That newest complete checkpoint, else None."""
+    try:
+        config = yaml.safe_load((log_dir / "config.yaml").read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    ckpt = (config or {}).get("checkpointing") or {}
+    if config != expected_config or not ckpt.get("enabled") or finished(log_dir, expected_config):
+        return None
+    done = complete_checkpoints(Path(ckpt["checkpoint_dir"]))
+    return done[-1] if done else None
+
+
+def keep_cut_log(log: Path) -> Path | None:
+    """Before a resumed run writes ``log`` afresh, the cut part's log moves aside as ``<name>.part<N>.log`` (N = 1,
+    2, ...: one per earlier part), so every part's output stays. Returns where it went (None: there was no log)."""
+    if not log.exists():
+        return None
+    n = 1
+    while (part := log.with_name(f"{log.stem}.part{n}{log.suffix}")).exists():
+        n += 1
+    log.rename(part)
+    return part
 
 
 def same_warmstart(src_out: Path, out: Path) -> tuple[bool, str]:

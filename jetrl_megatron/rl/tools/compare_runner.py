@@ -112,11 +112,19 @@ def comparison_plan(overrides: list[str], out: Path, arms: list[str], seeds: lis
 def fresh_run_command(recipe: str, log_dir: Path, overrides: list[str], expected: dict[str, Any],
                       reuse: bool) -> list[str] | None:
     """The `jetrl run` arguments of one run, or None when ``reuse`` finds it already finished with the same
-    configuration. Any other earlier output of the run is removed first: its checkpoints would otherwise be resumed
-    from, and they may come from another warm start or configuration."""
+    configuration. With ``reuse``, a run cut before its end with the same configuration and a complete checkpoint
+    is continued (`jetrl run` resumes from it; its cut log moves aside as ``<run>.part<N>.log``). Any other earlier
+    output of the run is removed first: its checkpoints would otherwise be resumed from, and they may come from
+    another warm start or configuration."""
     if reuse and compare.finished(log_dir, expected):
         print(f"   reusing {log_dir} (finished with the same configuration)", flush=True)
         return None
+    ckpt = compare.resumable(log_dir, expected) if reuse else None
+    if ckpt is not None:
+        kept = compare.keep_cut_log(log_dir.with_suffix(".log"))
+        print(f"   resuming {log_dir} from {ckpt.name} (cut before its end, same configuration)"
+              + (f"; its earlier log: {kept.name}" if kept else ""), flush=True)
+        return ["run", "--recipe", recipe, *overrides]
     if log_dir.exists():
         print(f"   removing the earlier output in {log_dir}", flush=True)
         shutil.rmtree(log_dir)
