@@ -3,7 +3,8 @@
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
 # Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|te|long|round OUT_DIR
 #   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
-#           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, phase memory)
+#           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, the INT stress kernels,
+#           phase memory)
 #   stage1, stage2  copy .vc/p1, .vc/p2 (one 44 MiB part per call: a call takes at most 64 MiB with the tree) for a
 #           bundle of more than two parts; the xz-compressed 0.26 bundle without the MoE library (tools/vllm_gpu_bundle.sh)
 #           has two, so stage0 is the only staging call
@@ -105,7 +106,8 @@ case $mode in
       python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } | tee "$out/machine.txt"
     [ "${TESTS:-1}" = 0 ] && exit 0
     timeout -s INT -k 30 "${RUN_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_fp8_kernels_gpu.py \
-      tests/test_fp8_backends_gpu.py tests/test_megatron_triton_numerics.py tests/test_rl_phase_memory.py > "$out/tests_novllm.log" 2>&1
+      tests/test_fp8_backends_gpu.py tests/test_megatron_triton_numerics.py tests/test_fp8_stress_kernels.py \
+      tests/test_rl_phase_memory.py > "$out/tests_novllm.log" 2>&1
     echo "tests rc $?"; grep -E "passed|failed|FAILED|SKIPPED|Error" "$out/tests_novllm.log" | tail -15 ;;
   stage1|stage2) cp ".vc/p${mode#stage}"/* /tmp/vc/ && ls -l /tmp/vc ;;
   suite)

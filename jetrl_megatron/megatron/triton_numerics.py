@@ -58,8 +58,6 @@ def available() -> bool:
     return triton is not None
 
 
-
-
 def _num_programs_cap(t: Tensor) -> int:
     if t.is_cuda:
         return 4 * torch.cuda.get_device_properties(t.device).multi_processor_count
