@@ -17,8 +17,10 @@
 #              of its own). LEARN_REUSE_FROM=dir (e.g. bench/long_response/learn_1k_h100): that round's finished
 #              runs are adopted, not run again, when this machine's warm start is the same to the last bit (`jetrl
 #              compare --reuse-from`). On the GPU it was not (2026-12-06: the short warm start's loss differed from
-#              its second logged point on), so a round finishing arms on another machine runs BF16 again beside
-#              them, e.g. LEARN_ARMS=bf16,offpolicy_int4_tensor,unified_int4_tensor. Each run checkpoints every 5
+#              its second logged point on; the attention backward's atomic adds), so a round finishing arms on
+#              another machine ran BF16 again beside them, e.g. LEARN_ARMS=bf16,offpolicy_int4_tensor,
+#              unified_int4_tensor; every mode now runs the fixed-order backward (below: whether that makes two
+#              machines' warm starts alike is not yet measured). Each run checkpoints every 5
 #              steps (the newest kept): the same command again on the same machine (a call cut at its limit) keeps
 #              the finished runs and continues the cut ones from their last checkpoint (`jetrl compare --reuse`)
 # Everything the runs write stays in /tmp/jetrl_long/<length>; OUT_DIR gets the metrics, summaries, logs and plots
@@ -38,7 +40,9 @@ learn_ov=("${long_ov[@]/policy.jet_rl.sft_warmstart.stop_at_loss=0.001/policy.je
           "policy.megatron_cfg.optimizer.min_lr=${LEARN_LR:-3e-5}" policy.jet_rl.stress.gpu=true grpo.val_period=5
           checkpointing.enabled=true checkpointing.save_period=5 checkpointing.keep_top_k=1)
 learn_arms=${LEARN_ARMS:-bf16,bf16_train_fp8_rollout,jetrl,offpolicy_int4_tensor,unified_int4_tensor}
-common=(logger.tensorboard_enabled=false)
+# the attention backward in its fixed-order kernel (docs/config.md `deterministic_backward`): without it two runs of
+# one step differ in the last bits, so no two warm starts were alike and every round ran BF16 again
+common=(logger.tensorboard_enabled=false policy.jet_rl.deterministic_backward=true)
 compare() {  # length parallel [flags...]
   local length=$1 parallel=$2
   shift 2
