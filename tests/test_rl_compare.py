@@ -128,7 +128,8 @@ def test_missing_keys(runs, tmp_path):
     assert "val/accuracy_sampled" not in a["curves"] and "val/accuracy_sampled@first" not in a["val"]
     assert "val/accuracy_sampled@last" in agg["jetrl"]["val"]
     table = compare.summary_table(agg)
-    assert "val acc sampled" in table and table.splitlines()[2].count("n/a") == 2  # bf16: no sampled columns
+    # bf16 logs no sampled validation: n/a in its sampled accuracy and sampled reward columns (first, last)
+    assert "val acc sampled" in table and table.splitlines()[2].count("n/a") == 4
     # no arm with sampled validation: no sampled columns at all; one seed: no std, no crash
     only = compare.aggregate({"bf16": {42: dirs["bf16"][42]}})
     table = compare.summary_table(only)
@@ -149,6 +150,16 @@ def test_tables_hold_the_numbers(runs):
         assert line.startswith(f"| {arm} | 3 | {np.mean(v0):.3f} ± {np.std(v0, ddof=1):.3f} |"), line
         assert f"| {np.mean(k3):.2e} ± {np.std(k3, ddof=1):.2e} |" in line
         assert " -> " in line
+        r_last = [rs[-1]["val/reward"] for rs in rows]  # the reward is not the accuracy here: its own columns
+        assert f"| {np.mean(r_last):.3f} ± {np.std(r_last, ddof=1):.3f} |" in line
+    assert "val reward greedy @ step 0" in lines[0] and "val reward sampled @ step 0" in lines[0]
+    for rs in (r for a in data.values() for r in a.values()):  # a binary task: reward == accuracy, no reward columns
+        for row in rs:
+            for key in [k for k in row if k.startswith("val/reward")]:
+                row[key] = row[key.replace("reward", "accuracy")]
+    binary = compare.aggregate({a: {s: _write(dirs[a][s].parent / f"bin{s}", data[a][s]) for s in SEEDS}
+                                for a in ARMS})
+    assert "reward greedy" not in compare.summary_table(binary).splitlines()[0]
     pos = compare.position_table(agg)
     assert pos.splitlines()[0] == "| arm | metric | pos 0 | pos 1 | pos 2-3 |"
     rows = [data["jetrl"][s] for s in SEEDS]

@@ -295,15 +295,21 @@ def _val_steps(arms: dict[str, Stats], key: str) -> str:
 
 
 def summary_table(arms: dict[str, Stats]) -> str:
-    """Markdown, one row per arm: validation (greedy, and sampled when logged) before and after GRPO, training
-    reward first -> last quarter, mismatch means over steps, s/step; every number mean ± std across seeds."""
-    val_cols = [("val/accuracy", "greedy")]
+    """Markdown, one row per arm: validation (greedy, and sampled when logged) before and after GRPO -- accuracy,
+    and the reward too where it is not the accuracy (partial credit: the count task's correct leading terms) --,
+    training reward first -> last quarter, mismatch means over steps, s/step; every number mean ± std across seeds."""
+    acc_cols = [("val/accuracy", "greedy")]
     if any("val/accuracy_sampled@first" in a["val"] for a in arms.values()):
-        val_cols.append(("val/accuracy_sampled", "sampled"))
+        acc_cols.append(("val/accuracy_sampled", "sampled"))
+    reward_cols = [(key.replace("accuracy", "reward"), label) for key, label in acc_cols
+                   if any(a["val"].get(key.replace("accuracy", "reward") + "@last") not in (None, a["val"].get(
+                       key + "@last")) for a in arms.values())]
+    val_cols = [(key, f"acc {label}") for key, label in acc_cols] + [(key, f"reward {label}")
+                                                                     for key, label in reward_cols]
     head = ["arm", "seeds"]
     for key, label in val_cols:
-        head += [f"val acc {label} @ step {_val_steps(arms, key + '@first')}",
-                 f"val acc {label} @ step {_val_steps(arms, key + '@last')}"]
+        head += [f"val {label} @ step {_val_steps(arms, key + '@first')}",
+                 f"val {label} @ step {_val_steps(arms, key + '@last')}"]
     head += ["train reward first q -> last q", "k3 KL", "token_mult_prob_error", "max abs dlogp", "s/step"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, a in arms.items():
