@@ -108,6 +108,41 @@ def test_the_kernels_refuse_what_they_do_not_take():
                                            torch.bfloat16)
 
 
+def _sm90_ptx(fn, signature: dict[str, str], constexprs: dict) -> str:
+    """``fn`` compiled for sm_90 with the project's launch options (Triton's CUDA backend compiles without a GPU)."""
+    pytest.importorskip("triton")
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:
+        pytest.skip(f"this triton cannot compile for CUDA here: {e}")
+    from jetrl_megatron.fp8.triton_common import launch_opts
+
+    sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, **launch_opts()}).asm["ptx"]
+
+
+def test_the_compiled_kernels_round_as_the_twins():
+    """The sm_90 PTX rounds every step as the torch twins: IEEE FP32 division (``div.rn``, no approximate one) in
+    the codes kernel; in the epilogue FP64 multiplies and adds each rounded on its own (no FMA), then FP64 -> FP32 ->
+    BF16 with round-to-nearest-even conversions (torch's cast from FP64)."""
+    ints = dict.fromkeys(("M", "GROUP", "stride_xm", "stride_qm", "stride_sm"), "i32")
+    codes = _sm90_ptx(stress_kernels._int_codes_kernel,
+                      {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", **ints, "eps": "fp32", "qmax": "fp32"},
+                      {"BLOCK_M": 4, "CHUNK": 1024})
+    assert "div.rn.f32" in codes and "div.full" not in codes and "div.approx" not in codes and "fma." not in codes
+    for has_bias, out in ((True, "bf16"), (False, "fp32")):
+        epi = _sm90_ptx(stress_kernels._scaled_products_kernel,
+                        {"p_ptr": "*i32", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": f"*{out}",
+                         **dict.fromkeys(("M", "N", "stride_pm", "stride_ym"), "i32")},
+                        {"HAS_BIAS": has_bias, "OUT_BF16": out == "bf16", "EMU_BF16": False, "BLOCK_M": 32,
+                         "BLOCK_N": 128})
+        assert "fma." not in epi and "mul.rn.f64" in epi and "cvt.rn.f32.f64" in epi, (has_bias, out)
+        assert ("add.rn.f64" in epi) == has_bias and ("cvt.rn.bf16.f32" in epi) == (out == "bf16"), (has_bias, out)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_int_stress_kernels_gpu():
