@@ -39,16 +39,20 @@ CODES_BLOCK_M, CODES_CHUNK = 4, 1024
 EPI_BLOCK_M, EPI_BLOCK_N = 32, 128
 
 
+def runs_on(t: torch.Tensor) -> bool:
+    """Whether these kernels can take ``t``'s device: CUDA, or any device under the Triton interpreter."""
+    return triton is not None and (t.is_cuda or interpreting())
+
+
 def int_codes_supported(x2d: torch.Tensor, fmt: StressFormat) -> bool:
     """Whether ``int_codes`` takes this activation: an INT format with FP32 scales, a BF16 / FP32 2-D tensor with unit
-    column stride, on CUDA (or any device under the interpreter)."""
-    return (triton is not None and fmt.element in INT_ELEMENTS and fmt.scale == "fp32" and x2d.dim() == 2
-            and x2d.dtype in _OUT_KINDS and x2d.stride(-1) == 1 and (x2d.is_cuda or interpreting()))
+    column stride, on a device the kernels run on."""
+    return (runs_on(x2d) and fmt.element in INT_ELEMENTS and fmt.scale == "fp32" and x2d.dim() == 2
+            and x2d.dtype in _OUT_KINDS and x2d.stride(-1) == 1)
 
 
 def scaled_products_supported(p: torch.Tensor, out_dtype: torch.dtype) -> bool:
-    return (triton is not None and p.dtype == torch.int32 and p.dim() == 2 and out_dtype in _OUT_KINDS
-            and (p.is_cuda or interpreting()))
+    return runs_on(p) and p.dtype == torch.int32 and p.dim() == 2 and out_dtype in _OUT_KINDS
 
 
 if triton is not None:

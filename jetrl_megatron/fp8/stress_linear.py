@@ -56,7 +56,7 @@ def stress_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.
         raise ValueError(f"stress_gemm: codes x {tuple(xq.shape)} / w {tuple(wq.shape)} and scales x "
                          f"{tuple(xs.shape)} / w {tuple(ws.shape)} do not fit one another")
     g = k // groups
-    if integer_codes and groups == 1:  # one K group: the scaled sum as one kernel over the int32 products (CUDA)
+    if integer_codes and groups == 1 and stress_kernels.runs_on(xq):  # one K group: the scaled sum in one kernel
         products = _int32_products(xq, wq)
         if products is not None and stress_kernels.scaled_products_supported(products, out_dtype):
             return stress_kernels.scaled_int_products(products, xs, ws, bias, out_dtype)

@@ -301,11 +301,11 @@ def summary_table(arms: dict[str, Stats]) -> str:
     acc_cols = [("val/accuracy", "greedy")]
     if any("val/accuracy_sampled@first" in a["val"] for a in arms.values()):
         acc_cols.append(("val/accuracy_sampled", "sampled"))
-    reward_cols = [(key.replace("accuracy", "reward"), label) for key, label in acc_cols
-                   if any(a["val"].get(key.replace("accuracy", "reward") + "@last") not in (None, a["val"].get(
-                       key + "@last")) for a in arms.values())]
-    val_cols = [(key, f"acc {label}") for key, label in acc_cols] + [(key, f"reward {label}")
-                                                                     for key, label in reward_cols]
+    val_cols = [(key, f"acc {label}") for key, label in acc_cols]
+    for key, label in acc_cols:
+        reward = key.replace("accuracy", "reward")
+        if any(a["val"].get(f"{reward}@last") not in (None, a["val"].get(f"{key}@last")) for a in arms.values()):
+            val_cols.append((reward, f"reward {label}"))
     head = ["arm", "seeds"]
     for key, label in val_cols:
         head += [f"val {label} @ step {_val_steps(arms, key + '@first')}",
