@@ -2,14 +2,13 @@
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
 # Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|te|long|round OUT_DIR
-#   stage0  copy the carried bundle part .vc/p0, install .whl (megatron-core, omegaconf, ... for Python 3.12), run the
-#           GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton numerics, the INT stress kernels,
-#           phase memory)
-#   stage1, stage2  copy .vc/p1, .vc/p2 (one 44 MiB part per call: a call takes at most 64 MiB with the tree) for a
-#           bundle of more than two parts; the xz-compressed 0.26 bundle without the MoE library (tools/vllm_gpu_bundle.sh)
-#           has two, so stage0 is the only staging call
-#   the other modes carry the last part (the one with SHA256: .vc/p1 for that bundle) and install the bundle once per
-#   machine from every part the machine has received
+#   stage0  copy the bundle parts carried in this call (.vc/p*) to /tmp/vc, install .whl (megatron-core, omegaconf,
+#           ... for Python 3.12), run the GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton
+#           numerics, the INT stress kernels, phase memory)
+#   stage1, stage2  copy the carried parts only (one 44 MiB part per call: a call takes at most 64 MiB with the tree)
+#   a call takes at most 64 MiB: the tree (15 MiB on 2026-12-07) + one 44 MiB part leaves ~5 MiB, so .whl (4 MiB)
+#   rides with the smaller last part: call 1 carries .vc/p1 and .whl (stage0), later calls .vc/p0; every mode
+#   copies the parts it was carried and installs the bundle once per machine, when all parts and SHA256 are there
 #   suite   install the vLLM 0.26 bundle; `make test-gpu ENV=system` (the whole GPU suite, one command, in this
 #           machine's Python: it has no internet for the venv)
 #   check   install the vLLM 0.26 bundle; FP8 FProp M-invariance per backend at the Qwen3-8B shapes
@@ -80,9 +79,13 @@ wheels() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && touch /tmp/site/.whl_ok
 }
+stage_parts() {  # the bundle parts this call carried (any of .vc/p0, p1, ...) into /tmp/vc, kept between calls
+  for part in .vc/p*/; do [ -d "$part" ] && cp "$part"* /tmp/vc/; done
+  ls -l /tmp/vc
+}
 vllm_bundle() {
   [ -f /tmp/site/.vllm_ok ] && return 0
-  cp .vc/p*/* /tmp/vc/ && cat /tmp/vc/part0* > /tmp/vllm026.tar && sha256sum -c /tmp/vc/SHA256 && mkdir -p /tmp/w \
+  stage_parts >/dev/null && cat /tmp/vc/part0* > /tmp/vllm026.tar && sha256sum -c /tmp/vc/SHA256 && mkdir -p /tmp/w \
     && tar xf /tmp/vllm026.tar -C /tmp/w && rm -f /tmp/vllm026.tar /tmp/vc/part0* \
     && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
        /tmp/w/.whl/*.whl && rm -rf /tmp/w && touch /tmp/site/.vllm_ok
@@ -100,7 +103,7 @@ layer_cost() {  # the Qwen3-8B layer's fwd+bwd at 8K tokens: bf16 attention vs v
 }
 case $mode in
   stage0)
-    cp .vc/p0/* /tmp/vc/ && ls -l /tmp/vc
+    stage_parts
     wheels > "$out/wheels.log" 2>&1 || { tail -20 "$out/wheels.log"; exit 1; }
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; free -g; df -h /tmp "$PWD";
       python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } | tee "$out/machine.txt"
@@ -109,7 +112,7 @@ case $mode in
       tests/test_fp8_backends_gpu.py tests/test_megatron_triton_numerics.py tests/test_fp8_stress_kernels.py \
       tests/test_rl_phase_memory.py > "$out/tests_novllm.log" 2>&1
     echo "tests rc $?"; grep -E "passed|failed|FAILED|SKIPPED|Error" "$out/tests_novllm.log" | tail -15 ;;
-  stage1|stage2) cp ".vc/p${mode#stage}"/* /tmp/vc/ && ls -l /tmp/vc ;;
+  stage1|stage2) stage_parts ;;
   suite)
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     python3 -c "import vllm, megatron.core; print('vllm', vllm.__version__, 'megatron-core', megatron.core.__version__)"

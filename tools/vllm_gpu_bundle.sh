@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build a vLLM bundle for the H200 test machine (torch 2.11.0+cu130, triton 3.6, Python 3.12, offline): an
 # xz-compressed tar of the slimmed wheels, split into 44 MiB parts under <repo>/<outdir>/p0, p1, ... (an ignored
-# folder): that machine takes at most 64 MiB per transfer, and each part travels with the working tree (~8 MiB) and,
-# with p0, .whl and the DeepGEMM cache (~5 MiB).
+# folder): that machine takes at most 64 MiB per transfer, and each part travels with the working tree (15 MiB on
+# 2026-12-07); .whl (4 MiB) rides with the smaller last part.
 # Usage, from the project's root:  bash tools/vllm_gpu_bundle.sh [VERSION] [OUTDIR]   (then see docs/vllm_gpu.md)
 #   VERSION  vLLM release: 0.26.0 (default; what our GPU numbers were measured on) or 0.20.0 (NeMo-RL v0.7.0's)
 #   OUTDIR   relative to the repository root; default .vc for 0.26, .vc<minor> otherwise (0.20.0 -> .vc20)
