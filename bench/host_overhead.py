@@ -1,0 +1,195 @@
+"""Host cost of the FP8 linear's pieces at the update's micro-batch size (issue 29 item 3).
+
+At ~2K tokens the Qwen3-8B layer in FP8 is host-bound: eager it ran 1.02x BF16, captured as CUDA graphs 1.24x
+(bench/RESULTS.md, 2026-12-07). This says where the host time goes, op by op, for each of the layer's four linears:
+
+- host us: wall time of N calls issued back to back (kernels are asynchronous; nothing syncs inside the loop);
+- device us: GPU time of the same N calls, measured with every launch already queued behind a GPU sleep, so no host
+  gap enters it;
+- an op whose host time exceeds its device time leaves the GPU idle at this M.
+
+Ops: the three FP8 quantizers, each GEMM form through the dispatch (`fp8/gemm.py`) and straight into the backend it
+resolves to (the difference is the dispatch's own cost), the whole autograd FP8 linear forward and forward+backward
+against BF16's, and two floors: an empty Triton kernel's launch and one ``torch.empty``.
+
+    python3 bench/host_overhead.py --tokens 2048 --out bench/host_overhead.json
+    TRITON_INTERPRET=1 python3 bench/host_overhead.py --tiny --iters 2   (a CPU smoke run: host times only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from jetrl_megatron.fp8 import gemm, quant_dispatch  # noqa: E402
+from jetrl_megatron.fp8.linear import fp8_linear  # noqa: E402
+from jetrl_megatron.model.shapes import get_model_shape  # noqa: E402
+from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
+
+
+@triton.jit
+def _noop_kernel(x_ptr):
+    """Stores nothing: the floor of one Triton launch from Python."""
+    pid = tl.program_id(0)
+    tl.store(x_ptr + pid, 0.0, mask=pid < 0)
+
+
+def linear_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """The layer's four FP8 linears as (N out, K in)."""
+    s = get_model_shape(preset)
+    q = s.num_attention_heads * s.head_dim
+    return {"qkv": (q + 2 * s.num_kv_heads * s.head_dim, s.hidden_size), "proj": (s.hidden_size, q),
+            "fc1": (2 * s.ffn_hidden_size, s.hidden_size), "fc2": (s.hidden_size, s.ffn_hidden_size)}
+
+
+def time_op(fn: Callable[[], object], iters: int, cuda: bool) -> dict[str, float | None]:
+    """(host us, device us) per call of ``fn`` (see the module docstring); device is None without CUDA."""
+    for _ in range(2):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host_us = (time.perf_counter() - t0) / iters * 1e6
+    if not cuda:
+        return {"host_us": host_us, "device_us": None}
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # hold the GPU long enough for the host to queue all N calls: then the events time the GPU alone
+    torch.cuda._sleep(int((host_us * iters * 1.5 + 2000) * 1.98e3))
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return {"host_us": host_us, "device_us": start.elapsed_time(end) / iters * 1e3}
+
+
+def linear_ops(m: int, n: int, k: int, recipe: Fp8Recipe, device: torch.device) -> dict[str, Callable[[], object]]:
+    """Every op timed for one (N, K) linear at M tokens, on random inputs."""
+    gen = torch.Generator(device=device).manual_seed(n * 31 + k)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16, generator=gen)
+    w = (torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * k ** -0.5).requires_grad_(True)
+    wq, ws = quant_dispatch.quant_weight(w.detach(), recipe)
+    xq, xs = quant_dispatch.quant_act(x, recipe)
+    gq, gs, gtq, gts = quant_dispatch.quant_dual(dy, recipe)
+    xtq, xts = quant_dispatch.regroup_for_wgrad(xq, xs, recipe)
+    operands = {"fprop": (xq, xs, wq, ws), "dgrad": (gq, gs, wq, ws), "wgrad": (gtq, gts, xtq, xts)}
+    dispatch = {"fprop": gemm.fp8_gemm_fprop, "dgrad": gemm.fp8_gemm_dgrad, "wgrad": gemm.fp8_gemm_wgrad}
+    xg = x.detach().clone().requires_grad_(True)
+    w_bf16 = w.detach().clone().requires_grad_(True)
+
+    def fp8_fwd_bwd() -> None:
+        fp8_linear(xg, w, recipe=recipe, weight_fp8=(wq, ws)).backward(dy)
+
+    def bf16_fwd_bwd() -> None:
+        torch.nn.functional.linear(xg, w_bf16).backward(dy)
+
+    ops: dict[str, Callable[[], object]] = {
+        "quant_act x": lambda: quant_dispatch.quant_act(x, recipe),
+        "quant_dual dY": lambda: quant_dispatch.quant_dual(dy, recipe),
+        "regroup x for WGrad": lambda: quant_dispatch.regroup_for_wgrad(xq, xs, recipe),
+    }
+    for form, args in operands.items():
+        name = gemm.resolve_backend(form, device, args[0].shape[0], None, recipe)
+        direct = gemm._EMULATED[form] if name == "emulated" else getattr(gemm.load_backend(name), form)
+        ops[f"{form} via dispatch"] = lambda f=dispatch[form], a=args: f(*a, recipe=recipe)
+        ops[f"{form} {name} direct"] = lambda f=direct, a=args: f(*a)
+    ops["fp8_linear fwd (no grad)"] = lambda: fp8_linear(x, w, recipe=recipe, weight_fp8=(wq, ws))
+    ops["fp8_linear fwd+bwd"] = fp8_fwd_bwd
+    ops["bf16 linear fwd+bwd"] = bf16_fwd_bwd
+    return ops
+
+
+def run(args: argparse.Namespace) -> dict:
+    cuda = torch.cuda.is_available()
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if not (cuda or interpret):
+        raise SystemExit("host_overhead: the FP8 kernels need CUDA (or TRITON_INTERPRET=1 for a CPU smoke run)")
+    device = torch.device("cuda" if cuda else "cpu")
+    recipe = Fp8Recipe(mode="jetrl")
+    rows = []
+    floor = torch.zeros(1, device=device)
+    floors = {"triton empty kernel launch": lambda: _noop_kernel[(1,)](floor),
+              "torch.empty 1 MiB": lambda: torch.empty(1 << 20, dtype=torch.uint8, device=device)}
+    for op, fn in floors.items():
+        rows.append({"linear": "-", "op": op, **time_op(fn, args.iters, cuda)})
+    for lin, (n, k) in linear_shapes(args.preset).items():
+        ops = linear_ops(args.tokens, n, k, recipe, device)
+        for op, fn in ops.items():
+            with torch.no_grad() if op.endswith("(no grad)") else torch.enable_grad():
+                rows.append({"linear": f"{lin} {n}x{k}", "op": op, **time_op(fn, args.iters, cuda)})
+            print(f"{lin:5s} {op:28s} host {rows[-1]['host_us']:9.1f} us  device "
+                  f"{rows[-1]['device_us'] if rows[-1]['device_us'] is None else round(rows[-1]['device_us'], 1)}",
+                  flush=True)
+    env = {"torch": torch.__version__, "triton": triton.__version__, "tokens": args.tokens, "preset": args.preset,
+           "iters": args.iters, "device": torch.cuda.get_device_name() if cuda else "cpu (TRITON_INTERPRET=1)",
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {"env": env, "rows": rows, "layer": layer_totals(rows)}
+
+
+def layer_totals(rows: list[dict]) -> dict[str, dict[str, float | None]]:
+    """The four linears' fwd+bwd summed, FP8 and BF16: host vs device per layer."""
+    out = {}
+    for arm in ("fp8_linear fwd+bwd", "bf16 linear fwd+bwd"):
+        picked = [r for r in rows if r["op"] == arm]
+        dev = [r["device_us"] for r in picked]
+        out[arm] = {"host_us": sum(r["host_us"] for r in picked),
+                    "device_us": None if None in dev else sum(dev)}
+    return out
+
+
+def markdown(result: dict) -> str:
+    env = result["env"]
+    lines = [f"Host vs device per call, {env['preset']} linears at {env['tokens']} tokens, {env['device']}, torch "
+             f"{env['torch']}, triton {env['triton']}, {env['iters']} calls per op, {env['date']}", "",
+             "| linear | op | host us | device us | host / device |", "|---|---|---|---|---|"]
+    for r in result["rows"]:
+        dev = r["device_us"]
+        ratio = "-" if not dev else f"{r['host_us'] / dev:.2f}"
+        lines.append(f"| {r['linear']} | {r['op']} | {r['host_us']:.1f} | {'-' if dev is None else f'{dev:.1f}'} "
+                     f"| {ratio} |")
+    lines += ["", "| the layer's four linears, fwd+bwd | host us | device us |", "|---|---|---|"]
+    for arm, t in result["layer"].items():
+        dev = t["device_us"]
+        lines.append(f"| {arm} | {t['host_us']:.1f} | {'-' if dev is None else f'{dev:.1f}'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=2048, help="M, the micro-batch's tokens (default 2048)")
+    ap.add_argument("--preset", default="qwen3-8b", help="model shape preset (default qwen3-8b)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny preset at 256 tokens (CPU smoke run)")
+    ap.add_argument("--iters", type=int, default=50, help="calls per op (default 50: ~500 launches queue at most)")
+    ap.add_argument("--out", help="write the rows as JSON here (and the table beside it as .md)")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.preset, args.tokens = "tiny", min(args.tokens, 256)
+    if args.tokens <= 0 or args.iters <= 0:
+        ap.error(f"--tokens and --iters must be positive (got {args.tokens}, {args.iters})")
+    result = run(args)
+    table = markdown(result)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

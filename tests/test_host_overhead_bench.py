@@ -1,0 +1,56 @@
+"""bench/host_overhead.py (issue 29 item 3: where the FP8 linear's host time goes) runs end to end on CPU under the
+Triton interpreter before its GPU run spends device time: every op of every linear is timed, the per-layer sums are
+the sums of the rows, and without CUDA or the interpreter it stops with one clear line and writes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench" / "host_overhead.py"
+
+
+def _run(tmp_path: Path, interpret: bool, *extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, str(BENCH), "--tiny", "--tokens", "128", "--iters", "1",
+                           "--out", str(tmp_path / "host.json"), *extra], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+
+
+def test_every_op_of_every_linear_is_timed(tmp_path):
+    pytest.importorskip("triton")
+    proc = _run(tmp_path, interpret=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "host.json").read_text())
+    rows = result["rows"]
+    linears = sorted({r["linear"] for r in rows} - {"-"})
+    assert [name.split()[0] for name in linears] == ["fc1", "fc2", "proj", "qkv"], linears
+    per_linear = {name: {r["op"] for r in rows if r["linear"] == name} for name in linears}
+    for name, ops in per_linear.items():
+        assert {"quant_act x", "quant_dual dY", "regroup x for WGrad", "fprop via dispatch", "dgrad via dispatch",
+                "wgrad via dispatch", "fp8_linear fwd+bwd", "bf16 linear fwd+bwd"} <= ops, (name, ops)
+        assert sum(op.endswith(" direct") for op in ops) == 3, ops
+    assert {r["op"] for r in rows if r["linear"] == "-"} == {"triton empty kernel launch", "torch.empty 1 MiB"}
+    assert all(r["host_us"] > 0 and r["device_us"] is None for r in rows)  # no CUDA here: host times only
+    fp8 = sum(r["host_us"] for r in rows if r["op"] == "fp8_linear fwd+bwd")
+    assert result["layer"]["fp8_linear fwd+bwd"]["host_us"] == pytest.approx(fp8)
+    assert "| the layer's four linears, fwd+bwd |" in (tmp_path / "host.md").read_text()
+
+
+def test_without_cuda_or_the_interpreter_it_refuses(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the bench runs there (bash bench/qwen3_8b_gpu.sh hostops)")
+    proc = _run(tmp_path, interpret=False)
+    assert proc.returncode != 0 and "need CUDA (or TRITON_INTERPRET=1" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "host.json").exists()
