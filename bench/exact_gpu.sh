@@ -70,7 +70,7 @@ case $mode in
     install > "$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }
     for impl in bf16 vllm_cuda; do
       timeout "${RUN_LIMIT:-150}" python3 bench/megatron_layer_bench.py --seq 8192 --iters 20 --warmup 5 \
-        --backends cublas --lean-swiglu --elementwise triton --attn-impl "$impl" --out "$out/layer_$impl.json" \
+        --backends cublas --lean-swiglu --elementwise triton --attn-impl "$impl" --out "$out/layer_$impl" \
         > "$out/layer_$impl.log" 2>&1; echo "layer $impl rc $?"; grep -iE "ms|ratio|x bf16" "$out/layer_$impl.log" | tail -8
     done ;;
   *) echo "usage: $0 stage0|stage1|check|tests|grpo|probe|suite|layer OUT_DIR" >&2; exit 2 ;;

@@ -98,7 +98,7 @@ layer_cost() {  # the Qwen3-8B layer's fwd+bwd at 8K tokens: bf16 attention vs v
     impl=${variant%%:*} norms=${variant#*:}; [ "$norms" = "$variant" ] && norms=batch_invariant
     tag=${variant/:/_}
     timeout 120 python3 bench/megatron_layer_bench.py --seq 8192 --iters 20 --warmup 5 --backends cublas \
-      --lean-swiglu --elementwise triton --attn-impl "$impl" --cuda-norms "$norms" --out "$out/layer_$tag.json" \
+      --lean-swiglu --elementwise triton --attn-impl "$impl" --cuda-norms "$norms" --out "$out/layer_$tag" \
       > "$out/layer_$tag.log" 2>&1
     echo "layer $tag rc $?"; grep -iE " ms|ratio|x bf16" "$out/layer_$tag.log" | tail -6
   done
@@ -272,14 +272,14 @@ PY
     echo "kernels bench rc $?"; tail -25 "$out/kernels_swiglu.log"
     timeout 300 python3 bench/megatron_layer_bench.py --seq 8192 --iters 20 --warmup 5 --backends auto --lean-swiglu \
       --elementwise triton --fuse-swiglu-grad-quant off,on --swiglu-fp8-forms off,on ${GRAPH:+--cuda-graph} \
-      --out "$out/layer_fuse.json" > "$out/layer_fuse.log" 2>&1
+      --out "$out/layer_fuse" > "$out/layer_fuse.log" 2>&1
     echo "layer bench rc $?"; grep "^|" "$out/layer_fuse.log" | tail -16 ;;
   hostgap)  # issue 29 item 3 at the size the 8B update runs (micro-batch 2 x ~1.1K tokens): the Qwen3-8B layer fwd+bwd
     # eager vs captured as CUDA graphs, jetrl and bf16 side by side, and cProfile of the host side of one fwd+bwd
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     timeout "${RUN_LIMIT:-200}" python3 bench/megatron_layer_bench.py --seq "${SEQ:-2048}" --iters 30 --warmup 5 \
       --backends auto --lean-swiglu --elementwise triton --cuda-graph --host-profile \
-      --out "$out/layer_hostgap_seq${SEQ:-2048}.json" > "$out/layer_hostgap.log" 2>&1
+      --out "$out/layer_hostgap_seq${SEQ:-2048}" > "$out/layer_hostgap.log" 2>&1
     echo "layer bench rc $?"; grep "^|" "$out/layer_hostgap.log" | tail -40 ;;
   hostops)  # issue 29 item 3, op by op: host vs device us of the FP8 linear's pieces at TOKENS (default "2048 4128")
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
