@@ -8,9 +8,10 @@ At ~2K tokens the Qwen3-8B layer in FP8 is host-bound: eager it ran 1.02x BF16, 
   gap enters it;
 - an op whose host time exceeds its device time leaves the GPU idle at this M.
 
-Ops: the three FP8 quantizers, each GEMM form through the dispatch (`fp8/gemm.py`) and straight into the backend it
-resolves to (the difference is the dispatch's own cost), the whole autograd FP8 linear forward and forward+backward
-against BF16's, and two floors: an empty Triton kernel's launch and one ``torch.empty``.
+Ops: the three FP8 quantizers, each GEMM form through the dispatch (`fp8/gemm.py`) and straight into every backend
+the machine has (the dispatch's own cost, and which backend is cheapest to issue at this M: cuBLASLt's blockwise
+FP8 call looked like the costliest host item in the layer's cProfile), the whole autograd FP8 linear forward and
+forward+backward against BF16's, and two floors: an empty Triton kernel's launch and one ``torch.empty``.
 
     python3 bench/host_overhead.py --tokens 2048 --out bench/host_overhead.json
     TRITON_INTERPRET=1 python3 bench/host_overhead.py --tiny --iters 2   (a CPU smoke run: host times only)
@@ -103,11 +104,14 @@ def linear_ops(m: int, n: int, k: int, recipe: Fp8Recipe, device: torch.device) 
         "quant_dual dY": lambda: quant_dispatch.quant_dual(dy, recipe),
         "regroup x for WGrad": lambda: quant_dispatch.regroup_for_wgrad(xq, xs, recipe),
     }
+    backends = [b for b in gemm.GPU_BACKENDS if gemm.load_backend(b) is not None] if device.type == "cuda" else []
     for form, args in operands.items():
-        name = gemm.resolve_backend(form, device, args[0].shape[0], None, recipe)
-        direct = gemm._EMULATED[form] if name == "emulated" else getattr(gemm.load_backend(name), form)
-        ops[f"{form} via dispatch"] = lambda f=dispatch[form], a=args: f(*a, recipe=recipe)
-        ops[f"{form} {name} direct"] = lambda f=direct, a=args: f(*a)
+        picked = gemm.resolve_backend(form, device, args[0].shape[0], None, recipe)
+        ops[f"{form} via dispatch ({picked})"] = lambda f=dispatch[form], a=args: f(*a, recipe=recipe)
+        # every backend this machine has, straight in: the dispatch's own cost, and each backend's host cost at this M
+        for name in backends or ["emulated"]:
+            direct = gemm._EMULATED[form] if name == "emulated" else getattr(gemm.load_backend(name), form)
+            ops[f"{form} {name} direct"] = lambda f=direct, a=args: f(*a)
     ops["fp8_linear fwd (no grad)"] = lambda: fp8_linear(x, w, recipe=recipe, weight_fp8=(wq, ws))
     ops["fp8_linear fwd+bwd"] = fp8_fwd_bwd
     ops["bf16 linear fwd+bwd"] = bf16_fwd_bwd
