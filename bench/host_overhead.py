@@ -10,8 +10,8 @@ At ~2K tokens the Qwen3-8B layer in FP8 is host-bound: eager it ran 1.02x BF16, 
 
 Ops: the three FP8 quantizers, each GEMM form through the dispatch (`fp8/gemm.py`) and straight into every backend
 the machine has (the dispatch's own cost, and which backend is cheapest to issue at this M: cuBLASLt's blockwise
-FP8 call looked like the costliest host item in the layer's cProfile), the whole autograd FP8 linear forward and
-forward+backward against BF16's, and two floors: an empty Triton kernel's launch and one ``torch.empty``.
+FP8 call was among the top host items of one layer cProfile at 2K tokens, not at 8K), the whole autograd FP8 linear
+forward and forward+backward against BF16's, and two floors: an empty Triton kernel's launch and one ``torch.empty``.
 
     python3 bench/host_overhead.py --tokens 2048 --out bench/host_overhead.json
     TRITON_INTERPRET=1 python3 bench/host_overhead.py --tiny --iters 2   (a CPU smoke run: host times only)
