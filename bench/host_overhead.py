@@ -35,6 +35,7 @@ import triton.language as tl  # noqa: E402
 
 from jetrl_megatron.fp8 import gemm, quant_dispatch  # noqa: E402
 from jetrl_megatron.fp8.linear import fp8_linear  # noqa: E402
+from jetrl_megatron.fp8.triton_common import interpreting  # noqa: E402
 from jetrl_megatron.model.shapes import get_model_shape  # noqa: E402
 from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
 
@@ -120,8 +121,7 @@ def linear_ops(m: int, n: int, k: int, recipe: Fp8Recipe, device: torch.device) 
 
 def run(args: argparse.Namespace) -> dict:
     cuda = torch.cuda.is_available()
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if not (cuda or interpret):
+    if not (cuda or interpreting()):
         raise SystemExit("host_overhead: the FP8 kernels need CUDA (or TRITON_INTERPRET=1 for a CPU smoke run)")
     device = torch.device("cuda" if cuda else "cpu")
     recipe = Fp8Recipe(mode="jetrl")
