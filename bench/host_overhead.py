@@ -36,6 +36,7 @@ import triton.language as tl  # noqa: E402
 from jetrl_megatron.fp8 import gemm, quant_dispatch  # noqa: E402
 from jetrl_megatron.fp8.linear import fp8_linear  # noqa: E402
 from jetrl_megatron.fp8.triton_common import interpreting  # noqa: E402
+from jetrl_megatron.megatron.spec import per_rank_gemm_shapes  # noqa: E402
 from jetrl_megatron.model.shapes import get_model_shape  # noqa: E402
 from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
 
@@ -48,11 +49,11 @@ def _noop_kernel(x_ptr):
 
 
 def linear_shapes(preset: str) -> dict[str, tuple[int, int]]:
-    """The layer's four FP8 linears as (N out, K in)."""
-    s = get_model_shape(preset)
-    q = s.num_attention_heads * s.head_dim
-    return {"qkv": (q + 2 * s.num_kv_heads * s.head_dim, s.hidden_size), "proj": (s.hidden_size, q),
-            "fc1": (2 * s.ffn_hidden_size, s.hidden_size), "fc2": (s.hidden_size, s.ffn_hidden_size)}
+    """The layer's four FP8 linears as (N out, K in), one rank; fc1 as the layer runs it, gate and up in one GEMM."""
+    sizes = per_rank_gemm_shapes(get_model_shape(preset), tp=1)
+    fc1_n, fc1_k = sizes["mlp.linear_fc1"]
+    return {"qkv": sizes["self_attention.linear_qkv"], "proj": sizes["self_attention.linear_proj"],
+            "fc1": (2 * fc1_n, fc1_k), "fc2": sizes["mlp.linear_fc2"]}
 
 
 def time_op(fn: Callable[[], object], iters: int, cuda: bool) -> dict[str, float | None]:
