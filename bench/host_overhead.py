@@ -106,6 +106,9 @@ def linear_ops(m: int, n: int, k: int, recipe: Fp8Recipe, device: torch.device) 
         "quant_dual dY": lambda: quant_dispatch.quant_dual(dy, recipe),
         "regroup x for WGrad": lambda: quant_dispatch.regroup_for_wgrad(xq, xs, recipe),
     }
+    kernels = quant_dispatch._triton_kernels()
+    if kernels is not None:  # the one-pass dual quantizer: one launch instead of two (cheaper to issue at small M?)
+        ops["quant_dual dY one pass"] = lambda: kernels.quant_dual(dy, recipe, split=False)
     backends = [b for b in gemm.GPU_BACKENDS if gemm.load_backend(b) is not None] if device.type == "cuda" else []
     for form, args in operands.items():
         picked = gemm.resolve_backend(form, device, args[0].shape[0], None, recipe)

@@ -275,10 +275,11 @@ PY
       --out "$out/layer_fuse" > "$out/layer_fuse.log" 2>&1
     echo "layer bench rc $?"; grep "^|" "$out/layer_fuse.log" | tail -16 ;;
   hostgap)  # issue 29 item 3 at the size the 8B update runs (micro-batch 2 x ~1.1K tokens): the Qwen3-8B layer fwd+bwd
-    # eager vs captured as CUDA graphs, jetrl and bf16 side by side, and cProfile of the host side of one fwd+bwd
+    # eager vs captured as CUDA graphs, jetrl and bf16 side by side, and cProfile of the host side of one fwd+bwd;
+    # BACKENDS: the jetrl rows' gemm_backend values (default auto; e.g. auto,deep_gemm)
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     timeout "${RUN_LIMIT:-200}" python3 bench/megatron_layer_bench.py --seq "${SEQ:-2048}" --iters 30 --warmup 5 \
-      --backends auto --lean-swiglu --elementwise triton --cuda-graph --host-profile \
+      --backends "${BACKENDS:-auto}" --lean-swiglu --elementwise triton --cuda-graph --host-profile \
       --out "$out/layer_hostgap_seq${SEQ:-2048}" > "$out/layer_hostgap.log" 2>&1
     echo "layer bench rc $?"; grep "^|" "$out/layer_hostgap.log" | tail -40 ;;
   hostops)  # issue 29 item 3, op by op: host vs device us of the FP8 linear's pieces at TOKENS (default "2048 4128")
