@@ -11,9 +11,12 @@ At ~2K tokens the Qwen3-8B layer in FP8 is host-bound: eager it ran 1.02x BF16, 
 Ops: the three FP8 quantizers, each GEMM form through the dispatch (`fp8/gemm.py`) and straight into every backend
 the machine has (the dispatch's own cost, and which backend is cheapest to issue at this M: cuBLASLt's blockwise
 FP8 call was among the top host items of one layer cProfile at 2K tokens, not at 8K), the whole autograd FP8 linear
-forward and forward+backward against BF16's, and two floors: an empty Triton kernel's launch and one ``torch.empty``.
+forward and forward+backward against BF16's, the same math issued as bare pieces with no autograd around it, the FP8
+backward's body timed from inside (on CUDA autograd runs it on its own device thread: the rest of fwd+bwd is the
+engine's hand-over), optionally torch.profiler's CPU self time per op (every thread), and two floors: an empty
+Triton kernel's launch and one ``torch.empty``.
 
-    python3 bench/host_overhead.py --tokens 2048 --out bench/host_overhead.json
+    python3 bench/host_overhead.py --tokens 2048 --torch-profile --out bench/host_overhead.json
     TRITON_INTERPRET=1 python3 bench/host_overhead.py --tiny --iters 2   (a CPU smoke run: host times only)
 """
 
@@ -34,7 +37,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from jetrl_megatron.fp8 import gemm, quant_dispatch  # noqa: E402
-from jetrl_megatron.fp8.linear import fp8_linear  # noqa: E402
+from jetrl_megatron.fp8.linear import _Fp8LinearFunction, fp8_linear  # noqa: E402
 from jetrl_megatron.fp8.triton_common import interpreting  # noqa: E402
 from jetrl_megatron.megatron.spec import per_rank_gemm_shapes  # noqa: E402
 from jetrl_megatron.model.shapes import get_model_shape  # noqa: E402
@@ -120,7 +123,56 @@ def linear_ops(m: int, n: int, k: int, recipe: Fp8Recipe, device: torch.device) 
     ops["fp8_linear fwd (no grad)"] = lambda: fp8_linear(x, w, recipe=recipe, weight_fp8=(wq, ws))
     ops["fp8_linear fwd+bwd"] = fp8_fwd_bwd
     ops["bf16 linear fwd+bwd"] = bf16_fwd_bwd
+
+    def fp8_pieces() -> None:  # the autograd linear's math, issued from this thread with no autograd around it
+        aq, a_s = quant_dispatch.quant_act(x, recipe)
+        gemm.fp8_gemm_fprop(aq, a_s, wq, ws, recipe=recipe)
+        q, s, qt, st = quant_dispatch.quant_dual(dy, recipe)
+        gemm.fp8_gemm_dgrad(q, s, wq, ws, recipe=recipe)
+        rq, rs = quant_dispatch.regroup_for_wgrad(aq, a_s, recipe)
+        gemm.fp8_gemm_wgrad(qt, st, rq, rs, recipe=recipe)
+
+    def bf16_pieces() -> None:
+        torch.nn.functional.linear(x, w_bf16)
+        dy @ w_bf16
+        dy.t() @ x
+
+    ops["fp8 pieces fwd+bwd, no autograd"] = fp8_pieces
+    ops["bf16 pieces fwd+bwd, no autograd"] = bf16_pieces
     return ops
+
+
+def backward_body_us(fwd_bwd: Callable[[], object], iters: int) -> float:
+    """Mean wall time of the FP8 linear's backward body per call, timed inside it: on CUDA autograd runs it on its
+    device thread, so this against the whole fwd+bwd separates the body from the engine's hand-over around it."""
+    fn_cls = _Fp8LinearFunction
+    original = fn_cls.backward
+    spent = []
+
+    def timed(ctx, dy):
+        t0 = time.perf_counter()
+        out = original(ctx, dy)
+        spent.append(time.perf_counter() - t0)
+        return out
+
+    fn_cls.backward = staticmethod(timed)
+    try:
+        for _ in range(iters):
+            fwd_bwd()
+    finally:
+        fn_cls.backward = staticmethod(original)
+    return sum(spent) / len(spent) * 1e6
+
+
+def torch_profile(fn: Callable[[], object], iters: int, top: int) -> str:
+    """torch.profiler's CPU self time per op over ``iters`` calls (every thread, the autograd device thread too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            fn()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -129,7 +181,8 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("host_overhead: the FP8 kernels need CUDA (or TRITON_INTERPRET=1 for a CPU smoke run)")
     device = torch.device("cuda" if cuda else "cpu")
     recipe = Fp8Recipe(mode="jetrl")
-    rows = []
+    rows: list[dict] = []
+    profiles: dict[str, str] = {}
     floor = torch.zeros(1, device=device)
     floors = {"triton empty kernel launch": lambda: _noop_kernel[(1,)](floor),
               "torch.empty 1 MiB": lambda: torch.empty(1 << 20, dtype=torch.uint8, device=device)}
@@ -143,16 +196,27 @@ def run(args: argparse.Namespace) -> dict:
             print(f"{lin:5s} {op:28s} host {rows[-1]['host_us']:9.1f} us  device "
                   f"{rows[-1]['device_us'] if rows[-1]['device_us'] is None else round(rows[-1]['device_us'], 1)}",
                   flush=True)
+        body = backward_body_us(ops["fp8_linear fwd+bwd"], args.iters)
+        rows.append({"linear": f"{lin} {n}x{k}", "op": "fp8_linear backward body (timed inside)", "host_us": body,
+                     "device_us": None})
+        if args.torch_profile and not profiles:  # the first linear only: one table per arm is enough to read
+            profiles = {arm: torch_profile(ops[arm], args.iters, 20)
+                        for arm in ("fp8_linear fwd+bwd", "bf16 linear fwd+bwd")}
     env = {"torch": torch.__version__, "triton": triton.__version__, "tokens": args.tokens, "preset": args.preset,
            "iters": args.iters, "device": torch.cuda.get_device_name() if cuda else "cpu (TRITON_INTERPRET=1)",
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    return {"env": env, "rows": rows, "layer": layer_totals(rows)}
+    return {"env": env, "rows": rows, "layer": layer_totals(rows), "torch_profile": profiles}
+
+
+LAYER_ARMS = ("fp8_linear fwd+bwd", "bf16 linear fwd+bwd", "fp8 pieces fwd+bwd, no autograd",
+              "bf16 pieces fwd+bwd, no autograd", "fp8_linear backward body (timed inside)")
 
 
 def layer_totals(rows: list[dict]) -> dict[str, dict[str, float | None]]:
-    """The four linears' fwd+bwd summed, FP8 and BF16: host vs device per layer."""
+    """The four linears' fwd+bwd summed, FP8 and BF16, through autograd and as bare pieces: host vs device per
+    layer (and the FP8 backward bodies' own time)."""
     out = {}
-    for arm in ("fp8_linear fwd+bwd", "bf16 linear fwd+bwd"):
+    for arm in LAYER_ARMS:
         picked = [r for r in rows if r["op"] == arm]
         dev = [r["device_us"] for r in picked]
         out[arm] = {"host_us": sum(r["host_us"] for r in picked),
@@ -174,6 +238,9 @@ def markdown(result: dict) -> str:
     for arm, t in result["layer"].items():
         dev = t["device_us"]
         lines.append(f"| {arm} | {t['host_us']:.1f} | {'-' if dev is None else f'{dev:.1f}'} |")
+    for arm, table in result.get("torch_profile", {}).items():
+        lines += ["", f"torch.profiler, CPU self time, {arm} (the first linear, {env['iters']} calls):", "", "```",
+                  table.rstrip(), "```"]
     return "\n".join(lines)
 
 
@@ -184,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny", action="store_true", help="the tiny preset at 256 tokens (CPU smoke run)")
     ap.add_argument("--iters", type=int, default=50, help="calls per op (default 50: ~500 launches queue at most)")
     ap.add_argument("--out", help="write the rows as JSON here (and the table beside it as .md)")
+    ap.add_argument("--torch-profile", action="store_true",
+                    help="also torch.profiler's CPU self time per op of the first linear's fwd+bwd, FP8 and BF16")
     args = ap.parse_args(argv)
     if args.tiny:
         args.preset, args.tokens = "tiny", min(args.tokens, 256)

@@ -28,7 +28,7 @@ def _run(tmp_path: Path, interpret: bool, *extra: str) -> subprocess.CompletedPr
 
 def test_every_op_of_every_linear_is_timed(tmp_path):
     pytest.importorskip("triton")
-    proc = _run(tmp_path, interpret=True)
+    proc = _run(tmp_path, True, "--torch-profile")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "host.json").read_text())
     rows = result["rows"]
@@ -38,14 +38,25 @@ def test_every_op_of_every_linear_is_timed(tmp_path):
     for name, ops in per_linear.items():
         assert {"quant_act x", "quant_dual dY", "regroup x for WGrad", "fprop via dispatch (emulated)",
                 "dgrad via dispatch (emulated)", "wgrad via dispatch (emulated)", "fp8_linear fwd+bwd",
-                "bf16 linear fwd+bwd"} <= ops, (name, ops)
+                "bf16 linear fwd+bwd", "fp8 pieces fwd+bwd, no autograd", "bf16 pieces fwd+bwd, no autograd",
+                "fp8_linear backward body (timed inside)", "quant_dual dY one pass"} <= ops, (name, ops)
         assert {op for op in ops if op.endswith(" direct")} == {f"{form} emulated direct"
                                                                for form in ("fprop", "dgrad", "wgrad")}, ops
     assert {r["op"] for r in rows if r["linear"] == "-"} == {"triton empty kernel launch", "torch.empty 1 MiB"}
     assert all(r["host_us"] > 0 and r["device_us"] is None for r in rows)  # no CUDA here: host times only
-    fp8 = sum(r["host_us"] for r in rows if r["op"] == "fp8_linear fwd+bwd")
-    assert result["layer"]["fp8_linear fwd+bwd"]["host_us"] == pytest.approx(fp8)
-    assert "| the layer's four linears, fwd+bwd |" in (tmp_path / "host.md").read_text()
+    for arm in ("fp8_linear fwd+bwd", "fp8 pieces fwd+bwd, no autograd", "fp8_linear backward body (timed inside)"):
+        total = sum(r["host_us"] for r in rows if r["op"] == arm)
+        assert result["layer"][arm]["host_us"] == pytest.approx(total), arm
+    # the body is timed inside the whole fwd+bwd, so it cannot exceed it by much (one call each, no CUDA: same thread)
+    body = {r["linear"]: r["host_us"] for r in rows if r["op"] == "fp8_linear backward body (timed inside)"}
+    whole = {r["linear"]: r["host_us"] for r in rows if r["op"] == "fp8_linear fwd+bwd"}
+    assert set(body) == set(whole) and all(0 < body[k] < 3 * whole[k] for k in body), (body, whole)
+    md = (tmp_path / "host.md").read_text()
+    assert "| the layer's four linears, fwd+bwd |" in md
+    # torch.profiler's table for both arms, with the FP8 linear's own autograd node among the ops it saw
+    assert set(result["torch_profile"]) == {"fp8_linear fwd+bwd", "bf16 linear fwd+bwd"}
+    assert "_Fp8LinearFunction" in result["torch_profile"]["fp8_linear fwd+bwd"]
+    assert "torch.profiler, CPU self time, fp8_linear fwd+bwd" in md
 
 
 def test_without_cuda_or_the_interpreter_it_refuses(tmp_path):
