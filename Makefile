@@ -54,8 +54,10 @@ JETRL = $(if $(SYSTEM),python3 -m jetrl_megatron.cli,$(VENV)/bin/jetrl)
 
 # The GPU tests (they skip without CUDA, and say so). One pytest process: vLLM's start-up memory profiling fails when
 # another process frees GPU memory meanwhile (measured: two processes sharing the H200 failed 4 engine tests).
+# GPU_TESTS: the files to run (default all of tests/; e.g. to split the suite over two shorter sessions)
+GPU_TESTS ?= tests
 test-gpu: $(SETUP)
-	$(ENV_PY) -m pytest -q -rs -p no:cacheprovider --durations=25 -m gpu tests
+	$(ENV_PY) -m pytest -q -rs -p no:cacheprovider --durations=25 -m gpu $(GPU_TESTS)
 
 # What an offline Hopper test machine needs carried to it (docs/vllm_gpu.md): the xz-compressed vLLM 0.26 bundle in
 # 44 MiB parts (.vc/p0, p1) and the wheels its image lacks (.whl); both git-ignored, built from the package index.

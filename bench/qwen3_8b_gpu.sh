@@ -10,7 +10,7 @@
 #   rides with the smaller last part: call 1 carries .vc/p1 and .whl (stage0), later calls .vc/p0; every mode
 #   copies the parts it was carried and installs the bundle once per machine, when all parts and SHA256 are there
 #   suite   install the vLLM 0.26 bundle; `make test-gpu ENV=system` (the whole GPU suite, one command, in this
-#           machine's Python: it has no internet for the venv)
+#           machine's Python: it has no internet for the venv); SUITE_FROM / SUITE_TO: a part of it (see the mode)
 #   check   install the vLLM 0.26 bundle; FP8 FProp M-invariance per backend at the Qwen3-8B shapes
 #           (DeepGEMM included); the backend GPU tests again with DeepGEMM; the Qwen3-8B layer fwd+bwd, bf16
 #           attention vs vLLM's own ops (issue 26's cost), cuBLAS GEMMs in both
@@ -121,7 +121,17 @@ case $mode in
     start=$(date +%s)
     # one line per test (-vv against the Makefile's -q) with its seconds since the start: a run cut by the limit
     # still says where its time went (with -v alone, 2026-12-05, the log had one line per file)
-    PYTEST_ADDOPTS=-vv timeout "${RUN_LIMIT:-540}" make test-gpu ENV=system 2>&1 \
+    # SUITE_FROM / SUITE_TO (file-name prefixes, e.g. tests/test_megatron): only the test files from / before them,
+    # alphabetically -- on a cold H100 the whole suite needs more than one call's 600 s (2026-12-07: collection 47 s,
+    # tests/test_fp8_backends_gpu.py 261 s with DeepGEMM's JIT cold, 85 tests in 540 s). Three calls:
+    # SUITE_TO=tests/test_megatron; SUITE_FROM=tests/test_megatron SUITE_TO=tests/test_rollout; SUITE_FROM=tests/test_rollout
+    gpu_tests=tests
+    if [ -n "${SUITE_FROM:-}${SUITE_TO:-}" ]; then
+      gpu_tests=$(ls tests/test_*.py | awk -v lo="${SUITE_FROM:-}" -v hi="${SUITE_TO:-}" \
+        '$0 >= lo && (hi == "" || $0 < hi)' | tr '\n' ' ')
+      [ -n "$gpu_tests" ] || { echo "no test file between '${SUITE_FROM:-}' and '${SUITE_TO:-}'" >&2; exit 2; }
+    fi
+    PYTEST_ADDOPTS=-vv timeout "${RUN_LIMIT:-540}" make test-gpu ENV=system GPU_TESTS="$gpu_tests" 2>&1 \
       | while IFS= read -r line; do printf '%4d %s\n' $(( $(date +%s) - start )) "$line"; done > "$out/test_gpu.log"
     echo "make test-gpu rc ${PIPESTATUS[0]} in $(( $(date +%s) - start )) s"
     grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$out/test_gpu.log" | tail -25 ;;
