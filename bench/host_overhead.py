@@ -124,6 +124,7 @@ def linear_ops(m: int, n: int, k: int, recipe: Fp8Recipe, device: torch.device) 
     ops["fp8_linear fwd+bwd"] = fp8_fwd_bwd
     ops["bf16 linear fwd+bwd"] = bf16_fwd_bwd
 
+    @torch.no_grad()
     def fp8_pieces() -> None:  # the autograd linear's math, issued from this thread with no autograd around it
         aq, a_s = quant_dispatch.quant_act(x, recipe)
         gemm.fp8_gemm_fprop(aq, a_s, wq, ws, recipe=recipe)
@@ -132,6 +133,7 @@ def linear_ops(m: int, n: int, k: int, recipe: Fp8Recipe, device: torch.device) 
         rq, rs = quant_dispatch.regroup_for_wgrad(aq, a_s, recipe)
         gemm.fp8_gemm_wgrad(qt, st, rq, rs, recipe=recipe)
 
+    @torch.no_grad()
     def bf16_pieces() -> None:
         torch.nn.functional.linear(x, w_bf16)
         dy @ w_bf16
