@@ -54,7 +54,7 @@ JETRL = $(if $(SYSTEM),python3 -m jetrl_megatron.cli,$(VENV)/bin/jetrl)
 
 # The GPU tests (they skip without CUDA, and say so). One pytest process: vLLM's start-up memory profiling fails when
 # another process frees GPU memory meanwhile (measured: two processes sharing the H200 failed 4 engine tests).
-# GPU_TESTS: the files to run (default all of tests/; e.g. to split the suite over two shorter sessions)
+# GPU_TESTS: the files to run (default all of tests/; a part of them to split the suite over several calls)
 GPU_TESTS ?= tests
 test-gpu: $(SETUP)
 	$(ENV_PY) -m pytest -q -rs -p no:cacheprovider --durations=25 -m gpu $(GPU_TESTS)
