@@ -14,19 +14,27 @@ FP8 call was among the top host items of one layer cProfile at 2K tokens, not at
 forward and forward+backward against BF16's, the same math issued as bare pieces with no autograd around it, the FP8
 backward's body timed from inside (on CUDA autograd runs it on its own device thread: the rest of fwd+bwd is the
 engine's hand-over), optionally torch.profiler's CPU self time per op (every thread), and two floors: an empty
-Triton kernel's launch and one ``torch.empty``.
+Triton kernel's launch and one ``torch.empty``. ``--thread-probe`` calls the backward body's own code directly on the
+main thread and on a worker thread (is the body slow because of the thread it runs on?), reruns fwd+bwd with a 1 s
+GIL switch interval (is a thread fighting for the GIL?), and with ``--torch-profile`` adds cProfile of the body on
+autograd's thread and on the main thread (which Python functions take the time).
 
-    python3 bench/host_overhead.py --tokens 2048 --torch-profile --out bench/host_overhead.json
+    python3 bench/host_overhead.py --tokens 2048 --torch-profile --thread-probe --out bench/host_overhead.json
     TRITON_INTERPRET=1 python3 bench/host_overhead.py --tiny --iters 2   (a CPU smoke run: host times only)
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import sys
+import threading
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -166,6 +174,79 @@ def backward_body_us(fwd_bwd: Callable[[], object], iters: int) -> float:
     return sum(spent) / len(spent) * 1e6
 
 
+def _body_args(m: int, n: int, k: int, recipe: Fp8Recipe, device: torch.device):
+    """A stand-in ctx and dY for calling the FP8 backward body directly, outside autograd: the very code the
+    engine runs, with the forward's saved tensors."""
+    gen = torch.Generator(device=device).manual_seed(n * 17 + k)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * k ** -0.5
+    wq, ws = quant_dispatch.quant_weight(w, recipe)
+    xq, xs = quant_dispatch.quant_act(x, recipe)
+    ctx = types.SimpleNamespace(saved_tensors=(xq, xs, wq, ws), recipe=recipe, reference_quant=False,
+                                x_shape=x.shape, x_dtype=x.dtype, weight_dtype=w.dtype, has_bias=False,
+                                needs_input_grad=(True, True, False, False, False, False, False))
+    return ctx, dy
+
+
+def _timed_loop(fn: Callable[[], object], iters: int) -> float:
+    for _ in range(2):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def thread_probe(m: int, n: int, k: int, recipe: Fp8Recipe, device: torch.device, iters: int) -> dict[str, float]:
+    """The FP8 backward body's own code, called directly (no autograd) on the main thread and on a fresh worker
+    thread, timed inside each: against "backward body (timed inside)" this says whether the body is slow because of
+    the thread it runs on (autograd's device thread) or because of autograd."""
+    ctx, dy = _body_args(m, n, k, recipe, device)
+
+    def body() -> object:
+        return _Fp8LinearFunction.backward(ctx, dy)
+
+    out = {"fp8 backward body, main thread": _timed_loop(body, iters)}
+    spent: list[float] = []
+    worker = threading.Thread(target=lambda: spent.append(_timed_loop(body, iters)), name="probe-worker")
+    worker.start()
+    worker.join()
+    out["fp8 backward body, worker thread"] = spent[0]
+    return out
+
+
+def cprofile_text(fn: Callable[[], object], iters: int, top: int, *, in_backward: bool = False) -> str:
+    """cProfile's top functions by own time over ``iters`` calls of ``fn``. in_backward: profile only the FP8
+    backward body, on whichever thread autograd runs it (cProfile hooks the thread that enables it)."""
+    prof = cProfile.Profile()
+    if not in_backward:
+        prof.enable()
+        for _ in range(iters):
+            fn()
+        prof.disable()
+    else:
+        fn_cls = _Fp8LinearFunction
+        original = fn_cls.backward
+
+        def profiled(ctx, dy):
+            prof.enable()
+            try:
+                return original(ctx, dy)
+            finally:
+                prof.disable()
+
+        fn_cls.backward = staticmethod(profiled)
+        try:
+            for _ in range(iters):
+                fn()
+        finally:
+            fn_cls.backward = staticmethod(original)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return "\n".join(line for line in buf.getvalue().splitlines() if line.strip())
+
+
 def torch_profile(fn: Callable[[], object], iters: int, top: int) -> str:
     """torch.profiler's CPU self time per op over ``iters`` calls (every thread, the autograd device thread too)."""
     from torch.profiler import ProfilerActivity, profile
@@ -204,12 +285,29 @@ def run(args: argparse.Namespace) -> dict:
         body = backward_body_us(ops["fp8_linear fwd+bwd"], args.iters)
         rows.append({"linear": f"{lin} {n}x{k}", "op": "fp8_linear backward body (timed inside)", "host_us": body,
                      "device_us": None})
+        if args.thread_probe:
+            for op, us in thread_probe(args.tokens, n, k, recipe, device, args.iters).items():
+                rows.append({"linear": f"{lin} {n}x{k}", "op": op, "host_us": us, "device_us": None})
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(1.0)  # a thread waiting for the GIL forces a switch only after this long
+            try:
+                rows.append({"linear": f"{lin} {n}x{k}", "op": "fp8_linear fwd+bwd, GIL switch interval 1 s",
+                             **time_op(ops["fp8_linear fwd+bwd"], args.iters, cuda)})
+            finally:
+                sys.setswitchinterval(interval)
         if args.torch_profile and not profiles:  # the first linear only: one table per arm is enough to read
             profiles = {arm: torch_profile(ops[arm], args.iters, 20)
                         for arm in ("fp8_linear fwd+bwd", "bf16 linear fwd+bwd")}
+            if args.thread_probe:
+                ctx, dy = _body_args(args.tokens, n, k, recipe, device)
+                profiles["cProfile: fp8 backward body on autograd's thread"] = cprofile_text(
+                    ops["fp8_linear fwd+bwd"], args.iters, 25, in_backward=True)
+                profiles["cProfile: fp8 backward body on the main thread"] = cprofile_text(
+                    lambda c=ctx, g=dy: _Fp8LinearFunction.backward(c, g), args.iters, 25)
     env = {"torch": torch.__version__, "triton": triton.__version__, "tokens": args.tokens, "preset": args.preset,
            "iters": args.iters, "device": torch.cuda.get_device_name() if cuda else "cpu (TRITON_INTERPRET=1)",
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "python_threads": sorted(t.name for t in threading.enumerate())}
     return {"env": env, "rows": rows, "layer": layer_totals(rows), "torch_profile": profiles}
 
 
@@ -244,8 +342,10 @@ def markdown(result: dict) -> str:
         dev = t["device_us"]
         lines.append(f"| {arm} | {t['host_us']:.1f} | {'-' if dev is None else f'{dev:.1f}'} |")
     for arm, table in result.get("torch_profile", {}).items():
-        lines += ["", f"torch.profiler, CPU self time, {arm} (the first linear, {env['iters']} calls):", "", "```",
-                  table.rstrip(), "```"]
+        what = arm if arm.startswith("cProfile") else f"torch.profiler, CPU self time, {arm}"
+        lines += ["", f"{what} (the first linear, {env['iters']} calls):", "", "```", table.rstrip(), "```"]
+    if env.get("python_threads"):
+        lines += ["", f"Python threads alive: {', '.join(env['python_threads'])}"]
     return "\n".join(lines)
 
 
@@ -258,6 +358,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", help="write the rows as JSON here (and the table beside it as .md)")
     ap.add_argument("--torch-profile", action="store_true",
                     help="also torch.profiler's CPU self time per op of the first linear's fwd+bwd, FP8 and BF16")
+    ap.add_argument("--thread-probe", action="store_true",
+                    help="also the FP8 backward body called directly on the main and on a worker thread, fwd+bwd "
+                         "with a 1 s GIL switch interval, and (with --torch-profile) cProfile of the body on "
+                         "autograd's thread and on the main thread")
     args = ap.parse_args(argv)
     if args.tiny:
         args.preset, args.tokens = "tiny", min(args.tokens, 256)

@@ -295,7 +295,7 @@ PY
   hostops)  # issue 29 item 3, op by op: host vs device us of the FP8 linear's pieces at TOKENS (default "2048 4128")
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     for m in ${TOKENS:-2048 4128}; do
-      timeout "${RUN_LIMIT:-120}" python3 bench/host_overhead.py --tokens "$m" --torch-profile --out "$out/host_overhead_$m.json" \
+      timeout "${RUN_LIMIT:-120}" python3 bench/host_overhead.py --tokens "$m" --torch-profile --thread-probe --out "$out/host_overhead_$m.json" \
         > "$out/host_overhead_$m.log" 2>&1
       echo "host overhead $m rc $?"; grep "^|" "$out/host_overhead_$m.log" | tail -100
       sed -n '/^torch.profiler/,$p' "$out/host_overhead_$m.md"

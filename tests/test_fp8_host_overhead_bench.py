@@ -28,7 +28,7 @@ def _run(tmp_path: Path, interpret: bool, *extra: str) -> subprocess.CompletedPr
 
 def test_every_op_of_every_linear_is_timed(tmp_path):
     pytest.importorskip("triton")
-    proc = _run(tmp_path, True, "--torch-profile")
+    proc = _run(tmp_path, True, "--torch-profile", "--thread-probe")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "host.json").read_text())
     rows = result["rows"]
@@ -39,7 +39,8 @@ def test_every_op_of_every_linear_is_timed(tmp_path):
         assert {"quant_act x", "quant_dual dY", "regroup x for WGrad", "fprop via dispatch (emulated)",
                 "dgrad via dispatch (emulated)", "wgrad via dispatch (emulated)", "fp8_linear fwd+bwd",
                 "bf16 linear fwd+bwd", "fp8 pieces fwd+bwd, no autograd", "bf16 pieces fwd+bwd, no autograd",
-                "fp8_linear backward body (timed inside)", "quant_dual dY one pass"} <= ops, (name, ops)
+                "fp8_linear backward body (timed inside)", "quant_dual dY one pass", "fp8 backward body, main thread",
+                "fp8 backward body, worker thread", "fp8_linear fwd+bwd, GIL switch interval 1 s"} <= ops, (name, ops)
         assert {op for op in ops if op.endswith(" direct")} == {f"{form} emulated direct"
                                                                for form in ("fprop", "dgrad", "wgrad")}, ops
     assert {r["op"] for r in rows if r["linear"] == "-"} == {"triton empty kernel launch", "torch.empty 1 MiB"}
@@ -54,9 +55,17 @@ def test_every_op_of_every_linear_is_timed(tmp_path):
     md = (tmp_path / "host.md").read_text()
     assert "| the layer's four linears, fwd+bwd |" in md
     # torch.profiler's table for both arms, with the FP8 linear's own autograd node among the ops it saw
-    assert set(result["torch_profile"]) == {"fp8_linear fwd+bwd", "bf16 linear fwd+bwd"}
-    assert "_Fp8LinearFunction" in result["torch_profile"]["fp8_linear fwd+bwd"]
+    profiles = result["torch_profile"]
+    assert set(profiles) == {"fp8_linear fwd+bwd", "bf16 linear fwd+bwd",
+                             "cProfile: fp8 backward body on autograd's thread",
+                             "cProfile: fp8 backward body on the main thread"}
+    assert "_Fp8LinearFunction" in profiles["fp8_linear fwd+bwd"]
     assert "torch.profiler, CPU self time, fp8_linear fwd+bwd" in md
+    # cProfile saw the body's own Python calls wherever it ran (the dual quantizer and the regroup among them)
+    for name in ("cProfile: fp8 backward body on autograd's thread", "cProfile: fp8 backward body on the main thread"):
+        assert "quant_dual" in profiles[name] and "regroup_for_wgrad" in profiles[name], profiles[name][:2000]
+        assert name in md
+    assert "MainThread" in result["env"]["python_threads"] and "Python threads alive: " in md
 
 
 def test_without_cuda_or_the_interpreter_it_refuses(tmp_path):
