@@ -132,6 +132,15 @@ def linear_ops(m: int, n: int, k: int, recipe: Fp8Recipe, device: torch.device) 
     ops["fp8_linear fwd+bwd"] = fp8_fwd_bwd
     ops["bf16 linear fwd+bwd"] = bf16_fwd_bwd
 
+    def on_calling_thread(fwd_bwd: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:  # autograd's backward on this thread instead of its device thread
+            with torch.autograd.set_multithreading_enabled(False):
+                fwd_bwd()
+        return run
+
+    ops["fp8_linear fwd+bwd, backward on the calling thread"] = on_calling_thread(fp8_fwd_bwd)
+    ops["bf16 linear fwd+bwd, backward on the calling thread"] = on_calling_thread(bf16_fwd_bwd)
+
     @torch.no_grad()
     def fp8_pieces() -> None:  # the autograd linear's math, issued from this thread with no autograd around it
         aq, a_s = quant_dispatch.quant_act(x, recipe)
@@ -311,7 +320,8 @@ def run(args: argparse.Namespace) -> dict:
     return {"env": env, "rows": rows, "layer": layer_totals(rows), "torch_profile": profiles}
 
 
-LAYER_ARMS = ("fp8_linear fwd+bwd", "bf16 linear fwd+bwd", "fp8 pieces fwd+bwd, no autograd",
+LAYER_ARMS = ("fp8_linear fwd+bwd", "bf16 linear fwd+bwd", "fp8_linear fwd+bwd, backward on the calling thread",
+              "bf16 linear fwd+bwd, backward on the calling thread", "fp8 pieces fwd+bwd, no autograd",
               "bf16 pieces fwd+bwd, no autograd", "fp8_linear backward body (timed inside)")
 
 

@@ -383,6 +383,9 @@ def main() -> None:
     ap.add_argument("--fuse-swiglu-grad-quant", default="off",
                     help="comma list of off/on: jetrl arms without / with the SwiGLU backward fused with fc1's dY "
                          "FP8 quantization (on implies the SwiGLU module)")
+    ap.add_argument("--backward-on-calling-thread", action="store_true",
+                    help="autograd runs every backward on the thread that calls it instead of its CUDA device thread "
+                         "(torch.autograd.set_multithreading_enabled(False)), every arm alike")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="also time each arm with the layer's fwd and bwd captured as CUDA graphs (needs CUDA)")
     ap.add_argument("--swiglu-fp8-forms", default="off",
@@ -408,6 +411,8 @@ def main() -> None:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if args.cuda_graph and device.type != "cuda":
         ap.error("--cuda-graph needs CUDA (this machine has no GPU)")
+    if args.backward_on_calling_thread:
+        torch.autograd.set_multithreading_enabled(False)  # thread-local: this (the only) thread, for the whole run
     init_parallel(1, 1)
     base = get_model_shape("tiny" if args.tiny else "qwen3-8b")
     shape = dataclasses.replace(base, num_layers=1, max_position_embeddings=max(args.seq, 128),
@@ -538,6 +543,7 @@ def main() -> None:
     info["fuse_swiglu_grad_quant"] = args.fuse_swiglu_grad_quant
     info["swiglu_fp8_forms"] = args.swiglu_fp8_forms
     info["cuda_norms"] = args.cuda_norms
+    info["backward_on_calling_thread"] = args.backward_on_calling_thread
     info["elementwise"] = impls
     if "triton" in impls and device.type != "cuda":
         from jetrl_megatron.megatron import triton_numerics

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|hostops|te|long|round OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|te|long|round OUT_DIR
 #   stage0  copy the bundle parts carried in this call (.vc/p*) to /tmp/vc, install .whl (megatron-core, omegaconf,
 #           ... for Python 3.12), run the GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton
 #           numerics, the INT stress kernels, phase memory)
@@ -50,6 +50,8 @@
 #           (GRAPH=1: also each arm with the layer captured as CUDA graphs, issue 29 item 3)
 #   hostgap the Qwen3-8B layer fwd+bwd at SEQ (default 2048: the 8B update's micro-batch of 2 x ~1.1K tokens), eager and
 #           captured as CUDA graphs, jetrl and bf16, with cProfile of one fwd+bwd's host side (issue 29 item 3)
+#   threads hostops at TOKENS (default 2048), then the layer bench at SEQ (default 2048) with autograd's backward on
+#           its CUDA device thread and on the calling thread (--backward-on-calling-thread), GRAPH="" skips graphs
 #   hostops bench/host_overhead.py at TOKENS (default "2048 4128"): host vs device us per call of each FP8 linear
 #           piece (quantizers, GEMMs through the dispatch and direct, the autograd linear vs BF16), issue 29 item 3
 #   waves   bench/rollout_waves.py at PRESET (default qwen3-0.6b), 128 x LEN tokens, per KV_GIB budget: the rollout in
@@ -63,7 +65,7 @@
 # pytest runs under `timeout -s INT`: at its limit pytest is interrupted, not killed, and still prints which tests
 # failed and why (a killed run's log ended mid-test on 2026-12-05 with one failure and no message)
 set -uo pipefail
-mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|hostops|te|long|round}
+mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|te|long|round}
 out=${2:?OUT_DIR}
 mkdir -p /tmp/vc "$out"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -300,6 +302,16 @@ PY
       echo "host overhead $m rc $?"; grep "^|" "$out/host_overhead_$m.log" | tail -100
       sed -n '/^torch.profiler/,$p' "$out/host_overhead_$m.md"
     done ;;
+  threads)  # issue 29 item 3: autograd's device thread vs the calling thread, op by op (hostops at TOKENS) and
+    # the layer at SEQ tokens with every backward on each (BF16 and jetrl alike, eager and graphed)
+    TOKENS=${TOKENS:-2048} bash "$0" hostops "$out"
+    for where in device calling; do
+      flag=""; [ "$where" = calling ] && flag=--backward-on-calling-thread
+      timeout "${RUN_LIMIT:-200}" python3 bench/megatron_layer_bench.py --seq "${SEQ:-2048}" --iters 30 --warmup 5 \
+        --backends "${BACKENDS:-auto}" --lean-swiglu --elementwise triton ${GRAPH---cuda-graph} $flag \
+        --out "$out/layer_backward_on_${where}_thread" > "$out/layer_backward_on_${where}_thread.log" 2>&1
+      echo "layer bench, backward on the $where thread: rc $?"; grep "^|" "$out/layer_backward_on_${where}_thread.log" | tail -8
+    done ;;
   waves)  # a KV cache smaller than the batch: waves (no preemption) vs one submission (vLLM preempts), per budget
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     timeout "${RUN_LIMIT:-240}" python3 bench/rollout_waves.py --preset "${PRESET:-qwen3-0.6b}" --prompts 8 --n 16 \
@@ -322,7 +334,7 @@ PY
       limit_var=LIMIT_$m  # LIMIT_<mode>=seconds: that mode's RUN_LIMIT in this round
       echo "== round: $m ($(date +%T))"; PACK_DG=0 RUN_LIMIT=${!limit_var:-${RUN_LIMIT:-}} bash "$0" "$m" "$out/$m"
     done ;;
-  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|hostops|te|long|round OUT_DIR" >&2
+  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|te|long|round OUT_DIR" >&2
      exit 2 ;;
 esac
 # PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz, and

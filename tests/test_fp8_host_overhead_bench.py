@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+LAYER_ARMS = ("fp8_linear fwd+bwd", "bf16 linear fwd+bwd", "fp8_linear fwd+bwd, backward on the calling thread",
+              "bf16 linear fwd+bwd, backward on the calling thread", "fp8 pieces fwd+bwd, no autograd",
+              "bf16 pieces fwd+bwd, no autograd", "fp8_linear backward body (timed inside)")
 BENCH = ROOT / "bench" / "host_overhead.py"
 
 
@@ -40,12 +43,15 @@ def test_every_op_of_every_linear_is_timed(tmp_path):
                 "dgrad via dispatch (emulated)", "wgrad via dispatch (emulated)", "fp8_linear fwd+bwd",
                 "bf16 linear fwd+bwd", "fp8 pieces fwd+bwd, no autograd", "bf16 pieces fwd+bwd, no autograd",
                 "fp8_linear backward body (timed inside)", "quant_dual dY one pass", "fp8 backward body, main thread",
-                "fp8 backward body, worker thread", "fp8_linear fwd+bwd, GIL switch interval 1 s"} <= ops, (name, ops)
+                "fp8 backward body, worker thread", "fp8_linear fwd+bwd, GIL switch interval 1 s",
+                "fp8_linear fwd+bwd, backward on the calling thread",
+                "bf16 linear fwd+bwd, backward on the calling thread"} <= ops, (name, ops)
         assert {op for op in ops if op.endswith(" direct")} == {f"{form} emulated direct"
                                                                for form in ("fprop", "dgrad", "wgrad")}, ops
     assert {r["op"] for r in rows if r["linear"] == "-"} == {"triton empty kernel launch", "torch.empty 1 MiB"}
     assert all(r["host_us"] > 0 and r["device_us"] is None for r in rows)  # no CUDA here: host times only
-    for arm in ("fp8_linear fwd+bwd", "fp8 pieces fwd+bwd, no autograd", "fp8_linear backward body (timed inside)"):
+    assert set(result["layer"]) == set(LAYER_ARMS)
+    for arm in LAYER_ARMS:
         total = sum(r["host_us"] for r in rows if r["op"] == arm)
         assert result["layer"][arm]["host_us"] == pytest.approx(total), arm
     # the body is timed inside the whole fwd+bwd, so it cannot exceed it by much (one call each, no CUDA: same thread)
