@@ -104,6 +104,16 @@ class MegatronPolicyWorkerImpl:
             yield
             self._apply_state_dict_to_model(saved)
 
+    def train(self, data, loss_fn, eval_mode=False, gbs=None, mbs=None, check_dim_skip_keys=None):
+        """NeMo-RL's signature; runs one backward over ``data`` (tokens) and reports what the backward saw: whether
+        autograd would run it on its device threads (the thread-local switch, as the engine hands it to the hook)."""
+        seen = []
+        logits = self.model(input_ids=data, position_ids=None, attention_mask=None)
+        logits.register_hook(lambda g: seen.append(torch._C._is_multithreading_enabled()))
+        logits.float().square().mean().backward()
+        self.model.zero_grad_buffer()
+        return {"backward_multithreading": seen}
+
     def train_step(self, tokens: torch.Tensor) -> bool:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()

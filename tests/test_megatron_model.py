@@ -289,6 +289,35 @@ def test_a_colocated_step_returns_the_cache_after_the_backward_and_before_the_st
         assert not r.skipped and events == want, (release, events)
 
 
+def test_the_step_runs_its_backward_with_autograd_device_threads_off_unless_told(mp):
+    """``backward_thread``: the default (``calling``) turns autograd's device threads off for the step's backward
+    (as the backward's own hooks see the switch), ``device`` leaves them on, the caller's setting is back after the
+    step, and an unknown value is refused by name before anything runs. On CUDA the thread itself is checked
+    (tests/test_megatron_backward_thread.py)."""
+    from jetrl_megatron.megatron.model import train_step
+
+    events: list[str] = []
+    policy = _policy_recording_refreshes(events)
+    model, opt = policy.model, policy.optimizer
+    toks = _tokens(b=4, s=16, seed=8)
+    for where, want in ((None, [False, False]), ("calling", [False, False]), ("device", [True, True])):
+        seen: list[bool] = []
+
+        def loss(lp, mb, seen=seen):
+            lp.register_hook(lambda g: seen.append(torch._C._is_multithreading_enabled()))
+            return -lp.mean(), {}
+
+        kwargs = {} if where is None else {"backward_thread": where}
+        r = train_step([model], opt, {"tokens": toks}, loss, micro_batch_size=2, **kwargs)
+        assert not r.skipped and seen == want, (where, seen)
+        assert torch._C._is_multithreading_enabled()
+    events.clear()
+    with pytest.raises(ValueError, match="backward_thread: 'gpu' is not one of"):
+        train_step([model], opt, {"tokens": toks}, lambda lp, mb: (-lp.mean(), {}), micro_batch_size=2,
+                   backward_thread="gpu")
+    assert "refresh" not in events  # no step was taken
+
+
 def test_the_layers_share_one_rotary_table_equal_to_the_reference(mp):
     """One FP32 cos/sin pair per model chunk, not a buffer per layer (0.75 GiB over Qwen3-8B's 36 layers on a GPU);
     its values are the test reference's (megatron_helpers: built from the shape's theta, BF16-rounded)."""

@@ -150,6 +150,13 @@ def test_the_hosted_policy_reads_the_trainer_only_keys_of_policy_jet_rl_and_name
         assert len(attn) == shape.num_layers and all(m.deterministic_backward is on for m in attn)
     with pytest.raises(PolicyConfigError, match="policy.jet_rl.deterministic_backward: 'yes'; must be true or false"):
         policy_plan({**policy, "jet_rl": {"deterministic_backward": "yes"}}, shape)
+    # where the worker's train() runs autograd's backward: the calling thread unless the block says device
+    assert plain.backward_thread == with_block.backward_thread == "calling"
+    assert policy_plan({**policy, "jet_rl": {"backward_thread": "device"}}, shape).backward_thread == "device"
+    with pytest.raises(PolicyConfigError, match="policy.jet_rl.backward_thread: 'gpu'; must be 'calling' or 'device'"):
+        policy_plan({**policy, "jet_rl": {"backward_thread": "gpu"}}, shape)
+    with pytest.raises(PolicyConfigError, match="policy.jet_rl.fuse_swiglu_grad_quant: 1; must be true or false"):
+        policy_plan({**policy, "jet_rl": {"fuse_swiglu_grad_quant": 1}}, shape)
 
 
 # ------------------------------------------------------------------------------------------------ DP=2, gloo

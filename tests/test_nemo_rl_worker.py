@@ -10,11 +10,14 @@ HF weights that were loaded):
 * the refit metadata and the refit stream are the checkpoint's tensors — FP8 linears as E4M3 codes + FP32 scales,
   BF16 tensors unchanged (so the cache was refreshed after the load, and NeMo-RL's own generator never ran);
 * inside ``use_reference_model`` the stream is the reference policy's, and after it the policy's exact bytes again;
-* an optimizer step re-quantizes the cache once, from the updated weights; FP8 KV-cache scales are refused.
+* an optimizer step re-quantizes the cache once, from the updated weights; FP8 KV-cache scales are refused;
+* NeMo-RL's ``train()`` runs its backward with autograd's device threads off (``policy.jet_rl.backward_thread``'s
+  default, ``calling``), on with ``device``, and the caller's own setting is back afterwards.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -77,6 +80,11 @@ def _run(rank: int, world_size: int, out_dir: str, model_dir: str) -> None:
     with worker.use_reference_model():
         res["reference"] = [(n, t.clone()) for n, t in worker._iter_params_with_optional_kv_scales()]
     res["after_reference"] = [(n, t.clone()) for n, t in worker._iter_params_with_optional_kv_scales()]
+    toks = torch.randint(0, shape.vocab_size, (2, 128), generator=torch.Generator().manual_seed(7))
+    res["train_threads"] = {"default": worker.train(toks, None)["backward_multithreading"],
+                            "after": torch._C._is_multithreading_enabled()}
+    worker._hosted_plan = dataclasses.replace(worker._hosted_plan, backward_thread="device")
+    res["train_threads"]["device"] = worker.train(toks, None)["backward_multithreading"]
     gen = []
     for _ in range(2):
         toks = torch.randint(0, shape.vocab_size, (2, 128), generator=torch.Generator().manual_seed(len(gen)))
@@ -144,3 +152,14 @@ def test_each_step_requantizes_the_updated_weights(run):
     moved = [n for n in stream if n.endswith("_proj.weight") and stream[n].dtype == torch.float8_e4m3fn
              and not torch.equal(_bytes(stream[n]), _bytes(before[n]))]
     assert len(moved) >= math.ceil(0.5 * sum(t.dtype == torch.float8_e4m3fn for t in stream.values()))
+
+
+@pytest.mark.slow
+def test_train_runs_its_backward_on_the_calling_thread_unless_told_otherwise(run):
+    """The switch as the backward itself saw it (a hook on the logits), not as the wrapper set it: off by default
+    (the backward of CUDA tensors then runs on the training thread), on with backward_thread: device, and the
+    caller's thread-local setting (on, PyTorch's default) restored after train() returns."""
+    threads = run["train_threads"]
+    assert threads["default"] == [False], threads
+    assert threads["device"] == [True], threads
+    assert threads["after"] is True

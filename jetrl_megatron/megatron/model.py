@@ -494,22 +494,25 @@ class StepResult:
     optimizer_seconds: float = 0.0  # optimizer.step (with the FP8 cache refresh; on the host when offloaded)
 
 
+BACKWARD_THREADS = ("calling", "device")
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int,
                      grad_scale_func: Callable | None = None, vocab_parallel: bool = False,
                      sampling: LogitsSampling | None = None, unfiltered: bool = False,
-                     observer: PassObserver | None = None, logprob_chunk: int | None = None
-                     ) -> tuple[float, dict[str, float]]:
+                     observer: PassObserver | None = None, logprob_chunk: int | None = None,
+                     backward_thread: str = "calling") -> tuple[float, dict[str, float]]:
     """Forward+backward over micro-batches through ``get_forward_backward_func`` (no optimizer step).
 
     Gradients end up in the DDP grad buffers (``param.main_grad``), reduced over DP / TP (sequence-parallel
     norms) / PP (tied embeddings) by Megatron's ``finalize_model_grads``; grad buffers released between updates are
     re-allocated (zeroed) by the ``zero_grad_buffer()`` here. Returns (mean loss, mean metrics), valid on every rank.
-    See :func:`train_step` for ``batch``, ``loss_fn``, ``sampling``, ``unfiltered``, ``observer`` and
-    ``logprob_chunk``.
+    See :func:`train_step` for ``batch``, ``loss_fn``, ``sampling``, ``unfiltered``, ``observer``,
+    ``logprob_chunk`` and ``backward_thread``.
     """
+    if backward_thread not in BACKWARD_THREADS:
+        raise ValueError(f"backward_thread: {backward_thread!r} is not one of {BACKWARD_THREADS}")
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     chunks = _as_chunks(model)
@@ -540,9 +543,10 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
     step = _logprob_step(gpt, vocab_parallel, loss_for, sampling, unfiltered, chunk=logprob_chunk)
 
     try:
-        store = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=_observed(mbatches, observer), model=chunks,
-            num_microbatches=len(mbatches), seq_length=s, micro_batch_size=micro_batch_size, forward_only=False)
+        with torch.autograd.set_multithreading_enabled(backward_thread == "device"):
+            store = get_forward_backward_func()(
+                forward_step_func=step, data_iterator=_observed(mbatches, observer), model=chunks,
+                num_microbatches=len(mbatches), seq_length=s, micro_batch_size=micro_batch_size, forward_only=False)
     finally:
         _forget_packed_rows(chunks)
     if observer is not None:
@@ -562,7 +566,8 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
 def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn, *,
                micro_batch_size: int, vocab_parallel: bool = False, sampling: LogitsSampling | None = None,
                unfiltered: bool = False, observer: PassObserver | None = None,
-               logprob_chunk: int | None = None, release_cache_before_step: bool = False) -> StepResult:
+               logprob_chunk: int | None = None, release_cache_before_step: bool = False,
+               backward_thread: str = "calling") -> StepResult:
     """One optimizer step: forward+backward over micro-batches (grad accumulation), DP/TP/PP reductions, step.
 
     ``batch``: this DP rank's tensors with a common leading dim, at least ``"tokens"`` (b, s); it is split into
@@ -581,12 +586,17 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn
     would pin for the rest of the run (a colocated engine then cannot take them back). At Qwen3-8B with 4K-token
     responses the release alone left the 21 GiB that did pin there (2026-12-06, rl/memory_pins.py named the
     tensors: the hybrid optimizer's device-side FP32 gradients and the last packed layout; both are freed since).
+    ``backward_thread``: where autograd runs the backward of CUDA tensors: ``"calling"`` (this thread, the default)
+    or ``"device"`` (autograd's own per-device thread, PyTorch's default). The same kernels in the same order either
+    way; on the device thread every op of the FP8 linear's backward took about twice the host time (H100,
+    2026-12-07: the four FP8 linears of a Qwen3-8B layer at 2,048 tokens 4.28 -> 2.48 ms of host time per fwd+bwd,
+    BF16's 0.66 -> 0.47; bench/RESULTS.md), which at the update's micro-batch leaves the GPU idle.
     """
     optimizer.zero_grad()
     loss, metrics = forward_backward(model, batch, loss_fn, micro_batch_size=micro_batch_size,
                                      grad_scale_func=optimizer.scale_loss, vocab_parallel=vocab_parallel,
                                      sampling=sampling, unfiltered=unfiltered, observer=observer,
-                                     logprob_chunk=logprob_chunk)
+                                     logprob_chunk=logprob_chunk, backward_thread=backward_thread)
     _sync(model)
     if release_cache_before_step:
         _release_cached_blocks(model)

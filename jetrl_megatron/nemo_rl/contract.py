@@ -82,6 +82,10 @@ TOUCHES: tuple[Touch, ...] = (
     Touch(MPW, "MegatronPolicyWorkerImpl.use_reference_model", "overridden: the FP8 cache is re-quantized after "
           "the reference weights are copied in, and after the policy's come back", params=("self",),
           decorators=("contextmanager",), calls=("self._apply_state_dict_to_model",), override=True),
+    Touch(MPW, "MegatronPolicyWorkerImpl.train", "overridden: runs NeMo-RL's train() with autograd's backward on "
+          "the calling thread (policy.jet_rl.backward_thread); the backward happens inside it",
+          params=("self", "data", "loss_fn", "eval_mode", "gbs", "mbs", "check_dim_skip_keys"),
+          calls=("megatron_forward_backward",), override=True),
     Touch(MPW, "MegatronPolicyWorkerImpl.prepare_refit_info", "the refit metadata comes from the overridden methods",
           params=("self",), calls=("self._calculate_refit_param_info", "self._iter_params_with_optional_kv_scales")),
     Touch(MPW, "MegatronPolicyWorkerImpl.stream_weights_via_ipc_zmq", "colocated refit consumes the generator",

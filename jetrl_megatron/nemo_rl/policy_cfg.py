@@ -260,24 +260,30 @@ class PolicyPlan:
     # worker reads them from the policy's own block, as `jetrl run` does
     deterministic_backward: bool = False
     fuse_swiglu_grad_quant: bool = False
+    # where autograd runs the backward of the worker's train() (policy.jet_rl.backward_thread)
+    backward_thread: str = "calling"
 
 
-# policy.jet_rl keys the hosted worker reads: they change the trainer's backward only (the engines never run it), so
-# one YAML can set them for both drivers; the block's other keys describe ops the engines must run too, which the
-# hosted worker takes from vllm_kwargs.hf_overrides (what vLLM reads) instead
-TRAINER_ONLY_KEYS = ("deterministic_backward", "fuse_swiglu_grad_quant")
+# policy.jet_rl keys the hosted worker reads, each with its allowed values: they change the trainer's backward only
+# (the engines never run it), so one YAML can set them for both drivers; the block's other keys describe ops the
+# engines must run too, which the hosted worker takes from vllm_kwargs.hf_overrides (what vLLM reads) instead
+TRAINER_ONLY_KEYS: dict[str, tuple[Any, ...]] = {"deterministic_backward": (True, False),
+                                                 "fuse_swiglu_grad_quant": (True, False),
+                                                 "backward_thread": ("calling", "device")}
 
 
-def _trainer_only_switches(block: Any) -> dict[str, bool]:
-    """The TRAINER_ONLY_KEYS set in a ``policy.jet_rl`` block, each a boolean (a refusal names the key)."""
+def _trainer_only_switches(block: Any) -> dict[str, Any]:
+    """The TRAINER_ONLY_KEYS set in a ``policy.jet_rl`` block, each checked against its values (a refusal names the
+    key)."""
     if not isinstance(block, Mapping):
         return {}
     out = {}
-    for key in TRAINER_ONLY_KEYS:
+    for key, allowed in TRAINER_ONLY_KEYS.items():
         if key in block:
             value = block[key]
-            if not isinstance(value, bool):
-                raise PolicyConfigError(f"policy.jet_rl.{key}: {value!r}; must be true or false")
+            if not any(type(value) is type(a) and value == a for a in allowed):
+                wanted = "true or false" if allowed == (True, False) else " or ".join(map(repr, allowed))
+                raise PolicyConfigError(f"policy.jet_rl.{key}: {value!r}; must be {wanted}")
             out[key] = value
     return out
 
@@ -297,7 +303,7 @@ def policy_plan(policy: Mapping[str, Any], shape: ModelShape | None = None) -> P
         logging.getLogger(__name__).warning(
             "policy.jet_rl.{%s}: not read by the NeMo-RL driver's hosted policy (`jetrl run` reads it); here the "
             "models' numerics come from vllm_kwargs.hf_overrides' jetrl_* entries and the JETRL_* variables, and "
-            "of policy.jet_rl only %s (docs/nemo_rl.md)", ", ".join(map(str, unread)), " and ".join(TRAINER_ONLY_KEYS))
+            "of policy.jet_rl only %s (docs/nemo_rl.md)", ", ".join(map(str, unread)), ", ".join(TRAINER_ONLY_KEYS))
     return PolicyPlan(shape, recipe, bool(_get(policy, "megatron_cfg.sequence_parallel", False)),
                       resolve_switches(JetRlCfg(), os.environ), cuda_norms, swiglu_fp8_forms, **trainer_only)
 

@@ -96,6 +96,15 @@ class JetRLMegatronPolicyWorkerImpl(mpw.MegatronPolicyWorkerImpl):
         super().__init__(config, *args, **kwargs)
         self._refit_stream = HfRefitStream(self.model, self._hosted_plan.shape)
 
+    def train(self, data: Any, loss_fn: Any, eval_mode: bool = False, gbs: int | None = None,
+              mbs: int | None = None, check_dim_skip_keys: Any = None) -> Any:
+        """NeMo-RL's train(), with autograd's backward on this thread unless policy.jet_rl.backward_thread says
+        ``device`` (the same kernels in the same order; the FP8 linear's backward issues in about half the host time
+        here: docs/config.md)."""
+        with torch.autograd.set_multithreading_enabled(self._hosted_plan.backward_thread == "device"):
+            return super().train(data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
+                                 check_dim_skip_keys=check_dim_skip_keys)
+
     def _calculate_refit_param_info(self) -> list[tuple[str, int]]:
         return [(name, dtype.itemsize * math.prod(shape)) for name, dtype, shape in self._refit_stream.metadata()]
 

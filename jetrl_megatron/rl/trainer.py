@@ -268,7 +268,8 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
         results.append(train_step(trainer.model, trainer.optimizer, data, loss.for_batch(norm), micro_batch_size=mbs,
                                   sampling=sampling, unfiltered=unfiltered, observer=observer,
                                   logprob_chunk=cfg.policy.logprob_chunk_size,
-                                  release_cache_before_step=cfg.policy.generation.colocated.enabled))
+                                  release_cache_before_step=cfg.policy.generation.colocated.enabled,
+                                  backward_thread=cfg.policy.jet_rl.backward_thread))
     m = {
         "train/loss": sum(r.loss for r in results) * 1.0,
         # the micro-batch metrics are not divided by Megatron (only the loss is): their mean is already the token
@@ -315,7 +316,7 @@ def sft_warmstart(cfg: RunConfig, trainer: Trainer, task, indices: list[int], lo
         set_lr(trainer.optimizer, w.lr)
         res = train_step(trainer.model, trainer.optimizer, {"tokens": dp_slice(tokens), "mask": dp_slice(mask)},
                          lambda lp, mb, norm=norm: (grpo.sft_loss(lp, mb["mask"], norm), {}), micro_batch_size=mbs,
-                         logprob_chunk=cfg.policy.logprob_chunk_size)
+                         logprob_chunk=cfg.policy.logprob_chunk_size, backward_thread=cfg.policy.jet_rl.backward_thread)
         losses.append(per_token_loss(res.loss))
         if w.stop_at_loss is not None and len(losses) >= w.stop_window \
                 and sum(losses[-w.stop_window:]) / w.stop_window <= w.stop_at_loss:
