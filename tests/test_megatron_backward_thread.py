@@ -8,8 +8,9 @@ FP8 linears of a Qwen3-8B layer at 2,048 tokens 4.28 -> 2.48 ms of host time per
 
 GPU (``gpu``): the backward's hooks run on the training thread by default and on another thread with ``device``, and
 the gradients are the same bytes either way (the deterministic attention backward, so that only the thread
-differs). CPU: the switch as the backward sees it (autograd's thread-local flag, handed to the hooks) and the refusal
-of an unknown value are in tests/test_megatron_model.py.
+differs), with and without activation checkpointing (whose recompute runs a backward inside the backward). CPU: the
+switch as the backward sees it (autograd's thread-local flag, handed to the hooks) and the refusal of an unknown
+value are in tests/test_megatron_model.py.
 """
 
 from __future__ import annotations
@@ -40,18 +41,24 @@ def _run(rank: int, world_size: int, out_dir: str) -> None:
     from jetrl_megatron.recipe import Fp8Recipe
 
     shape = tiny_shape("qwen3")
-    policy = build_policy(shape, Fp8Recipe(mode="jetrl"), weights=hf_state(shape, seed=5, std=0.02),
-                          optimizer={"lr": 1e-4}, deterministic_backward=True)
     tokens = torch.randint(0, shape.vocab_size, (4, 256), generator=torch.Generator().manual_seed(6))
     out = {"main": threading.get_ident()}
-    for where in ("calling", "device"):
-        threads: list[int] = []
-        forward_backward([policy.model], {"tokens": tokens}, _loss_recording_threads(threads), micro_batch_size=2,
-                         backward_thread=where)
-        torch.cuda.synchronize()
-        out[where] = {"threads": threads,
-                      "grads": {n: p.main_grad.detach().cpu().clone()
-                                for n, p in unwrap(policy.model).named_parameters()}}
+    # as the loop builds it, without and with activation checkpointing (Megatron's recompute runs a reentrant
+    # backward inside the backward: on the calling thread too)
+    for recompute in (False, True):
+        extra = ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+                 if recompute else {"recompute_granularity": None})
+        policy = build_policy(shape, Fp8Recipe(mode="jetrl"), weights=hf_state(shape, seed=5, std=0.02),
+                              optimizer={"lr": 1e-4}, deterministic_backward=True, **extra)
+        for where in ("calling", "device"):
+            threads: list[int] = []
+            forward_backward([policy.model], {"tokens": tokens}, _loss_recording_threads(threads),
+                             micro_batch_size=2, backward_thread=where)
+            torch.cuda.synchronize()
+            out[(recompute, where)] = {"threads": threads,
+                                       "grads": {n: p.main_grad.detach().cpu().clone()
+                                                 for n, p in unwrap(policy.model).named_parameters()}}
+        del policy
     torch.save(out, Path(out_dir) / "threads.pt")
 
 
@@ -62,9 +69,14 @@ def test_the_backward_runs_on_the_training_thread_by_default_and_gives_the_same_
     cpu.spawn(_run, 1, str(tmp_path))
     got = torch.load(tmp_path / "threads.pt")
     main = got["main"]
-    assert len(got["calling"]["threads"]) == 2 and set(got["calling"]["threads"]) == {main}, got["calling"]["threads"]
-    assert len(got["device"]["threads"]) == 2 and main not in got["device"]["threads"], got["device"]["threads"]
-    a, b = got["calling"]["grads"], got["device"]["grads"]
-    assert set(a) == set(b) and a
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    for recompute in (False, True):
+        calling, device = got[(recompute, "calling")], got[(recompute, "device")]
+        assert len(calling["threads"]) == 2 and set(calling["threads"]) == {main}, (recompute, calling["threads"])
+        assert len(device["threads"]) == 2 and main not in device["threads"], (recompute, device["threads"])
+        a, b = calling["grads"], device["grads"]
+        assert set(a) == set(b) and a
+        for name in a:
+            assert torch.equal(a[name], b[name]), (recompute, name)
+    # recompute changes nothing either (same forward, recomputed: the same gradients)
+    for name, g in got[(False, "calling")]["grads"].items():
+        assert torch.equal(g, got[(True, "calling")]["grads"][name]), name
