@@ -198,8 +198,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
     With grad disabled (the trainer's logprob and reference passes) this is :func:`fp8_linear_forward` itself: the
     same forward, without the autograd Function around it (5.5 us less host time per call on the 2-core development
-    box, kernels stubbed out; 144 calls per Qwen3-8B
-    forward) and without the backward's shape rule.
+    box, kernels stubbed out; 144 calls per Qwen3-8B forward) and without the backward's shape rule.
     """
     grad = torch.is_grad_enabled()
     if grad:
