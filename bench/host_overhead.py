@@ -26,6 +26,7 @@ autograd's thread and on the main thread (which Python functions take the time).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -164,23 +165,33 @@ def linear_ops(m: int, n: int, k: int, recipe: Fp8Recipe, device: torch.device) 
 def backward_body_us(fwd_bwd: Callable[[], object], iters: int) -> float:
     """Mean wall time of the FP8 linear's backward body per call, timed inside it: on CUDA autograd runs it on its
     device thread, so this against the whole fwd+bwd separates the body from the engine's hand-over around it."""
-    fn_cls = _Fp8LinearFunction
-    original = fn_cls.backward
     spent = []
 
-    def timed(ctx, dy):
-        t0 = time.perf_counter()
-        out = original(ctx, dy)
-        spent.append(time.perf_counter() - t0)
-        return out
+    def timed(original):
+        def backward(ctx, dy):
+            t0 = time.perf_counter()
+            out = original(ctx, dy)
+            spent.append(time.perf_counter() - t0)
+            return out
+        return backward
 
-    fn_cls.backward = staticmethod(timed)
-    try:
+    with _backward_wrapped(timed):
         for _ in range(iters):
             fwd_bwd()
+    return sum(spent) / len(spent) * 1e6
+
+
+@contextlib.contextmanager
+def _backward_wrapped(wrap: Callable[[Callable], Callable]):
+    """The FP8 linear's backward replaced by ``wrap(original)`` inside the block (to time or profile it where
+    autograd runs it), the original back after it."""
+    fn_cls = _Fp8LinearFunction
+    original = fn_cls.backward
+    fn_cls.backward = staticmethod(wrap(original))
+    try:
+        yield
     finally:
         fn_cls.backward = staticmethod(original)
-    return sum(spent) / len(spent) * 1e6
 
 
 def _body_args(m: int, n: int, k: int, recipe: Fp8Recipe, device: torch.device):
@@ -235,22 +246,18 @@ def cprofile_text(fn: Callable[[], object], iters: int, top: int, *, in_backward
             fn()
         prof.disable()
     else:
-        fn_cls = _Fp8LinearFunction
-        original = fn_cls.backward
+        def profiled(original):
+            def backward(ctx, dy):
+                prof.enable()
+                try:
+                    return original(ctx, dy)
+                finally:
+                    prof.disable()
+            return backward
 
-        def profiled(ctx, dy):
-            prof.enable()
-            try:
-                return original(ctx, dy)
-            finally:
-                prof.disable()
-
-        fn_cls.backward = staticmethod(profiled)
-        try:
+        with _backward_wrapped(profiled):
             for _ in range(iters):
                 fn()
-        finally:
-            fn_cls.backward = staticmethod(original)
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
     return "\n".join(line for line in buf.getvalue().splitlines() if line.strip())
