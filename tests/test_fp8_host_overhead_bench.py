@@ -67,10 +67,10 @@ def test_every_op_of_every_linear_is_timed(tmp_path):
                              "cProfile: fp8 backward body on the main thread"}
     assert "_Fp8LinearFunction" in profiles["fp8_linear fwd+bwd"]
     assert "torch.profiler, CPU self time, fp8_linear fwd+bwd" in md
-    # cProfile saw the body's own Python calls wherever it ran (the dual quantizer and the regroup among them)
+    # cProfile ran around the body wherever it ran: one body per call (--iters 1, after the warm-up), its line says so
     for name in ("cProfile: fp8 backward body on autograd's thread", "cProfile: fp8 backward body on the main thread"):
-        assert "quant_dual" in profiles[name] and "regroup_for_wgrad" in profiles[name], profiles[name][:2000]
-        assert name in md
+        assert "fp8 backward bodies profiled: 1 calls, " in profiles[name], profiles[name][-2000:]
+        assert "function calls" in profiles[name] and name in md
     assert "MainThread" in result["env"]["python_threads"] and "Python threads alive: " in md
 
 
