@@ -292,8 +292,9 @@ class JetRlCfg:
     # to run). The forward, the logprobs and so the on-policy exactness are the same either way (docs/config.md)
     deterministic_backward: bool = False
     # where autograd runs the trainer's backward: calling (the training thread; the default) or device (autograd's
-    # per-GPU worker thread, PyTorch's default). Same kernels, same order, same bytes; on the worker thread the FP8
-    # linear's backward took ~2x the host time (H100: the Qwen3-8B layer at 2,048 tokens, eager, 6.73 -> 4.69 ms)
+    # per-GPU worker thread, PyTorch's default). Same kernels, same order (the same gradient bytes with
+    # deterministic_backward); on the worker thread the FP8 linear's backward took ~2x the host time (H100: the
+    # Qwen3-8B layer at 2,048 tokens, eager, 6.73 -> 4.69 ms)
     backward_thread: str = key("calling", allowed=("calling", "device"))
     # colocated GPU engines sleep through the trainer's phases at vLLM's level 1 (weights backed up on the host, KV
     # cache freed) or 2 (weights discarded too: no host copy, no copies at sleep and wake; the in-place refit
