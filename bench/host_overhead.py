@@ -209,15 +209,6 @@ def _body_args(m: int, n: int, k: int, recipe: Fp8Recipe, device: torch.device):
     return ctx, dy
 
 
-def _timed_loop(fn: Callable[[], object], iters: int) -> float:
-    for _ in range(2):
-        fn()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) / iters * 1e6
-
-
 def thread_probe(m: int, n: int, k: int, recipe: Fp8Recipe, device: torch.device, iters: int) -> dict[str, float]:
     """The FP8 backward body's own code, called directly (no autograd) on the main thread and on a fresh worker
     thread, timed inside each: against "backward body (timed inside)" this says whether the body is slow because of
@@ -227,9 +218,12 @@ def thread_probe(m: int, n: int, k: int, recipe: Fp8Recipe, device: torch.device
     def body() -> object:
         return _Fp8LinearFunction.backward(ctx, dy)
 
-    out = {"fp8 backward body, main thread": _timed_loop(body, iters)}
+    def host_us() -> float:  # time_op's host loop alone: the worker thread has no device timing to add
+        return time_op(body, iters, cuda=False)["host_us"]
+
+    out = {"fp8 backward body, main thread": host_us()}
     spent: list[float] = []
-    worker = threading.Thread(target=lambda: spent.append(_timed_loop(body, iters)), name="probe-worker")
+    worker = threading.Thread(target=lambda: spent.append(host_us()), name="probe-worker")
     worker.start()
     worker.join()
     out["fp8 backward body, worker thread"] = spent[0]

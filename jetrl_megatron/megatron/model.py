@@ -37,6 +37,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from jetrl_megatron.fp8 import quant_dispatch
 from jetrl_megatron.fp8.stress import StressFormat
+from jetrl_megatron.megatron.backward_thread import backward_thread_scope
 from jetrl_megatron.megatron.context import Fp8ModelContext
 from jetrl_megatron.megatron.cpu import enable_cpu_mode
 from jetrl_megatron.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear
@@ -494,7 +495,6 @@ class StepResult:
     optimizer_seconds: float = 0.0  # optimizer.step (with the FP8 cache refresh; on the host when offloaded)
 
 
-BACKWARD_THREADS = ("calling", "device")
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -511,8 +511,7 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
     See :func:`train_step` for ``batch``, ``loss_fn``, ``sampling``, ``unfiltered``, ``observer``,
     ``logprob_chunk`` and ``backward_thread``.
     """
-    if backward_thread not in BACKWARD_THREADS:
-        raise ValueError(f"backward_thread: {backward_thread!r} is not one of {BACKWARD_THREADS}")
+    thread_scope = backward_thread_scope(backward_thread)  # refuses an unknown value before anything runs
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     chunks = _as_chunks(model)
@@ -543,7 +542,7 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, 
     step = _logprob_step(gpt, vocab_parallel, loss_for, sampling, unfiltered, chunk=logprob_chunk)
 
     try:
-        with torch.autograd.set_multithreading_enabled(backward_thread == "device"):
+        with thread_scope:
             store = get_forward_backward_func()(
                 forward_step_func=step, data_iterator=_observed(mbatches, observer), model=chunks,
                 num_microbatches=len(mbatches), seq_length=s, micro_batch_size=micro_batch_size, forward_only=False)

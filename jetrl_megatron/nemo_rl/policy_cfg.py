@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jetrl_megatron.fp8.format import BLOCK, QUANT_METHOD
+from jetrl_megatron.megatron.backward_thread import BACKWARD_THREADS
 from jetrl_megatron.model.shapes import ModelShape
 from jetrl_megatron.recipe import Fp8Recipe, RecipeError
 from jetrl_megatron.rl.config.arm_switches import (
@@ -269,7 +270,7 @@ class PolicyPlan:
 # engines must run too, which the hosted worker takes from vllm_kwargs.hf_overrides (what vLLM reads) instead
 TRAINER_ONLY_KEYS: dict[str, tuple[Any, ...]] = {"deterministic_backward": (True, False),
                                                  "fuse_swiglu_grad_quant": (True, False),
-                                                 "backward_thread": ("calling", "device")}
+                                                 "backward_thread": BACKWARD_THREADS}
 
 
 def _trainer_only_switches(block: Any) -> dict[str, Any]:

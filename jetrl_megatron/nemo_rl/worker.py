@@ -30,6 +30,7 @@ import ray
 import torch
 from nemo_rl.models.policy.utils import get_runtime_env_for_policy_worker
 
+from jetrl_megatron.megatron.backward_thread import backward_thread_scope
 from jetrl_megatron.nemo_rl.hf_refit import HfRefitStream
 from jetrl_megatron.nemo_rl.hosted_policy import ChunkBuilder, refresh_fp8_after_each_step, refresh_fp8_now
 from jetrl_megatron.nemo_rl.policy_cfg import PolicyConfigError, policy_plan, uses_jetrl
@@ -101,7 +102,7 @@ class JetRLMegatronPolicyWorkerImpl(mpw.MegatronPolicyWorkerImpl):
         """NeMo-RL's train(), with autograd's backward on this thread unless policy.jet_rl.backward_thread says
         ``device`` (the same kernels in the same order; the FP8 linear's backward issues in about half the host time
         here: docs/config.md)."""
-        with torch.autograd.set_multithreading_enabled(self._hosted_plan.backward_thread == "device"):
+        with backward_thread_scope(self._hosted_plan.backward_thread):
             return super().train(data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
                                  check_dim_skip_keys=check_dim_skip_keys)
 

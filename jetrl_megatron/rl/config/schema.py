@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jetrl_megatron.config_key import IGNORED, IMPLEMENTED, REFUSED, KeyRule, above, at_least, key, within
+from jetrl_megatron.megatron.backward_thread import BACKWARD_THREADS
 from jetrl_megatron.megatron.optimizer_settings import OptimizerSettings
 
 MOE_NOTE = "mixture-of-experts knob: the supported models (Qwen3, Llama-3.1, Qwen2.5 dense) have no experts"
@@ -295,7 +296,7 @@ class JetRlCfg:
     # per-GPU worker thread, PyTorch's default). Same kernels, same order (the same gradient bytes with
     # deterministic_backward); on the worker thread the FP8 linear's backward took ~2x the host time (H100: the
     # Qwen3-8B layer at 2,048 tokens, eager, 6.73 -> 4.69 ms)
-    backward_thread: str = key("calling", allowed=("calling", "device"))
+    backward_thread: str = key("calling", allowed=BACKWARD_THREADS)
     # colocated GPU engines sleep through the trainer's phases at vLLM's level 1 (weights backed up on the host, KV
     # cache freed) or 2 (weights discarded too: no host copy, no copies at sleep and wake; the in-place refit
     # rewrites every parameter before the next rollout, which a GPU test checks (passed on an H100); 1 until the
