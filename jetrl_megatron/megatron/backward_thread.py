@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import ContextManager
 
 # No torch import at module level: the run config (rl/config/schema.py) reads BACKWARD_THREADS.
 BACKWARD_THREADS = ("calling", "device")
 
 
-def backward_thread_scope(where: str) -> ContextManager[None]:
+def backward_thread_scope(where: str) -> contextlib.AbstractContextManager[None]:
     """The context in which a backward runs on ``where``: ``"calling"`` (this thread) or ``"device"`` (autograd's
     per-device worker, PyTorch's default). An unknown value is refused here, when the scope is made; the switch is
     thread-local, set on entering and the caller's own setting back on exit."""
