@@ -184,9 +184,16 @@ def test_docs_table_is_current(upstream):
 
 
 def test_docs_table_matches_the_code():
-    """Runs without the tarball: each row's status and note are what rl/config/nemo_rl_keys.py says today."""
+    """Runs without the tarball: each row's status and note are what rl/config/nemo_rl_keys.py says today, and every
+    key of this project's schema has its row (a new ``policy.jet_rl`` key without one is caught here too)."""
+    from jetrl_megatron.rl.config.schema import schema_defaults
+    from jetrl_megatron.rl.config.yaml_tree import leaf_paths
+
     rows = [ln for ln in DOC.read_text().splitlines() if ln.startswith("| `")]
     assert len(rows) > 500
+    documented = {row.split("`")[1] for row in rows}
+    missing = sorted(k for k in leaf_paths(schema_defaults()) if k not in documented)
+    assert not missing, f"docs/nemo_rl_keys.md lacks {missing}: regenerate with `jetrl keys > docs/nemo_rl_keys.md`"
     for row in rows:
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]]
         key = cells[0].strip("`")
