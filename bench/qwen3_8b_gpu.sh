@@ -203,7 +203,8 @@ case $mode in
     python3 bench/step_table.py "$out"/r8b/* | tee "$out/step_table.md" ;;
   threadloop)  # where autograd runs the update's backward, in the loop: ARM (default jetrl) once per entry of
     # THREADS (default "calling device calling device": alternating, so that drift between runs shows), LEN / STEPS /
-    # CARD / EXTRA as in grpo, RUN_LIMIT each; then bench/step_table.py over the runs
+    # CARD / EXTRA as in grpo, RUN_LIMIT each; then bench/step_table.py over the runs. STEPS >= 3: the table's
+    # "fwd+bwd steps 2+" column then gives each run's median and range (one step per run did not settle 2026-12-07's pair)
     i=0
     for t in ${THREADS:-calling device calling device}; do
       i=$((i + 1))

@@ -3,6 +3,9 @@ busy the device was in the logprob pass's and the update's recorded micro-batche
 
 Why: the 8B rounds compare arms run one after another in one device call (bench/qwen3_8b_gpu.sh arms); the table is
 read from each run's own files (metrics.jsonl, profile_step<N>.json), so it can be recomputed from the committed runs.
+With more than two steps a run also shows its update's forward+backward over every step after the first (median and
+range): two runs one after another differed by 2.3 s in one step on 2026-12-07, so one step per run cannot settle a
+difference of that size.
 
 Usage: python3 bench/step_table.py RUN_DIR [RUN_DIR ...]
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -20,10 +24,15 @@ COLUMNS = (("rollout s", "time/rollout"), ("logprob s", "time/logprob"), ("updat
            ("update peak GiB", "memory/gpu_peak_gib_update"))
 
 
+def step_rows(run: Path) -> list[dict]:
+    """The run's metrics rows, one per step (empty when the run wrote none)."""
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 def last_step(run: Path) -> dict:
     """The last metrics row of a run (empty when the run wrote none)."""
-    path = run / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = step_rows(run)
     return rows[-1] if rows else {}
 
 
@@ -52,15 +61,24 @@ def _fwd_bwd(row: dict) -> float | None:
     return None if update is None or opt is None else update - opt
 
 
+def later_fwd_bwd(run: Path) -> str:
+    """The update's forward+backward over every step after the first (its JIT and first-touch costs excluded):
+    median [min-max] and how many steps, so two runs' spread can be told from their difference."""
+    values = sorted(v for row in step_rows(run) if (row.get("step") or 0) > 1 and (v := _fwd_bwd(row)) is not None)
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.2f} [{values[0]:.2f}-{values[-1]:.2f}] n={len(values)}"
+
+
 def table(runs: list[Path]) -> str:
-    head = ["run", "step", *(name for name, _ in COLUMNS), "update fwd+bwd s", "profiled step",
-            "logprob busy", "update busy"]
+    head = ["run", "step", *(name for name, _ in COLUMNS), "update fwd+bwd s", "fwd+bwd steps 2+ s",
+            "profiled step", "logprob busy", "update busy"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in runs:
         row = last_step(run)
         profiled, shares = busy(run)
         cells = [run.name, _fmt(row.get("step")), *(_fmt(row.get(key)) for _, key in COLUMNS), _fmt(_fwd_bwd(row)),
-                 _fmt(profiled)]
+                 later_fwd_bwd(run), _fmt(profiled)]
         for phase in ("logprob", "update"):
             b, w = shares.get(phase, (None, None))
             cells.append(f"{b / w:.0%} of {w:.0f} ms" if b is not None and w else "-")

@@ -4,6 +4,7 @@ reads each run's own last metrics row and its last profile's windows."""
 from __future__ import annotations
 
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -58,3 +59,22 @@ def test_a_profiled_run_shows_the_busy_share_of_its_windows(tmp_path):
 def test_a_missing_directory_is_named(tmp_path, capsys):
     assert step_table.main([str(tmp_path / "nope")]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_later_steps_give_the_median_and_range_of_the_forward_backward(tmp_path):
+    """Steps after the first: update minus optimizer, median [min-max] n; step 1 (JIT, first touch) left out."""
+    run = tmp_path / "len1024_jetrl_calling"
+    run.mkdir()
+    rng = random.Random(7)
+    rows = [{"step": k, "time/update": rng.uniform(5, 12), "time/optimizer": rng.uniform(2, 3)} for k in range(1, 6)]
+    rows.insert(3, {"step": 0, "time/update": 99.0, "time/optimizer": 1.0})  # a warm-start row: not a GRPO step
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    want = sorted(r["time/update"] - r["time/optimizer"] for r in rows if r["step"] > 1)
+    lines = step_table.table([run]).splitlines()
+    cell = dict(zip(_cells(lines[0]), _cells(lines[2]), strict=True))["fwd+bwd steps 2+ s"]
+    assert cell == f"{(want[1] + want[2]) / 2:.2f} [{want[0]:.2f}-{want[-1]:.2f}] n=4"
+    only_first = tmp_path / "one_step"
+    only_first.mkdir()
+    (only_first / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    lines = step_table.table([only_first]).splitlines()
+    assert dict(zip(_cells(lines[0]), _cells(lines[2]), strict=True))["fwd+bwd steps 2+ s"] == "-"
