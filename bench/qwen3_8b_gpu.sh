@@ -1,7 +1,7 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|threadloop|te|long|round OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|graphprobe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|threadloop|te|long|round OUT_DIR
 #   stage0  copy the bundle parts carried in this call (.vc/p*) to /tmp/vc, install .whl (megatron-core, omegaconf,
 #           ... for Python 3.12), run the GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton
 #           numerics, the INT stress kernels, phase memory)
@@ -38,6 +38,9 @@
 #   decode  bench/decode_invariance.py at the Qwen3-8B shape: which of vLLM's ops give a token other bytes in a decode
 #           step than in a prefill (norms, SiLU-and-mul, FP8 linears per backend, BF16 lm_head, FA3 decode vs prefill),
 #           and the project's SwiGLU against vLLM's silu_and_mul on every BF16 gate value
+#   graphprobe  bench/graph_layout_probe.py (install first): does vLLM's FA3 (and the flash backward) give the real tokens
+#           the packed call's bytes when every padded row is attended whole (a layout fixed by (b, sq), no host sync:
+#           what CUDA graphs of the update's layers need); bit-identity per case and both paths' ms (~1 min)
 #   probe   bench/vllm_cuda_exact.py at the Qwen3-8B shape (ARMS, default jetrl; auto GEMMs, CUDA graphs, a refit), PROMPTS x LEN,
 #           with FA_SPLITS as above: trainer vs vLLM's decode and prefill, and vLLM's decode vs its own prefill
 #   rollcost  bench/rollout_bench.py compare at PRESET (default qwen3-8b), 128 x 1024 tokens: stock FP8, the plugin and BF16, each with
@@ -67,7 +70,7 @@
 # pytest runs under `timeout -s INT`: at its limit pytest is interrupted, not killed, and still prints which tests
 # failed and why (a killed run's log ended mid-test on 2026-12-05 with one failure and no message)
 set -uo pipefail
-mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|threadloop|te|long|round}
+mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|graphprobe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|threadloop|te|long|round}
 out=${2:?OUT_DIR}
 mkdir -p /tmp/vc "$out"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -250,6 +253,11 @@ PY
     timeout "${RUN_LIMIT:-300}" python3 bench/decode_invariance.py --preset "${PRESET:-qwen3-8b}" \
       --out "$out/decode_invariance.json" > "$out/decode_invariance.log" 2>&1
     echo "decode invariance rc $?"; grep -E "^\|" "$out/decode_invariance.log" | head -200 ;;
+  graphprobe)  # bench/graph_layout_probe.py: FA3 + the flash backward on whole padded rows vs the packed real tokens
+    wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
+    timeout "${RUN_LIMIT:-180}" python3 bench/graph_layout_probe.py --out "$out/graph_layout_probe.json" \
+      > "$out/graph_layout_probe.log" 2>&1
+    echo "graph layout probe rc $?"; tail -15 "$out/graph_layout_probe.log" ;;
   probe)
     wheels > "$out/wheels.log" 2>&1 && vllm_bundle > "$out/install.log" 2>&1 || { tail -20 "$out"/*.log; exit 1; }
     tag=${FA_SPLITS:-default}
@@ -347,7 +355,7 @@ PY
       limit_var=LIMIT_$m  # LIMIT_<mode>=seconds: that mode's RUN_LIMIT in this round
       echo "== round: $m ($(date +%T))"; PACK_DG=0 RUN_LIMIT=${!limit_var:-${RUN_LIMIT:-}} bash "$0" "$m" "$out/$m"
     done ;;
-  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|threadloop|te|long|round OUT_DIR" >&2
+  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|graphprobe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|threadloop|te|long|round OUT_DIR" >&2
      exit 2 ;;
 esac
 # PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz, and
