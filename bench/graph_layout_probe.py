@@ -3,11 +3,12 @@
 Why: the trainer's GPU attention (``attn_impl="vllm_cuda"``) packs each micro-batch's real tokens before FA3, as
 vLLM's prefill sees them. Packing needs the real lengths on the host (``int(lengths.max())``, ``nonzero``: host
 syncs and shapes that change per micro-batch), so the update's layers cannot be captured as CUDA graphs (at 2K
-tokens the Qwen3-8B layer runs 1.06x BF16 eager, 1.25x when both arms are CUDA graphs; bench/RESULTS.md). The rows are right-padded and
-attention is causal, so a real query never reads a pad: attending every row whole (``cu_seqlens`` every ``sq``
-tokens, ``seqused_k = sq``, a block table fixed by ``(b, sq)``) needs no lengths at all, and the layout is the same
-for every micro-batch of an update. Whether FA3 (and PyTorch's flash backward) then give the real tokens the bytes
-of the packed call is the question this probe answers on a GPU; on a CPU it only checks the fixed layout.
+tokens the Qwen3-8B layer runs 1.06x BF16 eager, 1.25x when both arms are CUDA graphs; bench/RESULTS.md). The rows
+are right-padded and attention is causal, so a real query never reads a pad: attending every row whole
+(``cu_seqlens`` every ``sq`` tokens, ``seqused_k = sq``, a block table fixed by ``(b, sq)``) needs no lengths at all,
+and the layout is the same for every micro-batch of an update. Whether FA3 (and PyTorch's flash backward) then
+give the real tokens the bytes of the packed call is the question this probe answers on a GPU; on a CPU it only
+checks the fixed layout.
 
 Per case (random BF16 q/k/v at Qwen3-8B's heads, random lengths): forward output and log-sum-exp at the real tokens,
 bit for bit; backward dq/dk/dv at the real tokens with the deterministic flash backward, bit for bit, and exact zeros
