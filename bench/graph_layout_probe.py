@@ -100,20 +100,18 @@ def probe_case(case: tuple, gen: torch.Generator, iters: int) -> dict:
         return torch.randn(b * sq, heads, HEAD_DIM, generator=gen).to(device=dev, dtype=torch.bfloat16)
 
     q, k, v = rand(HEADS_Q), rand(HEADS_KV), rand(HEADS_KV)  # the sequence-major (b * sq) grid, rows padded
-    rows = PackedRows.build(lens, sq).idx  # the grid rows of the real tokens, in the packed order
+    built = PackedRows.build(lens, sq)  # once per micro-batch, shared by the model's layers
+    rows = built.idx  # the grid rows of the real tokens, in the packed order
     pad = torch.ones(b * sq, dtype=torch.bool, device=dev)
     pad[rows] = False
     dout = rand(HEADS_Q).masked_fill(pad[:, None, None], 0.0)
     attention = vllm_cuda_ops.PrefillAttention()
 
-    built = PackedRows.build(lens, sq)  # once per micro-batch, shared by the model's layers
-
     def packed() -> tuple:  # the trainer's path today: the real tokens gathered, the layout from their lengths
-        layout, idx = built.paged, built.idx
-        qp, kp, vp = q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx)
-        out, lse = attention(qp, kp, vp, layout, scale)
-        grads = flash_attention_backward(dout.index_select(0, idx), qp, kp, vp, out, lse, layout.cu_seqlens,
-                                         layout.max_seqlen, scale, deterministic=True)
+        qp, kp, vp = q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows)
+        out, lse = attention(qp, kp, vp, built.paged, scale)
+        grads = flash_attention_backward(dout.index_select(0, rows), qp, kp, vp, out, lse, built.paged.cu_seqlens,
+                                         built.paged.max_seqlen, scale, deterministic=True)
         return out, lse, grads
 
     whole_layout = full_row_layout(b, sq, dev)
