@@ -1,7 +1,7 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|graphprobe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|threadloop|te|long|round OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|graphprobe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|threadloop|variants|te|long|round OUT_DIR
 #   stage0  copy the bundle parts carried in this call (.vc/p*) to /tmp/vc, install .whl (megatron-core, omegaconf,
 #           ... for Python 3.12), run the GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton
 #           numerics, the INT stress kernels, phase memory)
@@ -53,8 +53,10 @@
 #           (GRAPH=1: also each arm with the layer captured as CUDA graphs, issue 29 item 3)
 #   hostgap the Qwen3-8B layer fwd+bwd at SEQ (default 2048: the 8B update's micro-batch of 2 x ~1.1K tokens), eager and
 #           captured as CUDA graphs, jetrl and bf16, with cProfile of one fwd+bwd's host side (issue 29 item 3)
-#   threadloop ARM's grpo run once per entry of THREADS (default "calling device calling device"), each with
-#           policy.jet_rl.backward_thread set so, then the step table (the update with the backward on each thread)
+#   threadloop the variants mode over THREADS (default "calling device calling device"): policy.jet_rl.backward_thread
+#           set so in each run, then the step table (the update with the backward on each thread)
+#   variants ARM's grpo run once per VARIANTS entry "tag:key=value[,key=value...]" (default: the update's attention
+#           packed / whole_rows / packed), then the step table (with STEPS >= 3 each run's median and range)
 #   threads hostops at TOKENS (default 2048), then the layer bench at SEQ (default 2048) with autograd's backward on
 #           its CUDA device thread and on the calling thread (--backward-on-calling-thread), GRAPH="" skips graphs
 #   hostops bench/host_overhead.py at TOKENS (default "2048 4128"): host vs device us per call of each FP8 linear
@@ -70,7 +72,7 @@
 # pytest runs under `timeout -s INT`: at its limit pytest is interrupted, not killed, and still prints which tests
 # failed and why (a killed run's log ended mid-test on 2026-12-05 with one failure and no message)
 set -uo pipefail
-mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|graphprobe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|threadloop|te|long|round}
+mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|graphprobe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|threadloop|variants|te|long|round}
 out=${2:?OUT_DIR}
 mkdir -p /tmp/vc "$out"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -204,15 +206,21 @@ case $mode in
       ARM=$a RUN_IN_OUT=1 PACK_DG=0 NO_PACK=1 RUN_LIMIT=$per_arm bash "$0" grpo "$out"
     done
     python3 bench/step_table.py "$out"/r8b/* | tee "$out/step_table.md" ;;
-  threadloop)  # where autograd runs the update's backward, in the loop: ARM (default jetrl) once per entry of
-    # THREADS (default "calling device calling device": alternating, so that drift between runs shows), LEN / STEPS /
-    # CARD / EXTRA as in grpo, RUN_LIMIT each; then bench/step_table.py over the runs. STEPS >= 3: the table's
-    # "fwd+bwd steps 2+" column then gives each run's median and range (one step per run did not settle 2026-12-07's pair)
+  threadloop)  # where autograd runs the update's backward, in the loop: the variants mode over THREADS (default
+    # "calling device calling device": alternating, so that drift between runs shows), policy.jet_rl.backward_thread
+    # set so in each run. STEPS >= 3: the table's "fwd+bwd steps 2+" column then gives each run's median and range
+    # (one step per run did not settle 2026-12-07's pair)
+    v=""; for t in ${THREADS:-calling device calling device}; do v+=" $t:policy.jet_rl.backward_thread=$t"; done
+    VARIANTS="$v" bash "$0" variants "$out" ;;
+  variants)  # an A/B in the loop: ARM's grpo run (default jetrl; LEN / STEPS / CARD / EXTRA as in grpo, RUN_LIMIT
+    # each) once per VARIANTS entry "tag:key=value[,key=value...]" (default the update's attention, packed /
+    # whole_rows / packed), those overrides appended to EXTRA; then bench/step_table.py over the runs
     i=0
-    for t in ${THREADS:-calling device calling device}; do
-      i=$((i + 1))
-      ARM=${ARM:-jetrl} TAG=${t}_$i RUN_IN_OUT=1 PACK_DG=0 NO_PACK=1 RUN_LIMIT=${RUN_LIMIT:-200} \
-        EXTRA="${EXTRA:-} policy.jet_rl.backward_thread=$t" bash "$0" grpo "$out"
+    for v in ${VARIANTS:-packed:policy.jet_rl.update_attention=packed whole:policy.jet_rl.update_attention=whole_rows \
+        packed:policy.jet_rl.update_attention=packed}; do
+      i=$((i + 1)); overrides=${v#*:}
+      ARM=${ARM:-jetrl} TAG=${v%%:*}_$i RUN_IN_OUT=1 PACK_DG=0 NO_PACK=1 RUN_LIMIT=${RUN_LIMIT:-200} \
+        EXTRA="${EXTRA:-} ${overrides//,/ }" bash "$0" grpo "$out"
     done
     python3 bench/step_table.py "$out"/r8b/* | tee "$out/step_table.md" ;;
   optcost)  # the host masters pageable / page-locked / page-locked + overlapped copies, one run each, side by side
@@ -355,7 +363,7 @@ PY
       limit_var=LIMIT_$m  # LIMIT_<mode>=seconds: that mode's RUN_LIMIT in this round
       echo "== round: $m ($(date +%T))"; PACK_DG=0 RUN_LIMIT=${!limit_var:-${RUN_LIMIT:-}} bash "$0" "$m" "$out/$m"
     done ;;
-  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|graphprobe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|threadloop|te|long|round OUT_DIR" >&2
+  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|graphprobe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|threadloop|variants|te|long|round OUT_DIR" >&2
      exit 2 ;;
 esac
 # PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz, and

@@ -49,6 +49,8 @@ def test_clipped_pg_loss_hand_case():
     assert out.loss.item() == pytest.approx((-1.2 + 1.5 + 0.8) / 3, abs=1e-6)
     assert out.clip_frac.item() == pytest.approx(2 / 3)
     assert out.ratio_mean.item() == pytest.approx((1.5 + 1.5 + 0.5) / 3, abs=1e-6)
+    assert out.ratio_dev_max.item() == pytest.approx(0.5, abs=1e-6)  # seq1's 0.5 (its padded 1.8 is masked)
+    assert clipped_pg_loss(old.clone(), old, adv, mask).ratio_dev_max.item() == 0.0
     out.loss.backward()
     # dL/dlogp = -ratio * A / 3 where unclipped, 0 where clipped or masked
     torch.testing.assert_close(new.grad, torch.tensor([[0.0, 1.5 / 3], [0.0, 0.0]]), rtol=0, atol=1e-6)
@@ -195,7 +197,7 @@ def test_policy_loss_passes_the_run_settings_and_normalizes_the_global_batch(kl_
                           token_level=False, normalizer=4.0)
     assert torch.equal(got, ref.loss) and got.item() != 0
     for name, want in (("pg_loss", ref.pg_loss), ("kl_ref", ref.kl), ("clip_frac", ref.clip_frac),
-                       ("ratio_mean", ref.ratio_mean)):
+                       ("ratio_mean", ref.ratio_mean), ("ratio_dev_max", ref.ratio_dev_max)):
         assert torch.equal(parts[name], want), name
     (g1,) = torch.autograd.grad(got, lp)
     assert torch.all(g1[filtered] == 0) and g1.abs().sum() > 0

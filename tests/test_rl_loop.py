@@ -21,9 +21,10 @@ pytestmark = pytest.mark.slow
 SMALL = small_run(2, val_period=2)
 
 REQUIRED = ["reward/mean", "reward/accuracy", "policy/approx_entropy", "train/loss", "train/pg_loss",
-            "train/clip_frac", "train/grad_norm", "time/rollout", "time/logprob", "time/update", "time/refit",
-            "time/optimizer", "time/policy_logprob", "time/reference_logprob", "time/wake_up", "memory/host_rss_gib",
-            "memory/host_peak_gib", "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s",
+            "train/clip_frac", "train/ratio_dev_first_step", "train/grad_norm", "time/rollout", "time/logprob",
+            "time/update", "time/refit", "time/optimizer", "time/policy_logprob", "time/reference_logprob",
+            "time/wake_up", "memory/host_rss_gib", "memory/host_peak_gib", "throughput/rollout_tokens_per_s",
+            "throughput/train_tokens_per_s",
             *(f"mismatch/{k}" for k in MISMATCH_KEYS)]
 
 
@@ -86,6 +87,8 @@ def test_jetrl_e2e_served_bytes_and_resume(tmp_path):
     # policy-gradient loss, both the token mean over the step's batch (pg_loss was 2x, the micro-batch count, until
     # 2026-12-02)
     assert all(r["train/pg_loss"] == pytest.approx(r["train/loss"], rel=1e-5, abs=1e-9) for r in rows)
+    # the update's first optimizer step runs the logprob pass's weights on the same tokens: every ratio exactly 1
+    assert [r["train/ratio_dev_first_step"] for r in rows] == [0.0, 0.0, 0.0]
     # trainer MP 1: the refit reads the FP8 cache in place; the cache re-quantizes into the same tensors every step,
     # so the copy program compiled at the engine's first refit is replayed (never rebuilt)
     assert all(r["refit/rebuilt"] == 0.0 for r in rows)

@@ -194,6 +194,8 @@ class PgLossOut:
     clip_frac: torch.Tensor
     ratio_mean: torch.Tensor
     num_tokens: torch.Tensor
+    # max |ratio - 1| over the valid tokens: 0 when the update's logprobs are the old ones bit for bit
+    ratio_dev_max: torch.Tensor
 
 
 def clipped_pg_loss(
@@ -273,6 +275,7 @@ def clipped_pg_loss(
             clip_frac=((clipped.to(m.dtype) * m).sum() / n).detach(),
             ratio_mean=((ratio * m).sum() / n).detach(),
             num_tokens=m.sum().detach(),
+            ratio_dev_max=torch.where(m > 0, (ratio - 1.0).abs(), torch.zeros_like(ratio)).amax().detach(),
         )
 
 
@@ -338,7 +341,7 @@ class PolicyLoss:
             kl_input_clamp=self.kl_input_clamp, kl_output_clamp=self.kl_output_clamp, token_level=self.token_level,
             normalizer=normalizer, kl_logp_gen=mb.get("logp_gen"), kl_logp=mb.get("logp_unfiltered"))
         return out.loss, {"pg_loss": out.pg_loss, "kl_ref": out.kl, "clip_frac": out.clip_frac,
-                          "ratio_mean": out.ratio_mean}
+                          "ratio_mean": out.ratio_mean, "ratio_dev_max": out.ratio_dev_max}
 
 
 def sft_loss(logp: torch.Tensor, mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:

@@ -257,8 +257,8 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
             data["logp_ref"] = logp_ref[sl]
         if is_w is not None:
             data["is_w"] = is_w[sl]
-        if batch.lengths is not None:
-            data["lengths"] = batch.lengths[sl]
+        if batch.lengths is not None and cfg.policy.jet_rl.update_attention == "packed":
+            data["lengths"] = batch.lengths[sl]  # whole_rows: no lengths, every padded row attended whole
             data["decode_from"] = batch.prompt_lengths[sl]
         if loss.on_policy_kl and logp_ref is not None:
             data["logp_gen"] = batch.gen_logprobs[sl]
@@ -277,6 +277,9 @@ def policy_update(cfg: RunConfig, trainer: Trainer, batch: RolloutBatch, adv: to
         "train/pg_loss": float(np.mean([r.metrics["pg_loss"] for r in results])),
         "train/clip_frac": float(np.mean([r.metrics["clip_frac"] for r in results])),
         "train/ratio_mean": float(np.mean([r.metrics["ratio_mean"] for r in results])),
+        # the first optimizer step's micro-batches run the weights the logprob pass ran: 0 = the update's forward
+        # gave every valid token the logprob pass's bytes (each micro-batch's max |ratio - 1|, averaged)
+        "train/ratio_dev_first_step": float(results[0].metrics["ratio_dev_max"]),
         "train/kl_ref": float(np.mean([r.metrics["kl_ref"] for r in results])),
         "train/grad_norm": float(np.mean([r.grad_norm for r in results if r.grad_norm is not None] or [math.nan])),
         "train/skipped_steps": float(sum(r.skipped for r in results)),

@@ -470,6 +470,9 @@ def build_fp8_recipe(cfg: RunConfig, arm: str) -> Fp8Recipe:
     _choice(jr.gemm_backend, GEMM_BACKENDS, "policy.jet_rl.gemm_backend")
     _choice(jr.elementwise, ELEMENTWISE_IMPLS, "policy.jet_rl.elementwise")
     _choice(jr.attn_impl, ("auto", *ATTN_IMPLS), "policy.jet_rl.attn_impl")
+    if jr.update_attention == "whole_rows" and jr.attn_match != "prefill":
+        raise ConfigError(f"policy.jet_rl.update_attention: whole_rows needs policy.jet_rl.attn_match: prefill (got "
+                          f"{jr.attn_match!r}: the decode-matched attention splits each row at its prompt length)")
     backend = jr.gemm_backend
     # use_deep_gemm keeps `auto`: its measured table already puts FProp (M-invariant: the rollout's too) and DGrad on
     # DeepGEMM, and WGrad on cuBLAS, whose BF16 output needs no FP32 accumulator to zero and cast (DeepGEMM's 1D1D

@@ -22,6 +22,8 @@ from jetrl_megatron.config_key import IGNORED, IMPLEMENTED, REFUSED, KeyRule, ab
 from jetrl_megatron.megatron.backward_thread import BACKWARD_THREADS
 from jetrl_megatron.megatron.optimizer_settings import OptimizerSettings
 
+# policy.jet_rl.update_attention: the update's attention over each row's real tokens, or over whole padded rows
+UPDATE_ATTENTION = ("packed", "whole_rows")
 MOE_NOTE = "mixture-of-experts knob: the supported models (Qwen3, Llama-3.1, Qwen2.5 dense) have no experts"
 _SEED = within(0, 2**63 - 1)
 
@@ -279,6 +281,13 @@ class JetRlCfg:
     # prompt's prefill, then one decode step per response token (decode; needs the engine's decode KV splits at 1:
     # vllm_kwargs.attention_config.flash_attn_max_num_splits_for_cuda_graph: 1, CUDA graphs on)
     attn_match: str = key("prefill", allowed=("prefill", "decode"))
+    # the update's GPU attention: packed (each row's real tokens as one sequence, as the logprob passes and vLLM's
+    # prefill see them) | whole_rows (every right-padded row attended whole: no lengths read per micro-batch and one
+    # layout per (rows, length), what CUDA graphs of the update need; a real query never reads a pad, and whether
+    # FA3 then gives the real tokens packed's bytes, so that the update's ratio stays exactly 1, is what
+    # bench/graph_layout_probe.py measures; needs attn_match prefill). The same bytes on CPU, whose attention always
+    # attends whole rows
+    update_attention: str = key("packed", allowed=UPDATE_ATTENTION)
     # RMSNorm of GPU engines and of the trainer's vLLM-matched forward: batch_invariant (one kernel configuration
     # whatever the batch, in both: a token's bytes no longer depend on its decode step's batch size) | vllm (vLLM's
     # own norm kernels: exact only where the decode batches share the prefill's kernel configuration)
