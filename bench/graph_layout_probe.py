@@ -30,6 +30,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_report import write_report  # noqa: E402
+
 from jetrl_megatron.vllm_cuda import ops as vllm_cuda_ops  # noqa: E402
 
 # (rows b, padded length sq, lengths: None = random in [1, sq], one row always full)
@@ -176,13 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None, help="write the JSON here (and the table beside it as .md)")
     args = ap.parse_args(argv)
     result = run(args)
-    table = markdown(result)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-            f.write(table + "\n")
+    write_report(args.out, result, markdown(result))
 
 
 if __name__ == "__main__":

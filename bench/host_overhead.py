@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import cProfile
 import io
-import json
 import os
 import pstats
 import sys
@@ -44,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from bench_report import write_report  # noqa: E402
 
 from jetrl_megatron.fp8 import gemm, quant_dispatch  # noqa: E402
 from jetrl_megatron.fp8.linear import _Fp8LinearFunction, fp8_linear  # noqa: E402
@@ -386,13 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tokens <= 0 or args.iters <= 0:
         ap.error(f"--tokens and --iters must be positive (got {args.tokens}, {args.iters})")
     result = run(args)
-    table = markdown(result)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-            f.write(table + "\n")
+    write_report(args.out, result, markdown(result))
 
 
 if __name__ == "__main__":
