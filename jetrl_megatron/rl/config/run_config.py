@@ -470,9 +470,6 @@ def build_fp8_recipe(cfg: RunConfig, arm: str) -> Fp8Recipe:
     _choice(jr.gemm_backend, GEMM_BACKENDS, "policy.jet_rl.gemm_backend")
     _choice(jr.elementwise, ELEMENTWISE_IMPLS, "policy.jet_rl.elementwise")
     _choice(jr.attn_impl, ("auto", *ATTN_IMPLS), "policy.jet_rl.attn_impl")
-    if jr.update_attention == "whole_rows" and jr.attn_match != "prefill":
-        raise ConfigError(f"policy.jet_rl.update_attention: whole_rows needs policy.jet_rl.attn_match: prefill (got "
-                          f"{jr.attn_match!r}: the decode-matched attention splits each row at its prompt length)")
     backend = jr.gemm_backend
     # use_deep_gemm keeps `auto`: its measured table already puts FProp (M-invariant: the rollout's too) and DGrad on
     # DeepGEMM, and WGrad on cuBLAS, whose BF16 output needs no FP32 accumulator to zero and cast (DeepGEMM's 1D1D
@@ -652,6 +649,14 @@ def check_optimizer_offload(cfg: RunConfig) -> None:
                           f"optimizer_cpu_offload: true (NeMo-RL's value is 1.0), got {o.optimizer_offload_fraction}")
 
 
+def check_update_attention(cfg: RunConfig) -> None:
+    """Whole-row attention in the update reads no lengths, and the decode-matched attention needs them."""
+    jr = cfg.policy.jet_rl
+    if jr.update_attention == "whole_rows" and jr.attn_match != "prefill":
+        raise ConfigError(f"policy.jet_rl.update_attention: whole_rows needs policy.jet_rl.attn_match: prefill (got "
+                          f"{jr.attn_match!r}: the decode-matched attention splits each row at its prompt length)")
+
+
 def check_cluster(cfg: RunConfig) -> None:
     if not cfg.is_gpu:
         return
@@ -685,6 +690,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
     check_data(cfg)
     check_optimizer_offload(cfg)
     check_cluster(cfg)
+    check_update_attention(cfg)
     from jetrl_megatron.rl.stress_arms import check_stress
 
     check_stress(cfg)  # experiment-only keys (policy.jet_rl.stress)
