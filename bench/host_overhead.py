@@ -48,6 +48,7 @@ from bench_report import write_report  # noqa: E402
 from jetrl_megatron.fp8 import gemm, quant_dispatch  # noqa: E402
 from jetrl_megatron.fp8.linear import _Fp8LinearFunction, fp8_linear  # noqa: E402
 from jetrl_megatron.fp8.triton_common import interpreting  # noqa: E402
+from jetrl_megatron.megatron.backward_thread import backward_thread_scope  # noqa: E402
 from jetrl_megatron.megatron.spec import per_rank_gemm_shapes  # noqa: E402
 from jetrl_megatron.model.shapes import get_model_shape  # noqa: E402
 from jetrl_megatron.recipe import Fp8Recipe  # noqa: E402
@@ -134,8 +135,8 @@ def linear_ops(m: int, n: int, k: int, recipe: Fp8Recipe, device: torch.device) 
     ops["bf16 linear fwd+bwd"] = bf16_fwd_bwd
 
     def on_calling_thread(fwd_bwd: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:  # autograd's backward on this thread instead of its device thread
-            with torch.autograd.set_multithreading_enabled(False):
+        def run() -> None:  # autograd's backward on this thread instead of its device thread, as the trainer runs it
+            with backward_thread_scope("calling"):
                 fwd_bwd()
         return run
 
