@@ -25,6 +25,10 @@
 #           planned at 74.3 GiB but its engine could not wake after step 1 on 2026-12-05, as the 4K runs of
 #           2026-12-05/06: the optimizer's device FP32 grads and the last packed layout pinned torch's cache, freed
 #           since (plan 70.2 GiB); with them the 4K run woke after every update on an H100, 2026-12-06)
+#           PREWARM=1 first runs `jetrl prewarm` with the same overrides (DeepGEMM's kernels for every GEMM the run meets,
+#           compiled in parallel processes; PREWARM_LIMIT seconds, default 240), its log prewarm.log in the run directory
+#           CALL_LIMIT=seconds: the run's limit is what is left of them since the script began, less CALL_RESERVE
+#           (default 25 s, for packing): a call whose install and prewarm take what they take still ends in time
 #           TAG=name suffixes the run directory (len<LEN>_<ARM>_<TAG>); RUN_IN_OUT=1 writes the run directory under
 #           OUT_DIR itself (a call cut by the device budget still returns its log and the steps it finished)
 #   arms    ARMS="jetrl bf16 ..." the grpo mode once per arm (RUN_IN_OUT; RUN_LIMIT shared, or LIMIT_ARM each) in one call, then a
@@ -180,13 +184,22 @@ case $mode in
       card=(policy.logprob_chunk_size=256)
       FRACTION=${FRACTION:-0.6}
     fi
-    timeout "${RUN_LIMIT:-520}" python3 -m jetrl_megatron.cli run --recipe qwen3_8b_1gpu --arm "$arm" \
+    run_args=(--recipe qwen3_8b_1gpu --arm "$arm" \
       grpo.max_num_steps="$steps" policy.generation.ignore_eos=true policy.generation.max_new_tokens="$len" \
       policy.max_total_sequence_length=$((len + 32)) policy.generation.vllm_cfg.max_model_len=$((len + 32)) \
       policy.generation.vllm_kwargs.kv_cache_memory_bytes=$kv logger.tensorboard_enabled=false \
       policy.megatron_cfg.optimizer.optimizer_offload_fraction="${FRACTION:-0.75}" logger.log_dir="$dir" \
       ${FA_SPLITS:++policy.generation.vllm_kwargs.attention_config.flash_attn_max_num_splits_for_cuda_graph=$FA_SPLITS} \
-      ${PROFILE:+policy.jet_rl.profile_step=$PROFILE} "${card[@]}" ${EXTRA:-} > "$dir/run.log" 2>&1 &
+      ${PROFILE:+policy.jet_rl.profile_step=$PROFILE} "${card[@]}" ${EXTRA:-})
+    if [ "${PREWARM:-0}" = 1 ]; then  # the run's FP8 GEMM kernels compiled first, one process per GEMM (jetrl prewarm)
+      t0=$SECONDS
+      timeout "${PREWARM_LIMIT:-240}" python3 -m jetrl_megatron.cli prewarm "${run_args[@]}" > "$dir/prewarm.log" 2>&1
+      echo "== prewarm rc $? in $((SECONDS - t0)) s"; grep -E "^# prewarm|FAILED" "$dir/prewarm.log" | tail -4
+    fi
+    limit=${RUN_LIMIT:-520}  # CALL_LIMIT: the run gets what is left of that many seconds since this script began
+    [ -n "${CALL_LIMIT:-}" ] && limit=$(( CALL_LIMIT - SECONDS - ${CALL_RESERVE:-25} ))
+    echo "== run $name: limit $limit s"
+    timeout "$limit" python3 -m jetrl_megatron.cli run "${run_args[@]}" > "$dir/run.log" 2>&1 &
     pid=$!
     while kill -0 $pid 2>/dev/null; do  # host and GPU memory every 5 s (the run's own metrics hold the per-phase peaks)
       echo "$(date +%T) $(free -m | awk '/Mem:/ {print "host_used_mib", $3}') $(nvidia-smi --query-gpu=memory.used \

@@ -6,6 +6,7 @@
   jetrl plan    --recipe NAME [a.b=c ...]          resolved config, parallel layout, resharder preflight, memory
   jetrl plan    --recommend --recipe NAME [...]    every TP x PP x DP / rollout-TP layout of the cluster, ranked
   jetrl sbatch  --recipe NAME --nodes N [--submit] the SLURM command for slurm/jetrl.sbatch (GPU or CPU recipe)
+  jetrl prewarm --recipe NAME [--arm A] [a.b=c ...] compile the run's FP8 GEMM kernels first, in parallel processes
   jetrl reshard-check ... / jetrl export ...       the resharder's commands (see docs/reshard.md)
 
 Every command's flags: `cli_args.py` (one parser). The commands here check their flags and hand over to the module
@@ -197,6 +198,43 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     return slurm.submit(args.recipe, nodes, overrides, cfg)
 
 
+def cmd_prewarm(args: argparse.Namespace) -> int:
+    """Fill DeepGEMM's (and Triton's) kernel caches with every FP8 GEMM the run will call, one process per GEMM
+    (fp8/gemm_prewarm.py), so the run's first engine start and first update do not compile them one by one."""
+    from jetrl_megatron.rl.tools.gemm_prewarm_plan import describe_plan, prewarm_tasks
+
+    cfg = load_config(args.recipe, args.overrides)
+    tasks = prewarm_tasks(cfg)
+    print(describe_plan(cfg, tasks), flush=True)
+    if args.dry_run or not tasks:
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("jetrl prewarm: needs CUDA (the kernels compile for the GPU they run on); --dry-run prints the plan",
+              file=sys.stderr)
+        return 2
+    if args.processes < 1:
+        print(f"jetrl prewarm: --processes must be >= 1, got {args.processes}", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    from jetrl_megatron.fp8.gemm_prewarm import prewarm
+
+    caches = {k: os.environ.get(k, "(library default)") for k in ("DG_JIT_CACHE_DIR", "TRITON_CACHE_DIR")}
+    print("# caches: " + ", ".join(f"{k}={v}" for k, v in caches.items()), flush=True)
+    with tqdm(total=len(tasks), desc="prewarm", unit="gemm") as bar:
+        results = prewarm(tasks, cfg.recipe, processes=args.processes,
+                          on_done=lambda r: (bar.update(1), bar.set_postfix_str(r.task.linear + " " + r.task.form)))
+    failed = [r for r in results if r.error]
+    for r in sorted(results, key=lambda r: -r.seconds):
+        state = f"FAILED {r.error}" if r.error else f"{r.seconds:6.1f} s, {r.calls} calls on {'/'.join(r.backends)}"
+        print(f"  {r.task.linear} {r.task.form} (N {r.task.gemm_nk[0]}, K {r.task.gemm_nk[1]}): {state}")
+    print(f"# prewarm: {len(results) - len(failed)} of {len(results)} GEMMs warm"
+          + (f"; {len(failed)} failed (the run compiles those itself)" if failed else ""))
+    return 1 if failed else 0
+
+
 def cmd_reshard_check(args: argparse.Namespace) -> int:
     from jetrl_megatron import reshard_cli  # torch and the resharder: only these two commands need them
 
@@ -210,7 +248,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": cmd_run, "compare": cmd_compare, "plan": cmd_plan, "sbatch": cmd_sbatch, "keys": cmd_keys,
-            "reshard-check": cmd_reshard_check, "export": cmd_export}
+            "prewarm": cmd_prewarm, "reshard-check": cmd_reshard_check, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,10 @@ def parser() -> argparse.ArgumentParser:
     _recipe_args(s)
     s.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the recipe's cluster.num_nodes)")
     s.add_argument("--submit", action="store_true", help="run sbatch instead of printing the command")
+    w = sub.add_parser("prewarm", help="compile the run's FP8 GEMM kernels (DeepGEMM's JIT) in parallel before it runs")
+    _recipe_args(w)
+    w.add_argument("--processes", type=int, default=8, help="GEMMs compiled at once, one process each (default 8)")
+    w.add_argument("--dry-run", action="store_true", help="print the GEMMs and M values only (no GPU needed)")
     k = sub.add_parser("keys", help="NeMo-RL v0.7.0 GRPO keys and their status here (docs/nemo_rl_keys.md)")
     k.add_argument("--tarball", default=None, help="NeMo-RL v0.7.0 release tarball (default: $JETRL_NEMO_RL_TARBALL "
                    "or shared/upstream/nemo-rl-v0.7.0.tar.gz beside the checkout)")
