@@ -26,7 +26,9 @@
 #           2026-12-05/06: the optimizer's device FP32 grads and the last packed layout pinned torch's cache, freed
 #           since (plan 70.2 GiB); with them the 4K run woke after every update on an H100, 2026-12-06)
 #           PREWARM=1 first runs `jetrl prewarm` with the same overrides (DeepGEMM's kernels for every GEMM the run meets,
-#           compiled in parallel processes; PREWARM_LIMIT seconds, default 240), its log prewarm.log in the run directory
+#           compiled in parallel processes; PREWARM_LIMIT seconds, default 240), its log prewarm_1.log in the run directory;
+#           PREWARM=only: prewarm twice (cold, then warm) and no run. The DeepGEMM cache's file count is logged before
+#           and after the run (a run that compiled nothing leaves it unchanged)
 #           CALL_LIMIT=seconds: the run's limit is what is left of them since the script began, less CALL_RESERVE
 #           (default 25 s, for packing): a call whose install and prewarm take what they take still ends in time
 #           TAG=name suffixes the run directory (len<LEN>_<ARM>_<TAG>); RUN_IN_OUT=1 writes the run directory under
@@ -191,11 +193,18 @@ case $mode in
       policy.megatron_cfg.optimizer.optimizer_offload_fraction="${FRACTION:-0.75}" logger.log_dir="$dir" \
       ${FA_SPLITS:++policy.generation.vllm_kwargs.attention_config.flash_attn_max_num_splits_for_cuda_graph=$FA_SPLITS} \
       ${PROFILE:+policy.jet_rl.profile_step=$PROFILE} "${card[@]}" ${EXTRA:-})
-    if [ "${PREWARM:-0}" = 1 ]; then  # the run's FP8 GEMM kernels compiled first, one process per GEMM (jetrl prewarm)
-      t0=$SECONDS
-      timeout "${PREWARM_LIMIT:-240}" python3 -m jetrl_megatron.cli prewarm "${run_args[@]}" > "$dir/prewarm.log" 2>&1
-      echo "== prewarm rc $? in $((SECONDS - t0)) s"; grep -E "^# prewarm|FAILED" "$dir/prewarm.log" | tail -4
+    dg_files() { find /tmp/dg_cache -type f 2>/dev/null | wc -l; }
+    if [ "${PREWARM:-0}" != 0 ]; then  # the run's FP8 GEMM kernels compiled first, one process per GEMM (jetrl prewarm)
+      # PREWARM=only: prewarm twice (the second pass times a warm cache) and no run
+      for pass in $([ "$PREWARM" = only ] && echo 1 2 || echo 1); do
+        t0=$SECONDS; before=$(dg_files)
+        timeout "${PREWARM_LIMIT:-240}" python3 -m jetrl_megatron.cli prewarm "${run_args[@]}" > "$dir/prewarm_$pass.log" 2>&1
+        echo "== prewarm pass $pass rc $? in $((SECONDS - t0)) s; DeepGEMM cache files $before -> $(dg_files)"
+        grep -E "^# prewarm|FAILED|^  .* s, " "$dir/prewarm_$pass.log" | tail -12
+      done
+      [ "$PREWARM" = only ] && exit 0
     fi
+    echo "== DeepGEMM cache files before the run: $(dg_files)"
     limit=${RUN_LIMIT:-520}  # CALL_LIMIT: the run gets what is left of that many seconds since this script began
     [ -n "${CALL_LIMIT:-}" ] && limit=$(( CALL_LIMIT - SECONDS - ${CALL_RESERVE:-25} ))
     echo "== run $name: limit $limit s"
@@ -205,7 +214,7 @@ case $mode in
       echo "$(date +%T) $(free -m | awk '/Mem:/ {print "host_used_mib", $3}') $(nvidia-smi --query-gpu=memory.used \
         --format=csv,noheader,nounits | head -1) gpu_used_mib" >> "$dir/memory_trace.txt"; sleep 5
     done
-    wait $pid; echo "== run $name: rc $?"
+    wait $pid; echo "== run $name: rc $?; DeepGEMM cache files after it: $(dg_files)"
     grep -E "^step|rollout engine|Error|error:|Killed|CUDA out" "$dir/run.log" | tail -12
     # the run directory as one archive (under OUT already with RUN_IN_OUT=1: no second copy)
     [ "${RUN_IN_OUT:-0}" = 1 ] || (cd "$dir/.." && tar czf "$out/grpo8b_$name.tgz" --exclude='model_init_engine*' "$name")
