@@ -204,6 +204,9 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
     from jetrl_megatron.rl.tools.gemm_prewarm_plan import describe_plan, prewarm_tasks
 
     cfg = load_config(args.recipe, args.overrides)
+    if not cfg.is_gpu:
+        print(f"# prewarm: {cfg.name} is a CPU recipe (cluster.gpus_per_node 0): no GPU kernels to compile")
+        return 0
     tasks = prewarm_tasks(cfg)
     print(describe_plan(cfg, tasks), flush=True)
     if args.dry_run or not tasks:

@@ -151,6 +151,8 @@ def test_cli_dry_run_prints_the_plan(capsys):
     assert "update 16896, logprob 33792, rollout 16384" in out and out.count(" M values ") == 7
     assert main(["prewarm", "--recipe", "qwen3_8b_1gpu", "--arm", "bf16", "--dry-run"]) == 0
     assert "nothing to compile" in capsys.readouterr().out
+    assert main(["prewarm", "--recipe", "tiny_cpu"]) == 0  # the SLURM template's step on a CPU recipe: a no-op
+    assert "CPU recipe" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
