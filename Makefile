@@ -23,7 +23,7 @@ NO_COMPILE = $(if $(filter cpu,$(DEVICE)),--no-compile)
 RECIPE_DEVICE = $(if $(shell grep -sE '^[[:space:]]*gpus_per_node:[[:space:]]*0([^0-9]|$$)' \
                   recipes/$(RECIPE).yaml $(RECIPE)),cpu,gpu)
 
-.PHONY: setup test test-gpu gpu-bundle lint run compare dose-response plan sbatch clean
+.PHONY: setup test test-gpu gpu-bundle lint run prewarm compare dose-response plan sbatch clean
 
 # pyproject.toml has the ranges; constraints/$(DEVICE).txt the exact versions of this app (docs/install.md)
 $(STAMP): pyproject.toml constraints/$(DEVICE).txt
@@ -70,6 +70,10 @@ lint: $(SETUP)
 
 run: $(SETUP)
 	$(JETRL) run --recipe $(RECIPE) $(if $(ARM),--arm $(ARM)) $(OVERRIDES)
+
+# On a GPU node before `make run` of a GPU recipe: its FP8 GEMM kernels compiled first, in parallel (docs/kernels.md)
+prewarm: $(SETUP)
+	$(JETRL) prewarm --recipe $(RECIPE) $(if $(ARM),--arm $(ARM)) $(OVERRIDES)
 
 compare: $(SETUP)
 	$(JETRL) compare --recipe $(RECIPE) --seeds $(SEEDS) $(OVERRIDES)
