@@ -125,7 +125,7 @@ def test_template_sets_what_a_cluster_needs():
     assert "29500" not in text and 'OMP_NUM_THREADS:-8' not in text
     assert "SUBMIT=1" in text  # ... and the Makefile has it (test_make_sbatch_*)
     # GPU jobs compile the FP8 GEMMs once per node before the ranks start (a CPU recipe's `jetrl prewarm` is a no-op:
-    # tests/test_gemm_prewarm.py)
+    # tests/test_fp8_gemm_prewarm.py)
     assert re.search(r"srun --ntasks-per-node=1 [^\n]*prewarm-%n\.log", text) and "cli prewarm --recipe" in text
 
 
