@@ -96,7 +96,7 @@ def run_task(task: GemmTask, recipe: Fp8Recipe, device: str | torch.device = "cu
     start = time.perf_counter()
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(0)
-    n, k = task.gemm_nk
+    k = task.gemm_nk[1]
     m_max = task.m_values[-1]
     weight = torch.randn(task.out_features, task.in_features, generator=gen, device=device).to(torch.bfloat16)
     wq, ws = quant_dispatch.quant_weight(weight, recipe)
