@@ -261,7 +261,8 @@ def test_reuse_continues_a_cut_run_and_keeps_each_parts_log(tmp_path, capsys):
 # keys the arm itself sets (NeMo-RL's switches that select it, and the restated arm) and the per-run paths
 ARM_KEYS = {"policy.jet_rl.arm", "policy.megatron_cfg.fp8_cfg.enabled", "policy.generation.vllm_cfg.precision"}
 PATH_KEYS = {"logger.log_dir", "checkpointing.checkpoint_dir"}
-FAST = small_run(3, val_period=1, max_num_steps=2, final_arm_probe=None)  # compare sets the probe itself
+# validation before step 1 and after step 2 (val_period 2: not between; compare reads the first and the last)
+FAST = small_run(3, val_period=2, max_num_steps=2, final_arm_probe=None)  # compare sets the probe itself
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
