@@ -10,6 +10,7 @@ takes every row at ``policy.max_total_sequence_length``.
 from __future__ import annotations
 
 from jetrl_megatron.fp8.gemm_prewarm import GemmTask, representative_m_values
+from jetrl_megatron.megatron.spec import per_rank_gemm_shapes
 from jetrl_megatron.rl.config import RunConfig
 from jetrl_megatron.rl.config.run_config import FP8_SEQ_MULTIPLE
 from jetrl_megatron.rl.tools.run_plan import model_shape
@@ -20,11 +21,13 @@ VLLM_DEFAULT_BATCHED_TOKENS = 16384
 
 
 def linear_gemms(shape, tp: int) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) per rank of each FP8 linear at TP=tp: fused QKV, attention output, fused
-    gate+up (fc1), down (fc2): the weights the trainer and vLLM multiply (vLLM's qkv_proj and gate_up_proj fuse the
-    same way)."""
-    q, kv, h, f = shape.q_size, shape.kv_size, shape.hidden_size, shape.ffn_hidden_size
-    return {"qkv": ((q + 2 * kv) // tp, h), "proj": (h, q // tp), "fc1": (2 * f // tp, h), "fc2": (h, f // tp)}
+    """(out_features, in_features) per rank of each FP8 linear at TP=tp, from the Megatron spec's per-rank shapes:
+    fused QKV, attention output, fused gate+up (fc1: the spec counts gate and up apiece), down (fc2); vLLM's qkv_proj
+    and gate_up_proj fuse the same way."""
+    spec = per_rank_gemm_shapes(shape, tp)
+    fc1_half, hidden = spec["mlp.linear_fc1"]
+    return {"qkv": spec["self_attention.linear_qkv"], "proj": spec["self_attention.linear_proj"],
+            "fc1": (2 * fc1_half, hidden), "fc2": spec["mlp.linear_fc2"]}
 
 
 def _padded(tokens: int) -> int:
@@ -58,15 +61,14 @@ def prewarm_tasks(cfg: RunConfig) -> list[GemmTask]:
         want(cfg.policy.generation.vllm_cfg.tensor_parallel_size, "fprop", bounds["rollout"])
     # a GEMM reached twice (the rollout's FProp at the trainer's TP; a square weight's DGrad, the same kernel as its
     # FProp) compiles once: one task per (N, K), up to the larger M
-    merged: dict[tuple[int, int], list] = {}  # (N, K) -> [first task, largest M, the other names]
+    groups: dict[tuple[int, int], list[GemmTask]] = {}  # (N, K) -> the GEMMs with it, each at its largest M
     for (name, out_f, in_f, form), m_max in wanted.items():
         task = GemmTask(name, out_f, in_f, form, (m_max,))
-        entry = merged.setdefault(task.gemm_nk, [task, 0, []])
-        entry[1] = max(entry[1], m_max)
-        if entry[0] is not task:
-            entry[2].append(f"{name} {form}")
-    return [GemmTask(t.linear, t.out_features, t.in_features, t.form, tuple(representative_m_values(m_max)),
-                     tuple(covers)) for t, m_max, covers in merged.values()]
+        groups.setdefault(task.gemm_nk, []).append(task)
+    return [GemmTask(group[0].linear, group[0].out_features, group[0].in_features, group[0].form,
+                     tuple(representative_m_values(max(t.m_values[0] for t in group))),
+                     tuple(f"{t.linear} {t.form}" for t in group[1:]))
+            for group in groups.values()]
 
 
 def describe_plan(cfg: RunConfig, tasks: list[GemmTask]) -> str:
