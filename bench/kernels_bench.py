@@ -15,6 +15,9 @@ What is measured (median of CUDA-event timings, random data, never zeros):
 - the SwiGLU backward fused with fc1's dY FP8 quantization (megatron/swiglu_fp8.py, a launch sweep) vs the unfused
   triton_numerics.swiglu_bwd + quant_dual, at the Qwen3-8B fc1 width, bytes checked equal (section "swiglu").
 BENCH_DRY=1 runs every code path on CPU under TRITON_INTERPRET=1 with tiny shapes (a smoke test, not a measurement).
+BENCH_BASELINE_KERNELS=FILE (an earlier fp8/kernels.py, e.g. `git show REV:jetrl_megatron/fp8/kernels.py > FILE`):
+the quant section also times that file's kernels on the same inputs, side by side ("before" rows), and checks both
+give the same bytes.
 """
 
 from __future__ import annotations
@@ -187,13 +190,14 @@ def quant_kernels() -> None:
         rows.append(_gbps_row(f"quant_act[bm={bm},w={nw}]", (m, k), ms, 3 * m * k + 4 * m * k // 128, copy_gbs))
         best_act = min(best_act or (ms, bm, nw), (ms, bm, nw))
     for tm in (0, 1, 2):
-        for nw, ft in ((4, 32), (4, 64), (8, 64), (4, 128)):
-            ms = bench_ms(lambda nw=nw, xq=xq, xs=xs, tm=tm, ft=ft: K.regroup_for_wgrad(
-                xq, xs, recipe, num_warps=nw, trans_mode=tm, feats=ft))
-            rows.append(_gbps_row(f"regroup[t={tm},w={nw},f={ft}]", (m, k), ms, 2 * m * k + 8 * m * k // 128,
-                                  copy_gbs))
-            best_regroup = min(best_regroup or (ms, tm, nw, ft), (ms, tm, nw, ft))
-    K.REGROUP_TRANS_MODE, K.REGROUP_WARPS, K.REGROUP_FEATS = best_regroup[1:]
+        for nw, ft in ((4, 32), (4, 64), (8, 64), (4, 128), (8, 128)):
+            for vec in (0, 2, 4):  # the load vector in features (kernels.REGROUP_VEC; 0 = the compiler's 16 bytes)
+                ms = bench_ms(lambda nw=nw, xq=xq, xs=xs, tm=tm, ft=ft, vec=vec: K.regroup_for_wgrad(
+                    xq, xs, recipe, num_warps=nw, trans_mode=tm, feats=ft, load_vec=vec))
+                rows.append(_gbps_row(f"regroup[t={tm},w={nw},f={ft},v={vec}]", (m, k), ms,
+                                      2 * m * k + 8 * m * k // 128, copy_gbs))
+                best_regroup = min(best_regroup or (ms, tm, nw, ft, vec), (ms, tm, nw, ft, vec))
+    K.REGROUP_TRANS_MODE, K.REGROUP_WARPS, K.REGROUP_FEATS, K.REGROUP_VEC = best_regroup[1:]
     K.ACT_BLOCK_M, K.ACT_WARPS = best_act[1:]
     for tm in (0, 1, 2):
         for nw, split in ((4, False), (8, False), (4, True)):
@@ -208,8 +212,10 @@ def quant_kernels() -> None:
     chosen = {"ACT_BLOCK_M": K.ACT_BLOCK_M, "ACT_WARPS": K.ACT_WARPS, "TRANS_MODE": K.TRANS_MODE,
               "DUAL_WARPS": K.DUAL_WARPS, "DUAL_SPLIT": K.DUAL_SPLIT, "REGROUP_TRANS_MODE": K.REGROUP_TRANS_MODE,
               "REGROUP_WARPS": K.REGROUP_WARPS, "REGROUP_FEATS": K.REGROUP_FEATS}
+    chosen["REGROUP_VEC"] = K.REGROUP_VEC
     RESULTS["quant_defaults"] = chosen
     print("quant launch defaults chosen:", chosen)
+    before = _baseline_kernels()
     del x, xq, xs
     # 2) the kernels with those defaults on the Qwen3 activation/gradient shapes
     for m, k in ((16384, 4096), (16384, 12288), (8192, 24576)):
@@ -224,6 +230,13 @@ def quant_kernels() -> None:
         }
         for name, (fn, nbytes) in cases.items():
             rows.append(_gbps_row(name, (m, k), bench_ms(fn), nbytes, copy_gbs))
+            if before is not None:  # the earlier kernels on the same input: the same bytes, and their time
+                old = {"quant_act": lambda x=x: before.quant_act(x, recipe),
+                       "quant_dual": lambda x=x: before.quant_dual(x, recipe),
+                       "regroup_for_wgrad": lambda xq=xq, xs=xs: before.regroup_for_wgrad(xq, xs, recipe)}[name]
+                row = _gbps_row(f"before {name}", (m, k), bench_ms(old), nbytes, copy_gbs)
+                row["same_bytes"] = _same_outputs(fn(), old())
+                rows.append(row)
         if (m, k) == (dim(16384), dim(4096)):
             ms = bench_ms(lambda x=x: Q.quantize_1x128(x, recipe))
             rows.append(_gbps_row("eager torch quantize_1x128 (reference)", (m, k), ms, 3 * m * k, copy_gbs))
@@ -237,9 +250,38 @@ def quant_kernels() -> None:
             ms = bench_ms(lambda w=w, with_t=with_t: K.quant_weight(w, recipe, with_transpose=with_t))
             nbytes = 2 * n * k + n * k * (2 if with_t else 1)
             rows.append(_gbps_row("quant_weight" + ("+T" if with_t else ""), (n, k), ms, nbytes, copy_gbs))
+            if before is not None:
+                old = lambda w=w, with_t=with_t: before.quant_weight(w, recipe, with_transpose=with_t)  # noqa: E731
+                row = _gbps_row("before quant_weight" + ("+T" if with_t else ""), (n, k), bench_ms(old), nbytes,
+                                copy_gbs)
+                row["same_bytes"] = _same_outputs(K.quant_weight(w, recipe, with_transpose=with_t), old())
+                rows.append(row)
     RESULTS["quant"] = rows
     for r in rows:
-        print(f"{r['kernel']:<40} {str(r['shape']):<16} {r['us']:9.1f} us {r['GBps']:8.0f} GB/s {r['frac_copy']:.2f}")
+        same = "" if "same_bytes" not in r else f"  same bytes: {r['same_bytes']}"
+        print(f"{r['kernel']:<40} {str(r['shape']):<16} {r['us']:9.1f} us {r['GBps']:8.0f} GB/s {r['frac_copy']:.2f}"
+              + same)
+
+
+def _baseline_kernels():
+    """The earlier kernels module named by BENCH_BASELINE_KERNELS, or None."""
+    path = os.environ.get("BENCH_BASELINE_KERNELS")
+    if not path:
+        return None
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("kernels_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    print(f"baseline kernels: {path}")
+    return module
+
+
+def _same_outputs(a, b) -> bool:
+    """Bit-identical tuples of tensors (FP8 compared as bytes, FP32 scales by bits, NaN included)."""
+    def bits(t):
+        return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t.contiguous().view(torch.int32)
+    return len(a) == len(b) and all(x.shape == y.shape and x.stride() == y.stride()
+                                    and torch.equal(bits(x), bits(y)) for x, y in zip(a, b, strict=True))
 
 
 def _fp8_operands(m: int, n: int, k: int):

@@ -19,6 +19,10 @@ ARM_BY_SWITCHES = {(False, False): "bf16", (False, True): "bf16_train_fp8_rollou
 TRAINER_GEMMS = ("bf16", "fp8", "fake_quant")  # what an FP8-eligible linear of the trainer runs
 ROLLOUT_WEIGHTS = ("bf16", "trainer_fp8", "self_quantized")  # what the rollout serves
 SCALE_FMTS = ("fp32", "pow2")
+# The smallest amax floor: the kernels divide by a scale (>= amax_eps / 448) through its reciprocal
+# (fp8/kernels.py `_quotient`), whose E4M3 codes equal IEEE division's for every scale from 1e-20 / 448 up
+# (docs/kernels.md); far below it the reciprocal overflows.
+AMAX_EPS_MIN = 1e-20
 GEMM_BACKENDS = ("auto", "emulated", "cublas", "triton", "deep_gemm")
 # Element-wise kernels of the rollout-matched numerics (RMSNorm, RoPE, residual add, SwiGLU): the Triton kernels and
 # their torch twins are bit-identical, so this picks speed, not numbers.
@@ -76,8 +80,8 @@ class Fp8Recipe:
             raise bad("group_size", "must be 128 (1x128 activation groups)")
         if self.scale_fmt not in SCALE_FMTS:
             raise bad("scale_fmt", f"must be one of {SCALE_FMTS}")
-        if not (isinstance(self.amax_eps, float) and 0.0 < self.amax_eps < 1e-3):
-            raise bad("amax_eps", "must be a float in (0, 1e-3)")
+        if not (isinstance(self.amax_eps, float) and AMAX_EPS_MIN <= self.amax_eps < 1e-3):
+            raise bad("amax_eps", f"must be a float in [{AMAX_EPS_MIN:g}, 1e-3)")
         for key in ("bf16_first_layers", "bf16_last_layers"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -122,7 +122,7 @@ def test_failure_inside_the_run_removes_its_fresh_log_dir(tmp_path):
      "policy.generation.temperature: must be >= 0 and finite, got -0.5"),
     ("tiny_cpu", "policy.generation.vllm_cfg.gpu_memory_utilization=1.5",
      "policy.generation.vllm_cfg.gpu_memory_utilization: must be in (0, 1], got 1.5"),
-    ("tiny_cpu", "policy.jet_rl.amax_eps=0.5", "policy.jet_rl.amax_eps: must be in (0, 0.001), got 0.5"),
+    ("tiny_cpu", "policy.jet_rl.amax_eps=0.5", "policy.jet_rl.amax_eps: must be in [1e-20, 0.001), got 0.5"),
     ("tiny_cpu", "cluster.num_nodes=0", "cluster.num_nodes: must be >= 1, got 0"),
     ("qwen3_8b_tp1", "policy.generation.vllm_cfg.num_first_layers_in_bf16=40",
      "policy.generation.vllm_cfg.num_first_layers_in_bf16: must be in [0, 36] (qwen3-8b has 36 layers), got 40"),

@@ -129,9 +129,12 @@ def test_launch_variants_identical(trans_mode):
             _assert_scales(s, sr, f"dual s split={split}")
         ref_q, ref_s = Q.quantize_1x128(_pad_t(Q.dequantize_1x128(qr, sr)), recipe)
         for feats in (32, 64, 128):
-            qt, st = k.regroup_for_wgrad(qr, sr, recipe, trans_mode=trans_mode, feats=feats)
-            _assert_codes(qt, ref_q, f"regroup t={trans_mode} f={feats}")
-            _assert_scales(st, ref_s, f"regroup st t={trans_mode} f={feats}")
+            for nw in (4, 8):
+                for vec in (0, 2, 4):
+                    qt, st = k.regroup_for_wgrad(qr, sr, recipe, trans_mode=trans_mode, feats=feats, num_warps=nw,
+                                                 load_vec=vec)
+                    _assert_codes(qt, ref_q, f"regroup t={trans_mode} f={feats} w={nw} v={vec}")
+                    _assert_scales(st, ref_s, f"regroup st t={trans_mode} f={feats} w={nw} v={vec}")
         for bm, nw in ((16, 4), (64, 8), (128, 8)):
             q, s = k.quant_act(x, recipe, block_m=bm, num_warps=nw)
             _assert_codes(q, qr, f"act bm={bm}")
@@ -203,6 +206,49 @@ def test_nan_inf_match_reference():
         qwr, swr = Q.quantize_128x128(x, recipe)
         _assert_scales(sw, swr, "nan/inf weight s")
         assert torch.equal(torch.isnan(qw.float()), torch.isnan(qwr.float()))
+
+
+def _nan_free(codes: torch.Tensor) -> torch.Tensor:
+    """FP8 bytes with every NaN code as 0x7F (a NaN's sign is the platform's; its position is what must match)."""
+    b = codes.contiguous().view(torch.uint8)
+    return torch.where((b & 0x7F) == 0x7F, 0x7F, b)
+
+
+def test_signed_zeros_subnormals_and_specials_in_every_kernel():
+    """+-0 keeps its sign (0x00 / 0x80), subnormal inputs, groups of zeros, huge groups, NaN / +-inf groups: every
+    kernel gives the reference's bytes (NaN codes compared by position). Random-value tests never hold zeros."""
+    k = _kernels()
+    g = torch.Generator(device="cuda").manual_seed(31)
+    x = torch.randn(384, 512, device="cuda", generator=g) * torch.logspace(-30, 30, 384, device="cuda")[:, None]
+    x[5, :128] = 0.0
+    x[6, :128] = -0.0
+    x[7, ::3] = -0.0
+    x[8] = torch.tensor([1], dtype=torch.int32).view(torch.float32).item() * (torch.arange(512, device="cuda") % 5 - 2)
+    x[9, :128] = 3.0e38
+    x[10, 130] = float("nan")
+    x[11, 300] = float("inf")
+    x[12, 400] = float("-inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        for recipe in RECIPES:
+            qr, sr = Q.quantize_1x128(xd, recipe)
+            q, s = k.quant_act(xd, recipe)
+            assert torch.equal(_nan_free(q), _nan_free(qr)), f"quant_act {dtype} {recipe.scale_fmt}"
+            _assert_scales(s, sr, "quant_act specials")
+            qtr, str_ = Q.quantize_1x128(_pad_t(xd), recipe)
+            for split in (False, True):
+                q, s, qt, st = k.quant_dual(xd, recipe, split=split)
+                assert torch.equal(_nan_free(qt), _nan_free(qtr)), f"quant_dual qt split={split} {recipe.scale_fmt}"
+                _assert_scales(st, str_, "quant_dual specials")
+            ref_q, ref_s = Q.quantize_1x128(_pad_t(Q.dequantize_1x128(qr, sr)), recipe)
+            qt, st = k.regroup_for_wgrad(qr, sr, recipe)
+            assert torch.equal(_nan_free(qt), _nan_free(ref_q)), f"regroup {dtype} {recipe.scale_fmt}"
+            _assert_scales(st, ref_s, "regroup specials")
+            qw, sw = k.quant_weight(xd, recipe)
+            qwr, swr = Q.quantize_128x128(xd, recipe)
+            assert torch.equal(_nan_free(qw), _nan_free(qwr)), f"quant_weight {dtype} {recipe.scale_fmt}"
+            _assert_scales(sw, swr, "quant_weight specials")
+    assert (k.quant_act(x, RECIPES[0])[0][6, :128].view(torch.uint8) == 0x80).all(), "-0 lost its sign"
 
 
 def test_errors_name_the_shape():

@@ -33,13 +33,14 @@ try:
     import triton.language as tl
 
     from jetrl_megatron.fp8.kernels import (
+        _codes,
         _codes_buffer,
         _col_major,
+        _divisor,
         _finish_codes,
         _interpreting,
         _nan_aware_amax,
         _scale_from_amax,
-        _to_fp8,
         _transposed_group_store,
         padded_tokens,
     )
@@ -96,7 +97,8 @@ if triton is not None:
         row_ok = rows < M
         r64 = rows.to(tl.int64)[:, None]
         s = _scale_from_amax(_nan_aware_amax(d, 1), eps, POW2)
-        q = _to_fp8(tl.div_rn(d, s[:, None]), CAST)
+        s_fin, r = _divisor(s)
+        q = _codes(d, s_fin[:, None], r[:, None], CAST)
         tl.store(q_ptr + r64 * stride_qm + cols[None, :], q, mask=row_ok[:, None])
         tl.store(s_ptr + rows * stride_sm + g * stride_sg, s, mask=row_ok)
         if WRITE_DX:

@@ -102,7 +102,8 @@ if triton is not None:
         mask = rmask[:, None] & (cols < N)[None, :]
         yg = tl.reshape(y, (BLOCK_M, BLOCK_N // 128, 128))
         sc = fp8_kernels._scale_from_amax(fp8_kernels._nan_aware_amax(yg, 2), amax_eps, POW2)  # (BLOCK_M, groups)
-        qg = fp8_kernels._to_fp8(tl.div_rn(yg, sc[:, :, None]), CAST)
+        sc_fin, rc = fp8_kernels._divisor(sc)
+        qg = fp8_kernels._codes(yg, sc_fin[:, :, None], rc[:, :, None], CAST)
         tl.store(Q + rows.to(tl.int64)[:, None] * stride_q + cols[None, :], tl.reshape(qg, (BLOCK_M, BLOCK_N)),
                  mask=mask)
         gs = col0 // 128 + tl.arange(0, BLOCK_N // 128)

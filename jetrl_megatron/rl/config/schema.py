@@ -21,6 +21,7 @@ from typing import Any
 from jetrl_megatron.config_key import IGNORED, IMPLEMENTED, REFUSED, KeyRule, above, at_least, key, within
 from jetrl_megatron.megatron.backward_thread import BACKWARD_THREADS
 from jetrl_megatron.megatron.optimizer_settings import OptimizerSettings
+from jetrl_megatron.recipe import AMAX_EPS_MIN
 
 # policy.jet_rl.update_attention: the update's attention over each row's real tokens, or over whole padded rows
 UPDATE_ATTENTION = ("packed", "whole_rows")
@@ -323,7 +324,7 @@ class JetRlCfg:
     fp8_reference_quant: bool = False  # quantize CUDA tensors with the torch reference instead of Triton
     verify_served_fp8: bool | None = None  # compare vLLM's FP8 weights with the trainer's each step (None: CPU)
     batch_invariant: bool = key(False, recipe="batch_invariant")
-    amax_eps: float = key(1e-10, bounds=within(0, 1e-3, lo_open=True, hi_open=True), recipe="amax_eps")
+    amax_eps: float = key(1e-10, bounds=within(AMAX_EPS_MIN, 1e-3, hi_open=True), recipe="amax_eps")
     model_preset: str | None = None  # architecture preset for plan / reshard checks without a download
     # The machine `jetrl plan` checks its estimate against, GiB: memory of one GPU (null: this machine's GPU when it
     # has one, else 80, an H100-80GB) and host memory per node (null: unchecked); --gpu-mem-gib / --host-mem-gib win
