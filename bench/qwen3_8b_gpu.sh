@@ -1,7 +1,7 @@
 #!/bin/bash
 # Qwen3-8B GRPO on one H200 through the recipe path (issue 27) and the checks that go with it (issue 26: DeepGEMM
 # FProp M-invariance, the exact forward's layer cost). One device call per phase; logs and JSON to OUT_DIR.
-# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|graphprobe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|threadloop|variants|te|long|round OUT_DIR
+# Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|graphprobe|rollcost|exact150m|waves|fuse|quantk|hostgap|hostops|threads|threadloop|variants|te|long|round OUT_DIR
 #   stage0  copy the bundle parts carried in this call (.vc/p*) to /tmp/vc, install .whl (megatron-core, omegaconf,
 #           ... for Python 3.12), run the GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton
 #           numerics, the INT stress kernels, phase memory)
@@ -78,7 +78,7 @@
 # pytest runs under `timeout -s INT`: at its limit pytest is interrupted, not killed, and still prints which tests
 # failed and why (a killed run's log ended mid-test on 2026-12-05 with one failure and no message)
 set -uo pipefail
-mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|graphprobe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|threadloop|variants|te|long|round}
+mode=${1:?stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|graphprobe|rollcost|exact150m|waves|fuse|quantk|hostgap|hostops|threads|threadloop|variants|te|long|round}
 out=${2:?OUT_DIR}
 mkdir -p /tmp/vc "$out"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
@@ -337,6 +337,35 @@ PY
       --elementwise triton --fuse-swiglu-grad-quant off,on --swiglu-fp8-forms off,on ${GRAPH:+--cuda-graph} \
       --out "$out/layer_fuse" > "$out/layer_fuse.log" 2>&1
     echo "layer bench rc $?"; grep "^|" "$out/layer_fuse.log" | tail -16 ;;
+  quantk)  # issue 29 item 2: the FP8 quantization kernels before and after a change, side by side in this call:
+    # BEFORE (default .dgc/before) holds the earlier fp8/kernels.py, megatron/swiglu_fp8.py, megatron/triton_numerics.py
+    # (`git show REV:path`); the kernels' GPU tests, kernels_bench's quant section timing both (same bytes checked), and
+    # the Qwen3-8B layer fwd+bwd at SEQ (default 8192) tokens with each version (cuBLAS GEMMs: no vLLM bundle needed),
+    # LAYER_REPEAT (default 1) rounds of before, after
+    wheels > "$out/wheels.log" 2>&1 || { tail -20 "$out/wheels.log"; exit 1; }
+    before=${BEFORE:-.dgc/before}
+    timeout -s INT -k 30 "${TEST_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
+      tests/test_fp8_kernels_gpu.py tests/test_megatron_triton_numerics.py tests/test_megatron_swiglu_fp8.py \
+      tests/test_megatron_swiglu_fwd_forms.py > "$out/tests_quant.log" 2>&1
+    echo "quant kernel GPU tests rc $?"; grep -E "passed|failed|FAILED|Error" "$out/tests_quant.log" | tail -8
+    mkdir -p "$out/kb"
+    BENCH_SECTIONS=env,ceil,quant BENCH_BASELINE_KERNELS="$before/kernels.py" OUT="$out/kb" \
+      timeout "${BENCH_LIMIT:-180}" python3 bench/kernels_bench.py > "$out/kernels_quant.log" 2>&1
+    echo "kernels bench rc $?"; grep -E "^(quant|regroup|before|bf16 clone|eager)|defaults chosen|copy_GBps" \
+      "$out/kernels_quant.log" | tail -60
+    rm -rf /tmp/before_tree && mkdir -p /tmp/before_tree && cp -r jetrl_megatron bench tests /tmp/before_tree/ \
+      && cp "$before/kernels.py" /tmp/before_tree/jetrl_megatron/fp8/ \
+      && cp "$before/swiglu_fp8.py" "$before/triton_numerics.py" /tmp/before_tree/jetrl_megatron/megatron/
+    for round in $(seq "${LAYER_REPEAT:-1}"); do
+      for side in before after; do
+        tree=$PWD; [ "$side" = before ] && tree=/tmp/before_tree
+        (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout "${LAYER_LIMIT:-150}" python3 bench/megatron_layer_bench.py \
+          --seq "${SEQ:-8192}" --iters 20 --warmup 5 --backends cublas --lean-swiglu --elementwise triton --profile \
+          --out "$out/layer_${side}_$round") > "$out/layer_${side}_$round.log" 2>&1
+        echo "layer $side round $round rc $?"; grep -E "^\| (bf16|jetrl)|FP8 quant|quantization" \
+          "$out/layer_${side}_$round.log" | head -12
+      done
+    done ;;
   hostgap)  # issue 29 item 3 at the size the 8B update runs (micro-batch 2 x ~1.1K tokens): the Qwen3-8B layer fwd+bwd
     # eager vs captured as CUDA graphs, jetrl and bf16 side by side, and cProfile of the host side of one fwd+bwd;
     # BACKENDS: the jetrl rows' gemm_backend values (default auto; e.g. auto,deep_gemm)
@@ -385,7 +414,7 @@ PY
       limit_var=LIMIT_$m  # LIMIT_<mode>=seconds: that mode's RUN_LIMIT in this round
       echo "== round: $m ($(date +%T))"; PACK_DG=0 RUN_LIMIT=${!limit_var:-${RUN_LIMIT:-}} bash "$0" "$m" "$out/$m"
     done ;;
-  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|graphprobe|rollcost|exact150m|waves|fuse|hostgap|hostops|threads|threadloop|variants|te|long|round OUT_DIR" >&2
+  *) echo "usage: $0 stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|graphprobe|rollcost|exact150m|waves|fuse|quantk|hostgap|hostops|threads|threadloop|variants|te|long|round OUT_DIR" >&2
      exit 2 ;;
 esac
 # PACK_DG=1 (any mode): DeepGEMM's JIT cache as one file, to carry back next session as .dgc/dg_cache.tgz, and
