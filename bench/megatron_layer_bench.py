@@ -394,7 +394,16 @@ def main() -> None:
     ap.add_argument("--regroup-modes", default=None,
                     help="comma list of fp8.kernels transposed-store modes (REGROUP_TRANS_MODE) for the jetrl rows; "
                          "default: the module's")
+    ap.add_argument("--quant-launch", default="",
+                    help="NAME=int,... launch constants of fp8/kernels.py for every row (e.g. REGROUP_FEATS=128,"
+                         "REGROUP_VEC=4, kernels_bench's picks; results never depend on them)")
     args = ap.parse_args()
+    for item in filter(None, args.quant_launch.split(",")):
+        name, _, value = item.partition("=")
+        if fp8_kernels is None or not name.isupper() or not isinstance(getattr(fp8_kernels, name, None), int) \
+                or not value.lstrip("-").isdigit():
+            ap.error(f"--quant-launch: {item!r} is not NAME=int for an integer launch constant of fp8/kernels.py")
+        setattr(fp8_kernels, name, int(value))
     impls = [e.strip() for e in args.elementwise.split(",") if e.strip()]
     def on_off(flag: str, value: str) -> list[bool]:
         vals = [v.strip() for v in value.split(",") if v.strip()]

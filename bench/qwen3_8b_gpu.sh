@@ -356,12 +356,16 @@ PY
     rm -rf /tmp/before_tree && mkdir -p /tmp/before_tree && cp -r jetrl_megatron bench tests /tmp/before_tree/ \
       && cp "$before/kernels.py" /tmp/before_tree/jetrl_megatron/fp8/ \
       && cp "$before/swiglu_fp8.py" "$before/triton_numerics.py" /tmp/before_tree/jetrl_megatron/megatron/
+    # the after-rows run with the launch shapes the sweep just picked (the before-rows with their file's own defaults)
+    picks=$(python3 -c "import json,sys; d=json.load(open(sys.argv[1]))['quant_defaults']
+print(','.join(f'{k}={int(v)}' for k, v in d.items()))" "$out/kb/kernels_bench.json" 2>/dev/null)
+    echo "after-rows launch: ${picks:-the module defaults}"
     for round in $(seq "${LAYER_REPEAT:-1}"); do
       for side in before after; do
-        tree=$PWD; [ "$side" = before ] && tree=/tmp/before_tree
+        tree=$PWD launch=(--quant-launch "$picks"); [ "$side" = before ] && tree=/tmp/before_tree launch=()
         (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout "${LAYER_LIMIT:-150}" python3 bench/megatron_layer_bench.py \
           --seq "${SEQ:-8192}" --iters 20 --warmup 5 --backends cublas --lean-swiglu --elementwise triton --profile \
-          --out "$out/layer_${side}_$round") > "$out/layer_${side}_$round.log" 2>&1
+          "${launch[@]}" --out "$out/layer_${side}_$round") > "$out/layer_${side}_$round.log" 2>&1
         echo "layer $side round $round rc $?"; grep -E "^\| (bf16|jetrl)|FP8 quant|quantization" \
           "$out/layer_${side}_$round.log" | head -12
       done
