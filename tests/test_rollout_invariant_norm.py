@@ -109,8 +109,11 @@ def _reduce_layout(n: int, has_res: bool, quant: bool, group_one: bool) -> str:
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in aligned}
     asm = triton.compile(ASTSource(fn=tn._rms_fwd_kernel, signature=sig, constexprs=const, attrs=attrs),
                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **tn._launch_opts()}).asm
-    # the twin's roundings: every multiply and add rounded on its own (triton_numerics' launch options), no FMA
-    assert "fma." not in asm["ptx"], "the norm kernel's PTX contracts a multiply-add"
+    # the twin's roundings: every multiply and add rounded on its own (triton_numerics' launch options), no FMA; the
+    # FP8 forms' only FMAs are the quotient's two per quantized value (fp8/kernels.py `_quotient`, exact by design)
+    explicit = 2 * bm * bn // (32 * warps) if quant else 0
+    assert asm["ptx"].count("fma.") == explicit, ("the norm kernel's PTX contracts a multiply-add",
+                                                  asm["ptx"].count("fma."), explicit)
     ir = asm["ttgir"]
     layouts = dict(re.findall(r"(#blocked\d*) = (#ttg\.blocked<[^>]*>)", ir))
     sums = re.findall(rf"\}}\) : \(tensor<{bm}x{bn}xf32, (#blocked\d*)>\) -> tensor<{bm}xf32", ir)
