@@ -68,7 +68,8 @@ SLOW_FIRST = ("test_rl_loop.py", "test_vllm_cpu_builds.py", "test_cli_slurm.py",
               "test_megatron_numerics_per_model.py", "test_rollout_cpu_prefill_rows.py", "test_rl_refit_buffers.py",
               "test_megatron_model.py", "test_rollout_plugin.py", "test_rollout_compilation.py",
               "test_warm_process.py", "test_reshard_refit_chunked.py", "test_nemo_rl_hosted_policy.py",
-              "test_fp8_kernels_interp.py", "test_megatron_triton_numerics.py", "test_own_process.py")
+              "test_fp8_kernels_interp.py", "test_fp8_kernels_quotient.py", "test_megatron_triton_numerics.py",
+              "test_own_process.py")
 
 
 def pytest_configure(config):
