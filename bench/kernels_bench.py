@@ -211,8 +211,7 @@ def quant_kernels() -> None:
     K.TRANS_MODE, K.DUAL_WARPS, K.DUAL_SPLIT = best_dual[1], best_dual[2], best_dual[3]
     chosen = {"ACT_BLOCK_M": K.ACT_BLOCK_M, "ACT_WARPS": K.ACT_WARPS, "TRANS_MODE": K.TRANS_MODE,
               "DUAL_WARPS": K.DUAL_WARPS, "DUAL_SPLIT": K.DUAL_SPLIT, "REGROUP_TRANS_MODE": K.REGROUP_TRANS_MODE,
-              "REGROUP_WARPS": K.REGROUP_WARPS, "REGROUP_FEATS": K.REGROUP_FEATS}
-    chosen["REGROUP_VEC"] = K.REGROUP_VEC
+              "REGROUP_WARPS": K.REGROUP_WARPS, "REGROUP_FEATS": K.REGROUP_FEATS, "REGROUP_VEC": K.REGROUP_VEC}
     RESULTS["quant_defaults"] = chosen
     print("quant launch defaults chosen:", chosen)
     before = _baseline_kernels()
