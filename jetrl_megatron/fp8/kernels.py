@@ -97,8 +97,8 @@ def _quotient(x, s_fin, r):
     """RN(x / s) in FP32, bit-identical to `tl.div_rn(x, s)`, at three operations per element instead of a division:
     q0 = RN(x*r), the negated residual e = s*q0 - x (exact) by one FMA, then RN(q0 - e*r) by a second: Markstein's
     correction with the correctly rounded reciprocal r (checked against IEEE division over every FP32 mantissa of x
-    for many s: bench/quotient_check.c, docs/kernels.md). The residual is negated so that x = -0 keeps its sign: x - s*q0 would be +0 there,
-    and +0 + -0 rounds to +0."""
+    for many s: bench/quotient_check.c, docs/kernels.md). The residual is negated so that x = -0 keeps its sign:
+    x - s*q0 would be +0 there, and +0 + -0 rounds to +0."""
     q0 = x * r
     return tl.fma(-tl.fma(q0, s_fin, -x), r, q0)
 
