@@ -267,12 +267,10 @@ def _baseline_kernels():
     path = os.environ.get("BENCH_BASELINE_KERNELS")
     if not path:
         return None
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("kernels_before", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from sass_counts import load_module  # bench/ is this script's directory
+
     print(f"baseline kernels: {path}")
-    return module
+    return load_module(path, "kernels_before")
 
 
 def _same_outputs(a, b) -> bool:

@@ -32,10 +32,6 @@ ALIGNED = ("x_ptr", "w_ptr", "q_ptr", "s_ptr", "qt_ptr", "st_ptr", "K", "N", "st
            "stride_qn", "stride_sn", "stride_sg", "stride_qtn", "stride_qtk", "stride_stg")
 
 
-def _kernel(module: ModuleType, name: str):
-    return getattr(module, name)
-
-
 def _signature(fn, consts: dict, pointer_types: dict) -> dict:
     sig = {}
     for arg in fn.arg_names:
@@ -100,15 +96,16 @@ def variants(module: ModuleType) -> list[tuple[str, str, dict, dict, int, int]]:
 def table(module: ModuleType, tag: str) -> list[str]:
     rows = []
     for label, kernel, consts, ptrs, warps, per_thread in variants(module):
-        sass, smem = compile_sass(_kernel(module, kernel), consts, ptrs, warps)
+        sass, smem = compile_sass(getattr(module, kernel), consts, ptrs, warps)
         c = op_counts(sass)
         cells = " | ".join(str(c[op]) for op in OPS)
         rows.append(f"| {tag} | {label} | {c['instr']} | {c['instr'] / per_thread:.1f} | {cells} | {smem} |")
     return rows
 
 
-def load_module(path: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kernels_under_test", path)
+def load_module(path: str, name: str = "kernels_under_test") -> ModuleType:
+    """A kernels file (e.g. an earlier fp8/kernels.py from `git show`) imported under another name."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
