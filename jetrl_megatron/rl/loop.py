@@ -131,6 +131,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         say(f"warm-started policy written to {warm_dir}")
         if g.max_num_steps == 0:
             return warm_start_only(cfg, logger, sft_losses)
+    if trainer.optimizer.offloaded:  # after a resume or warm start (either may have built it already)
+        with startup.time("optimizer_host_state"):
+            host_state = trainer.optimizer.build_host_state()
+        say(f"optimizer CPU offload: {host_state.summary()}")
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         reference = None if resumed is None else resumed.reference
         if resumed is not None and reference is None:
