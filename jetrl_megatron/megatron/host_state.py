@@ -1,19 +1,19 @@
 """The CPU-offloaded optimizer's host state, built at start-up instead of inside the first optimizer step.
 
 Why: Megatron-Core's ``HybridDeviceOptimizer`` allocates, in its first step, one FP32 staging buffer per host-side
-parameter for the gradient's copy (page-locked with ``pin_cpu_grads``, its default), and torch's AdamW creates its two
-FP32 moments on first use. At Qwen3-8B with 0.75-0.8 of the state on the host that is ~70 GB of host memory allocated
-and touched inside step 1: its optimizer step took 23.5 s against step 2's 2.1 s (one H100, bench/RESULTS.md,
-2026-12-07), so step 1's time was not the run's step time, and a host too small for the state failed only after the
-first rollout. Built at start-up, step 1 steps in the state later steps use, and a host that cannot hold it fails
-before any rollout.
+parameter for the gradient's copy (page-locked with ``pin_cpu_grads``, its default), and torch's AdamW creates its
+two FP32 moments on first use. At Qwen3-8B with 0.8 of the state on the host that is ~79 GB (12 B per host
+parameter) allocated and touched inside step 1: its optimizer step took 23.5 s against step 2's 2.1 s (one H100,
+bench/RESULTS.md, 2026-12-07), so step 1's time was not the run's step time, and a host too small for the state
+failed only after the first rollout. Built at start-up, step 1 steps in the state later steps use, and a host that
+cannot hold it fails before any rollout.
 
 What: the objects the first step would create, created the same way: the staging buffer allocated and bound to the
 host parameter's ``.grad`` as Megatron's gradient copy does on first use (it refills a bound buffer and never
 re-binds it), and the moments by the host optimizer's own lazy initialization (torch's ``Adam._init_group``: its
 layout, fused or not). The first step then fills and steps them; its result is the lazily built run's bit for bit
-(tests/test_megatron_optimizer_offload.py). Parameters that already have them (after a checkpoint load, whose
-``dummy_step`` builds them, or an earlier step) are left as they are.
+(tests/test_megatron_optimizer_offload.py). What already exists is left as it is: after an earlier step both; after a
+checkpoint load the moments (loaded), while the staging buffers are new (Megatron's load rebuilds its sub-optimizers).
 """
 
 from __future__ import annotations
