@@ -339,9 +339,10 @@ PY
     echo "layer bench rc $?"; grep "^|" "$out/layer_fuse.log" | tail -16 ;;
   quantk)  # issue 29 item 2: the FP8 quantization kernels before and after a change, side by side in this call:
     # BEFORE (default .dgc/before) holds the earlier fp8/kernels.py, megatron/swiglu_fp8.py, megatron/triton_numerics.py
-    # (`git show REV:path`); the kernels' GPU tests, kernels_bench's quant section timing both (same bytes checked), and
-    # the Qwen3-8B layer fwd+bwd at SEQ (default 8192) tokens with each version (cuBLAS GEMMs: no vLLM bundle needed),
-    # LAYER_REPEAT (default 1) rounds of before, after
+    # (`git show REV:path`); the kernels' GPU tests, kernels_bench's quant section timing both (same bytes checked),
+    # bench/host_overhead.py at 2,048 tokens (HOSTOPS_LIMIT s, default 60), and the Qwen3-8B layer fwd+bwd at SEQ
+    # (default 8192) tokens with each version (cuBLAS GEMMs: no vLLM bundle needed), LAYER_REPEAT (default 1) rounds of
+    # before, after
     wheels > "$out/wheels.log" 2>&1 || { tail -20 "$out/wheels.log"; exit 1; }
     before=${BEFORE:-.dgc/before}
     timeout -s INT -k 30 "${TEST_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
@@ -353,6 +354,10 @@ PY
       timeout "${BENCH_LIMIT:-180}" python3 bench/kernels_bench.py > "$out/kernels_quant.log" 2>&1
     echo "kernels bench rc $?"; grep -E "^(quant|regroup|before|bf16 clone|eager)|defaults chosen|copy_GBps" \
       "$out/kernels_quant.log" | tail -60
+    # issue 29 item 3 op by op at the update's micro-batch (cuBLAS and Triton only here: no vLLM bundle, no DeepGEMM)
+    timeout "${HOSTOPS_LIMIT:-60}" python3 bench/host_overhead.py --tokens 2048 --out "$out/host_overhead_2048.json" \
+      > "$out/host_overhead_2048.log" 2>&1
+    echo "host overhead rc $?"; grep -E " host .* device" "$out/host_overhead_2048.log" | head -40
     rm -rf /tmp/before_tree && mkdir -p /tmp/before_tree && cp -r jetrl_megatron bench tests /tmp/before_tree/ \
       && cp "$before/kernels.py" /tmp/before_tree/jetrl_megatron/fp8/ \
       && cp "$before/swiglu_fp8.py" "$before/triton_numerics.py" /tmp/before_tree/jetrl_megatron/megatron/
