@@ -76,6 +76,7 @@ def _moments(opt: torch.optim.Optimizer) -> tuple[int, int]:
         log.warning("optimizer host state: %s's moments are left to its first step (no known lazy init)",
                     type(opt).__name__)
         return 0, 0
+
     def moments() -> list[torch.Tensor]:  # not the step counter: a scalar
         return [t for s in opt.state.values() for k, t in s.items() if k != "step" and torch.is_tensor(t)]
 
