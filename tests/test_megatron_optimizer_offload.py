@@ -94,6 +94,17 @@ def _placement(opt) -> dict:
                 t.numel() for t in masters)}
 
 
+def _refusal(opt, available: int, ranks: int) -> str | None:
+    """build_host_state's HostMemoryError message with ``available`` bytes for ``ranks`` ranks (None: it built)."""
+    from jetrl_megatron.megatron.host_state import HostMemoryError
+
+    try:
+        opt.build_host_state(available_bytes=available, ranks_on_host=ranks)
+    except HostMemoryError as e:
+        return str(e)
+    return None
+
+
 def _host_state(opt) -> dict:
     """The hybrid optimizer's host-side state: {id of each host master: (staging buffer's address, {moment: address,
     'step': value})}; what the first step would create, so equal before and after it when built ahead of it."""
@@ -119,6 +130,7 @@ def _grads_after_step(opt) -> dict:
 
 
 def _run(rank: int, world_size: int, out_dir: str) -> None:
+    from jetrl_megatron.megatron.host_state import host_state_bytes
     from jetrl_megatron.megatron.model import refresh_fp8_cache, unwrap
 
     shape = tiny_shape("qwen3")
@@ -134,7 +146,11 @@ def _run(rank: int, world_size: int, out_dir: str) -> None:
         r: dict = {"offloaded": opt.offloaded, "steps": []}
         if frac is not None:
             r["placement"] = _placement(opt)
-            r["built"] = None if name in LAZY else opt.build_host_state()
+            if name == "off05":  # refused first, with nothing allocated: 1 byte short, then two ranks sharing the host
+                r["need"] = host_state_bytes(opt.optimizer.optimizer)
+                r["refused"] = [_refusal(opt, r["need"] - 1, 1), _refusal(opt, 2 * r["need"] - 1, 2)]
+                r["after_refusal"] = _host_state(opt)
+            r["built"] = None if name in LAZY else opt.build_host_state(available_bytes=r.get("need"))
             r["host_state"] = [_host_state(opt)]
         steps = 2 if name.startswith("off05") else 1
         for i in range(steps):
@@ -290,6 +306,21 @@ def test_host_state_built_ahead_is_what_the_first_step_uses_and_steps_like_the_l
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
     resumed = rec["resumed_built"]  # after a load: the moments came with it; only the staging buffers are new
     assert resumed.moment_tensors == 0 and resumed.staging_buffers == n_masters, resumed
+
+
+@pytest.mark.parametrize("ranks", [1], ids=["dp1"], indirect=True)
+def test_host_state_that_cannot_fit_is_refused_naming_the_key_with_nothing_allocated(ranks):
+    """With the host's available bytes one short of the state (or of two ranks' states on one host), the build raises
+    HostMemoryError naming the offload fraction key and the shortfall, and allocates nothing; with exactly enough
+    it builds that many bytes."""
+    rec = ranks[0]["off05"]
+    one, two = rec["refused"]
+    for msg in (one, two):
+        assert msg is not None and "policy.megatron_cfg.optimizer.optimizer_offload_fraction" in msg, msg
+        assert "nothing was allocated" in msg and "0.0 GiB short" in msg and "\n" not in msg, msg
+    assert "x 2 ranks on this host" in two and "ranks on this host" not in one
+    assert all(buf is None and not m for buf, m in rec["after_refusal"].values())
+    assert rec["built"].bytes == rec["need"] > 0
 
 
 def test_fp8_cache_refreshed_from_the_offloaded_step_and_replicas_agree(ranks):

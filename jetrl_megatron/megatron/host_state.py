@@ -14,6 +14,10 @@ re-binds it), and the moments by the host optimizer's own lazy initialization (t
 layout, fused or not). The first step then fills and steps them; its result is the lazily built run's bit for bit
 (tests/test_megatron_optimizer_offload.py). What already exists is left as it is: after an earlier step both; after a
 checkpoint load the moments (loaded), while the staging buffers are new (Megatron's load rebuilds its sub-optimizers).
+
+Given the host memory available (``available_bytes``) and the ranks that build at once on this host, it first checks
+that their state fits and raises :class:`HostMemoryError` before allocating anything: a host that runs out while
+pinning or zeroing ~79 GB is ended by the kernel's OOM killer without a message.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HostStateBuild", "build_host_state"]
+from jetrl_megatron.errors import UserError
+
+__all__ = ["HostMemoryError", "HostStateBuild", "build_host_state", "check_host_fits", "host_state_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -50,19 +56,39 @@ class HostStateBuild:
                 f"gradient staging buffers, {self.moment_tensors} Adam moment tensors) in {self.seconds:.1f} s")
 
 
-def _staging_buffers(hdo) -> tuple[int, int]:
-    """Megatron's gradient staging buffer for every host parameter that has none yet: (count, bytes)."""
-    count = nbytes = 0
+class HostMemoryError(UserError):
+    """The host cannot hold the CPU-offloaded optimizer's state; nothing was allocated."""
+
+
+def _host_params(hdo):
+    """(host optimizer, host FP32 master) pairs, in the hybrid optimizer's order."""
     for opt in hdo.cpu_optimizers:
         for group in opt.param_groups:
             for param in group["params"]:
-                if param in hdo.cpu_copy_map_grad:
-                    continue
-                buf = torch.empty(param.shape, dtype=param.dtype, pin_memory=hdo.pin_cpu_grads, device="cpu")
-                hdo.cpu_copy_map_grad[param] = buf
-                param.grad = buf
-                count += 1
-                nbytes += buf.numel() * buf.element_size()
+                yield opt, param
+
+
+def host_state_bytes(hdo) -> int:
+    """Bytes :func:`build_host_state` would allocate for ``hdo`` now: a staging buffer per host master that has none
+    and two moments of its size per master without optimizer state."""
+    total = 0
+    for opt, param in _host_params(hdo):
+        size = param.numel() * param.element_size()
+        total += (0 if param in hdo.cpu_copy_map_grad else size) + (0 if opt.state.get(param) else 2 * size)
+    return total
+
+
+def _staging_buffers(hdo) -> tuple[int, int]:
+    """Megatron's gradient staging buffer for every host parameter that has none yet: (count, bytes)."""
+    count = nbytes = 0
+    for _, param in _host_params(hdo):
+        if param in hdo.cpu_copy_map_grad:
+            continue
+        buf = torch.empty(param.shape, dtype=param.dtype, pin_memory=hdo.pin_cpu_grads, device="cpu")
+        hdo.cpu_copy_map_grad[param] = buf
+        param.grad = buf
+        count += 1
+        nbytes += buf.numel() * buf.element_size()
     return count, nbytes
 
 
@@ -85,6 +111,23 @@ def _moments(opt: torch.optim.Optimizer) -> tuple[int, int]:
         init(group, [], [], [], [], [], [])
     made = [t for t in moments() if id(t) not in before]
     return len(made), sum(t.numel() * t.element_size() for t in made)
+
+
+def check_host_fits(need_bytes: int, available_bytes: int | None, ranks_on_host: int = 1) -> None:
+    """Raise :class:`HostMemoryError` when ``ranks_on_host`` ranks each allocating ``need_bytes`` exceed
+    ``available_bytes`` (None: not known, no check). A necessary condition only: what the engine's sleep and the
+    rest of the run add later is ``jetrl plan``'s to count."""
+    total = need_bytes * max(1, ranks_on_host)
+    if available_bytes is None or total <= available_bytes:
+        return
+    ranks = f"{need_bytes / 2**30:.1f} GiB per rank x {ranks_on_host} ranks on this host = " \
+        if ranks_on_host > 1 else ""
+    raise HostMemoryError(
+        f"optimizer CPU offload: the host optimizer state (gradient staging buffers and Adam moments, 12 B per "
+        f"host parameter) needs {ranks}{total / 2**30:.1f} GiB, but this host has {available_bytes / 2**30:.1f} GiB "
+        f"available ({(total - available_bytes) / 2**30:.1f} GiB short); nothing was allocated. Lower "
+        "policy.megatron_cfg.optimizer.optimizer_offload_fraction (`jetrl plan --host-mem-gib N` names the "
+        "fractions that fit) or free host memory")
 
 
 def build_host_state(hdo) -> HostStateBuild:

@@ -42,7 +42,7 @@ import torch
 from jetrl_megatron.megatron.cpu import host_offload_scope
 from jetrl_megatron.megatron.grad_buffers import GradBuffersReleasedError
 from jetrl_megatron.megatron.host_pinning import PinnedHostMasters
-from jetrl_megatron.megatron.host_state import HostStateBuild, build_host_state
+from jetrl_megatron.megatron.host_state import HostStateBuild, build_host_state, check_host_fits, host_state_bytes
 from jetrl_megatron.megatron.model import refresh_fp8_cache, unwrap
 
 __all__ = ["Fp8RefreshingOptimizer", "OptimizerStats", "te_fused_adam_available"]
@@ -217,12 +217,15 @@ class Fp8RefreshingOptimizer:
         self.pinned_masters = []
         self.pin_host_masters(**self._pin_kwargs)
 
-    def build_host_state(self) -> HostStateBuild | None:
+    def build_host_state(self, available_bytes: int | None = None, ranks_on_host: int = 1) -> HostStateBuild | None:
         """Create the CPU-offloaded optimizer's host state (gradient staging buffers, Adam moments) now rather than
-        in the first step (``megatron/host_state.py``); None without offload. Call it after any checkpoint load."""
+        in the first step (``megatron/host_state.py``); None without offload. Call it after any checkpoint load.
+        ``available_bytes`` (the host's free memory) and ``ranks_on_host`` (ranks building at once on it): when
+        given, a state that cannot fit raises ``HostMemoryError`` before anything is allocated."""
         hybrids = [h for o in _inner_optimizers(self.optimizer) if (h := _hybrid(o)) is not None]
         if not hybrids:
             return None
+        check_host_fits(sum(host_state_bytes(h) for h in hybrids), available_bytes, ranks_on_host)
         with self._scope():
             builds = [build_host_state(h) for h in hybrids]
         return HostStateBuild(sum(b.staging_buffers for b in builds), sum(b.moment_tensors for b in builds),

@@ -55,7 +55,7 @@ from jetrl_megatron.rl.outputs.checkpoint_io import latest_checkpoint, load_chec
 from jetrl_megatron.rl.outputs.metric_log import RunLogger
 from jetrl_megatron.rl.outputs.step_profile import StepProfile
 from jetrl_megatron.rl.outputs.summary import print_probe, run_arm_probe, summarize
-from jetrl_megatron.rl.phase_memory import PhaseMemory
+from jetrl_megatron.rl.phase_memory import PhaseMemory, host_available_bytes
 from jetrl_megatron.rl.refit_source import RefitSource, verify_served_fp8
 from jetrl_megatron.rl.stress_arms import rollout_stress
 from jetrl_megatron.rl.tasks import PromptStream, build_task
@@ -133,7 +133,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             return warm_start_only(cfg, logger, sft_losses)
     if trainer.optimizer.offloaded:  # after a resume or warm start (either may have built it already)
         with startup.time("optimizer_host_state"):
-            host_state = trainer.optimizer.build_host_state()
+            host_state = trainer.optimizer.build_host_state(  # every rank of this host builds its share at once
+                available_bytes=host_available_bytes(), ranks_on_host=max(1, dist_world() // cfg.cluster.num_nodes))
         say(f"optimizer CPU offload: {host_state.summary()}")
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         reference = None if resumed is None else resumed.reference

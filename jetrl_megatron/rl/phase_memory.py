@@ -45,6 +45,17 @@ def host_rss_gib() -> float:
     return pages * resource.getpagesize() / GIB
 
 
+def host_available_bytes() -> int | None:
+    """Host memory available to a new allocation now (psutil's ``available``: free plus reclaimable), or None where
+    psutil cannot tell."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except (ImportError, OSError, RuntimeError):
+        return None
+
+
 def host_peak_gib() -> float:
     """This process's resident-set high-water mark, GiB (ru_maxrss: KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
