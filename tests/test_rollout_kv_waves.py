@@ -84,8 +84,9 @@ def test_the_estimate_counts_the_blocks_vllm_reports(small_cache_engine):
 def test_a_batch_beyond_the_cache_runs_in_waves_without_preemption_and_each_sample_keeps_its_seed(small_cache_engine):
     """4 prompts x 4 samples of 146 tokens (two blocks each: a sequence grows into its second block while decoding)
     in a cache of 7 blocks: waves of 3 (prompt 2's samples split across them), no preemption, each sample's
-    logprobs are the trainer-side forward's bit for bit, and its tokens are what the same engine samples for it alone
-    with its own seed (seed + i*n + j); one submission of the batch preempts."""
+    logprobs are the trainer-side forward's bit for bit, and the tokens of prompt 2's samples (one in each of the
+    three waves they span) are what the same engine samples for each alone with its own seed (seed + i*n + j); one
+    submission of the batch preempts."""
     engine, _, sd, recipe = small_cache_engine
     from deadline import deadline
     from rollout_reference import ReferenceModel, live_model, vllm_cpu_attention
@@ -104,8 +105,8 @@ def test_a_batch_beyond_the_cache_runs_in_waves_without_preemption_and_each_samp
         for s in waved:
             want = ref.token_logprobs(s.prompt_token_ids + s.token_ids, start=len(s.prompt_token_ids))
             assert s.logprobs == want, (s.prompt_index, s.sample_index)
-    with deadline(240, "alone"):  # prompt 2's samples: waves 3 (two), 4 (one) and 5 (one)
-        for s in waved[8:12]:
+    with deadline(240, "alone"):  # prompt 2's samples: waves 3 (two), 4 (one) and 5 (one); one sample of each wave
+        for s in (waved[8], waved[10], waved[11]):
             alone = engine.generate([prompts[2]], n=1, max_tokens=new, seed=seed + 2 * n + s.sample_index,
                                     ignore_eos=True)[0]
             assert alone.token_ids == s.token_ids, s.sample_index
