@@ -68,13 +68,25 @@ def _host_params(hdo):
                 yield opt, param
 
 
+def _lazy_init(opt: torch.optim.Optimizer):
+    """The optimizer's own lazy state initialization (torch's ``Adam._init_group``; AdamW is an Adam), or None where
+    there is no known one (another class, or another torch's signature): its moments are then left to its first
+    step."""
+    init = getattr(opt, "_init_group", None)
+    if not isinstance(opt, torch.optim.Adam) or init is None \
+            or len(inspect.signature(init).parameters) != _INIT_GROUP_ARGS:
+        return None
+    return init
+
+
 def host_state_bytes(hdo) -> int:
     """Bytes :func:`build_host_state` would allocate for ``hdo`` now: a staging buffer per host master that has none
-    and two moments of its size per master without optimizer state."""
+    and, where the build makes them, two moments of its size per master without optimizer state."""
     total = 0
     for opt, param in _host_params(hdo):
         size = param.numel() * param.element_size()
-        total += (0 if param in hdo.cpu_copy_map_grad else size) + (0 if opt.state.get(param) else 2 * size)
+        moments = 0 if opt.state.get(param) or _lazy_init(opt) is None else 2 * size
+        total += (0 if param in hdo.cpu_copy_map_grad else size) + moments
     return total
 
 
@@ -95,10 +107,8 @@ def _staging_buffers(hdo) -> tuple[int, int]:
 def _moments(opt: torch.optim.Optimizer) -> tuple[int, int]:
     """The host optimizer's state for every parameter that has a ``.grad`` and no state yet, by its own lazy init:
     (tensors created, bytes)."""
-    init = getattr(opt, "_init_group", None)
-    if not isinstance(opt, torch.optim.Adam) or init is None \
-            or len(inspect.signature(init).parameters) != _INIT_GROUP_ARGS:
-        # AdamW is an Adam; another class (or another torch's signature) keeps its lazy init, in the first step
+    init = _lazy_init(opt)
+    if init is None:
         log.warning("optimizer host state: %s's moments are left to its first step (no known lazy init)",
                     type(opt).__name__)
         return 0, 0
