@@ -35,18 +35,20 @@ from jetrl_megatron.fp8.quant import BLOCK, FP8_DTYPE, FP8_MAX
 from jetrl_megatron.recipe import Fp8Recipe
 
 _DEFAULT_RECIPE = Fp8Recipe()
-# Launch shapes (rows per program, warps), picked on the H200 with bench/kernels_bench.py; results never depend on them.
+# Launch shapes (rows per program, warps, transposed-store modes, the regroup's feature slice and load vector), picked
+# by bench/kernels_bench.py's sweep on the H100 (2026-12-07: regroup 77.9 us at 16384x4096, 0.59 of copy, vs 112 us
+# at the earlier 64 features / mode 1; quant_dual 166 vs 180 us); results never depend on them.
 ACT_BLOCK_M = 32
 ACT_WARPS = 4
 DUAL_WARPS = 4
 REGROUP_WARPS = 4
-REGROUP_FEATS = 64
+REGROUP_FEATS = 32
 # The regroup's load vector in features (0: the compiler's choice, 16 bytes): fewer features per thread means more
 # tokens per thread and fewer per-feature scale computations (an offline sm_90 compile: 29 -> 19 SASS instructions
-# per element at 4 features); results never depend on it.
-REGROUP_VEC = 0
-TRANS_MODE = 1
-REGROUP_TRANS_MODE = 1
+# per element at 4 features).
+REGROUP_VEC = 4
+TRANS_MODE = 2
+REGROUP_TRANS_MODE = 2
 # quant_dual as two kernels (row-wise quant_act, then a token-grouped transposed pass over the same BF16 input):
 # reads the input twice but ran 1.8x faster on the H200 than the single-pass kernel (158 vs 285 us at 16384x4096),
 # whose 128x128 register tile with two reductions and a transposed store is latency-bound. split=False selects it.
@@ -93,14 +95,22 @@ def _divisor(s):
 
 
 @triton.jit
+def _negate(v):
+    """-v with IEEE's sign of zero (-(+0) = -0), as a multiply by -1 that the compiler folds into the FMA's operand
+    negation: Triton 3.6 lowers unary minus as 0 - v, which makes -(+0) = +0 and lost the sign of every -0 input's
+    code on the GPU (tests/test_fp8_kernels_gpu.py, H100, 2026-12-07)."""
+    return v * -1.0
+
+
+@triton.jit
 def _quotient(x, s_fin, r):
     """RN(x / s) in FP32, bit-identical to `tl.div_rn(x, s)`, at three operations per element instead of a division:
     q0 = RN(x*r), the negated residual e = s*q0 - x (exact) by one FMA, then RN(q0 - e*r) by a second: Markstein's
     correction with the correctly rounded reciprocal r (checked against IEEE division over every FP32 mantissa of x
     for many s: bench/quotient_check.c, docs/kernels.md). The residual is negated so that x = -0 keeps its sign:
-    x - s*q0 would be +0 there, and +0 + -0 rounds to +0."""
+    x - s*q0 would be +0 there, and +0 + -0 rounds to +0 (both negations through `_negate`)."""
     q0 = x * r
-    return tl.fma(-tl.fma(q0, s_fin, -x), r, q0)
+    return tl.fma(_negate(tl.fma(q0, s_fin, _negate(x))), r, q0)
 
 
 @triton.jit
