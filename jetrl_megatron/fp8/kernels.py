@@ -36,13 +36,13 @@ from jetrl_megatron.recipe import Fp8Recipe
 
 _DEFAULT_RECIPE = Fp8Recipe()
 # Launch shapes (rows per program, warps, transposed-store modes, the regroup's feature slice and load vector), picked
-# by bench/kernels_bench.py's sweep on the H100 (2026-12-07: regroup 77.9 us at 16384x4096, 0.59 of copy, vs 112 us
-# at the earlier 64 features / mode 1; quant_dual 166 vs 180 us); results never depend on them.
+# by bench/kernels_bench.py's sweep on the H100 (2026-12-08: regroup 62.5 us at 16384x4096, 0.73 of copy, vs 112 us
+# at the earlier compiler-chosen loads / mode 1; quant_dual 152 vs 179 us); results never depend on them.
 ACT_BLOCK_M = 32
 ACT_WARPS = 4
 DUAL_WARPS = 4
 REGROUP_WARPS = 4
-REGROUP_FEATS = 32
+REGROUP_FEATS = 64
 # The regroup's load vector in features (0: the compiler's choice, 16 bytes): fewer features per thread means more
 # tokens per thread and fewer per-feature scale computations (an offline sm_90 compile: 29 -> 19 SASS instructions
 # per element at 4 features).
