@@ -44,21 +44,30 @@ def _signature(fn, consts: dict, pointer_types: dict) -> dict:
     return sig
 
 
-def compile_sass(fn, consts: dict, pointer_types: dict, num_warps: int) -> tuple[str, int]:
-    """SASS text and shared-memory bytes of one specialization, compiled for sm_90."""
+def compile_sm90(fn, consts: dict, pointer_types: dict, num_warps: int):
+    """One specialization compiled for sm_90 (Triton's compiled kernel: .asm holds the PTX and the cubin)."""
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED
              if a in fn.arg_names and a not in consts}
     src = ASTSource(fn, _signature(fn, consts, pointer_types), constexprs=consts, attrs=attrs)
-    compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+
+
+def sass_of(compiled) -> str:
+    """The SASS listing of a compiled kernel's cubin (Triton's bundled cuobjdump)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
         fh.write(compiled.asm["cubin"])
     try:
-        sass = subprocess.run([os.path.join(TOOLS, "cuobjdump"), "-sass", fh.name], capture_output=True, text=True,
+        return subprocess.run([os.path.join(TOOLS, "cuobjdump"), "-sass", fh.name], capture_output=True, text=True,
                               check=True).stdout
     finally:
         os.unlink(fh.name)
-    return sass, compiled.metadata.shared
+
+
+def compile_sass(fn, consts: dict, pointer_types: dict, num_warps: int) -> tuple[str, int]:
+    """SASS text and shared-memory bytes of one specialization, compiled for sm_90."""
+    compiled = compile_sm90(fn, consts, pointer_types, num_warps)
+    return sass_of(compiled), compiled.metadata.shared
 
 
 def op_counts(sass: str) -> dict[str, int]:
