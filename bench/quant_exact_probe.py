@@ -28,6 +28,9 @@ import torch
 from jetrl_megatron.fp8 import quant as Q
 from jetrl_megatron.recipe import Fp8Recipe
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from test_fp8_kernels_gpu import pad_t, rand_groups, specials  # noqa: E402  (the GPU tests' own inputs)
+
 RECIPES = {"fp32": Fp8Recipe(scale_fmt="fp32"), "pow2": Fp8Recipe(scale_fmt="pow2")}
 DIV_QUOTIENT = '''def _quotient(x, s_fin, r):
     """IEEE division (probe variant)."""
@@ -59,33 +62,6 @@ def _variant(src: str, name: str) -> object:
     return mod
 
 
-def _rand(m: int, k: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(m, k, device="cuda", generator=g)
-    rows = torch.logspace(-6, 6, m, device="cuda")[torch.randperm(m, device="cuda", generator=g)]
-    x = x * rows[:, None]
-    tail = torch.rand(m, k, device="cuda", generator=g) < 1e-3
-    return torch.where(tail, x * 1e3, x).to(dtype)
-
-
-def _specials() -> torch.Tensor:
-    g = torch.Generator(device="cuda").manual_seed(31)
-    x = torch.randn(384, 512, device="cuda", generator=g) * torch.logspace(-30, 30, 384, device="cuda")[:, None]
-    x[5, :128] = 0.0
-    x[6, :128] = -0.0
-    x[7, ::3] = -0.0
-    x[8] = torch.tensor([1], dtype=torch.int32).view(torch.float32).item() * (torch.arange(512, device="cuda") % 5 - 2)
-    x[9, :128] = 3.0e38
-    return x
-
-
-def _pad_t(x: torch.Tensor) -> torch.Tensor:
-    mp = -(-x.shape[0] // 128) * 128
-    out = x.new_zeros((mp, x.shape[1]))
-    out[: x.shape[0]] = x
-    return out.t()
-
-
 def _diff(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return (got.contiguous().view(torch.uint8) != ref.contiguous().view(torch.uint8)).nonzero()
 
@@ -106,10 +82,10 @@ def _show(idx, x, got, ref, s_got, s_ref, group_axis) -> list[str]:
 def cases(k, verbose: bool) -> dict:
     out = {}
     for fmt, recipe in RECIPES.items():
-        x = _rand(4100, 4096, seed=3)
+        x = rand_groups(4100, 4096, seed=3)
         qr, sr = Q.quantize_1x128(x, recipe)
         qt, st = k.regroup_for_wgrad(qr, sr.t().contiguous().t(), recipe)
-        xd = _pad_t(Q.dequantize_1x128(qr, sr, torch.float32)).contiguous()
+        xd = pad_t(Q.dequantize_1x128(qr, sr, torch.float32)).contiguous()
         ref_q, ref_s = Q.quantize_1x128(xd, recipe)
         d = _diff(qt, ref_q)
         out[f"regroup_16m_{fmt}"] = {"bytes": len(d), "scales": int((st != ref_s).sum())}
@@ -120,7 +96,7 @@ def cases(k, verbose: bool) -> dict:
             qt, st = k.regroup_for_wgrad(qr, sr, recipe, trans_mode=2, feats=32, num_warps=4, load_vec=vec)
             out[f"regroup_t2f32v{vec}_{fmt}"] = {"bytes": len(_diff(qt, ref_q))}
         for dt in (torch.float32, torch.bfloat16):
-            xs = _specials().to(dt)
+            xs = specials(with_nonfinite=False).to(dt)
             qr2, sr2 = Q.quantize_1x128(xs, recipe)
             q2, s2 = k.quant_act(xs, recipe)
             d = _diff(q2, qr2)

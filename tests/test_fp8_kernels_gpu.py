@@ -23,7 +23,7 @@ def _kernels():
     return kernels
 
 
-def _rand(m: int, k: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+def rand_groups(m: int, k: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
     """Normal values with per-row magnitudes over 12 decades and a heavy-tailed sprinkle (never zeros)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, k, device="cuda", generator=g)
@@ -34,7 +34,7 @@ def _rand(m: int, k: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
     return x.to(dtype)
 
 
-def _pad_t(x: torch.Tensor) -> torch.Tensor:
+def pad_t(x: torch.Tensor) -> torch.Tensor:
     m = x.shape[0]
     mp = -(-m // 128) * 128
     out = x.new_zeros((mp, x.shape[1]))
@@ -58,7 +58,7 @@ def _assert_scales(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.scale_fmt)
 def test_quant_act_bit_identical_16m(recipe):
     k = _kernels()
-    x = _rand(4096, 4096, seed=1)  # 16.8M values
+    x = rand_groups(4096, 4096, seed=1)  # 16.8M values
     q, s = k.quant_act(x, recipe)
     qr, sr = Q.quantize_1x128(x, recipe)
     _assert_codes(q, qr, "quant_act q")
@@ -69,10 +69,10 @@ def test_quant_act_bit_identical_16m(recipe):
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.scale_fmt)
 def test_quant_dual_bit_identical_16m(recipe):
     k = _kernels()
-    g = _rand(4000, 4224, seed=2)  # ragged token count, 16.9M values
+    g = rand_groups(4000, 4224, seed=2)  # ragged token count, 16.9M values
     q, s, qt, st = k.quant_dual(g, recipe)
     qr, sr = Q.quantize_1x128(g, recipe)
-    qtr, str_ = Q.quantize_1x128(_pad_t(g), recipe)
+    qtr, str_ = Q.quantize_1x128(pad_t(g), recipe)
     _assert_codes(q, qr, "quant_dual q")
     _assert_scales(s, sr, "quant_dual s")
     _assert_codes(qt, qtr, "quant_dual qt")
@@ -88,11 +88,11 @@ def test_quant_dual_bit_identical_16m(recipe):
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.scale_fmt)
 def test_regroup_for_wgrad_bit_identical_16m(recipe):
     k = _kernels()
-    x = _rand(4100, 4096, seed=3)
+    x = rand_groups(4100, 4096, seed=3)
     qr, sr = Q.quantize_1x128(x, recipe)
     s_colmajor = sr.t().contiguous().t()  # the layout quant_act hands to autograd
     qt, st = k.regroup_for_wgrad(qr, s_colmajor, recipe)
-    ref_q, ref_s = Q.quantize_1x128(_pad_t(Q.dequantize_1x128(qr, sr, torch.float32)), recipe)
+    ref_q, ref_s = Q.quantize_1x128(pad_t(Q.dequantize_1x128(qr, sr, torch.float32)), recipe)
     _assert_codes(qt, ref_q, "regroup qt")
     _assert_scales(st, ref_s, "regroup st")
     assert st.stride() == (1, 4096)
@@ -117,9 +117,9 @@ def test_quant_weight_bit_identical_16m_and_edges(recipe):
 def test_launch_variants_identical(trans_mode):
     """Every launch shape (warps, transposed-store mode, regroup feature slice) gives the reference bytes."""
     k = _kernels()
-    x = _rand(1000, 1024, seed=21)
+    x = rand_groups(1000, 1024, seed=21)
     for recipe in RECIPES:
-        qtr, str_ = Q.quantize_1x128(_pad_t(x), recipe)
+        qtr, str_ = Q.quantize_1x128(pad_t(x), recipe)
         qr, sr = Q.quantize_1x128(x, recipe)
         for nw, split in ((4, False), (8, False), (4, True)):
             q, s, qt, st = k.quant_dual(x, recipe, num_warps=nw, trans_mode=trans_mode, split=split)
@@ -127,7 +127,7 @@ def test_launch_variants_identical(trans_mode):
             _assert_scales(st, str_, f"dual st t={trans_mode} w={nw} split={split}")
             _assert_codes(q, qr, f"dual q split={split}")
             _assert_scales(s, sr, f"dual s split={split}")
-        ref_q, ref_s = Q.quantize_1x128(_pad_t(Q.dequantize_1x128(qr, sr)), recipe)
+        ref_q, ref_s = Q.quantize_1x128(pad_t(Q.dequantize_1x128(qr, sr)), recipe)
         for feats in (32, 64, 128):
             for nw in (4, 8):
                 for vec in (0, 2, 4):
@@ -142,7 +142,7 @@ def test_launch_variants_identical(trans_mode):
 
 def test_fp32_input_and_noncontiguous():
     k = _kernels()
-    base = _rand(512, 2048, seed=7, dtype=torch.float32)
+    base = rand_groups(512, 2048, seed=7, dtype=torch.float32)
     x = base[:, :1024]  # row stride 2048: non-contiguous view
     for recipe in RECIPES:
         q, s = k.quant_act(x, recipe)
@@ -153,17 +153,17 @@ def test_fp32_input_and_noncontiguous():
         q, s, qt, st = k.quant_dual(xt, recipe)
         qr, sr = Q.quantize_1x128(xt, recipe)
         _assert_codes(q, qr, "transposed-view dual q")
-        _assert_codes(qt, Q.quantize_1x128(_pad_t(xt), recipe)[0], "transposed-view dual qt")
+        _assert_codes(qt, Q.quantize_1x128(pad_t(xt), recipe)[0], "transposed-view dual qt")
 
 
 def test_ragged_small_token_counts():
     k = _kernels()
     for m in (1, 7, 127, 129):
-        x = _rand(m, 384, seed=100 + m)
+        x = rand_groups(m, 384, seed=100 + m)
         for recipe in RECIPES:
             q, s, qt, st = k.quant_dual(x, recipe)
             _assert_codes(q, Q.quantize_1x128(x, recipe)[0], f"M={m} q")
-            qtr, str_ = Q.quantize_1x128(_pad_t(x), recipe)
+            qtr, str_ = Q.quantize_1x128(pad_t(x), recipe)
             _assert_codes(qt, qtr, f"M={m} qt")
             _assert_scales(st, str_, f"M={m} st")
 
@@ -190,7 +190,7 @@ def test_pow2_boundaries_exact():
 def test_nan_inf_match_reference():
     """NaN poisons its group (scale and codes NaN), Inf makes the scale Inf: the kernels hide nothing."""
     k = _kernels()
-    x = _rand(256, 512, seed=9, dtype=torch.float32)
+    x = rand_groups(256, 512, seed=9, dtype=torch.float32)
     x[3, 10] = float("nan")
     x[40, 300] = float("inf")
     x[200, 129] = float("-inf")
@@ -214,10 +214,9 @@ def _nan_free(codes: torch.Tensor) -> torch.Tensor:
     return torch.where((b & 0x7F) == 0x7F, 0x7F, b)
 
 
-def test_signed_zeros_subnormals_and_specials_in_every_kernel():
-    """+-0 keeps its sign (0x00 / 0x80), subnormal inputs, groups of zeros, huge groups, NaN / +-inf groups: every
-    kernel gives the reference's bytes (NaN codes compared by position). Random-value tests never hold zeros."""
-    k = _kernels()
+def specials(with_nonfinite: bool = True) -> torch.Tensor:
+    """(384, 512) FP32: rows over 60 decades, groups of +0 and -0, -0 sprinkled, subnormals, a huge group, and (with
+    `with_nonfinite`) NaN / +-inf groups."""
     g = torch.Generator(device="cuda").manual_seed(31)
     x = torch.randn(384, 512, device="cuda", generator=g) * torch.logspace(-30, 30, 384, device="cuda")[:, None]
     x[5, :128] = 0.0
@@ -225,9 +224,18 @@ def test_signed_zeros_subnormals_and_specials_in_every_kernel():
     x[7, ::3] = -0.0
     x[8] = torch.tensor([1], dtype=torch.int32).view(torch.float32).item() * (torch.arange(512, device="cuda") % 5 - 2)
     x[9, :128] = 3.0e38
-    x[10, 130] = float("nan")
-    x[11, 300] = float("inf")
-    x[12, 400] = float("-inf")
+    if with_nonfinite:
+        x[10, 130] = float("nan")
+        x[11, 300] = float("inf")
+        x[12, 400] = float("-inf")
+    return x
+
+
+def test_signed_zeros_subnormals_and_specials_in_every_kernel():
+    """+-0 keeps its sign (0x00 / 0x80), subnormal inputs, groups of zeros, huge groups, NaN / +-inf groups: every
+    kernel gives the reference's bytes (NaN codes compared by position). Random-value tests never hold zeros."""
+    k = _kernels()
+    x = specials()
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
         for recipe in RECIPES:
@@ -235,12 +243,12 @@ def test_signed_zeros_subnormals_and_specials_in_every_kernel():
             q, s = k.quant_act(xd, recipe)
             assert torch.equal(_nan_free(q), _nan_free(qr)), f"quant_act {dtype} {recipe.scale_fmt}"
             _assert_scales(s, sr, "quant_act specials")
-            qtr, str_ = Q.quantize_1x128(_pad_t(xd), recipe)
+            qtr, str_ = Q.quantize_1x128(pad_t(xd), recipe)
             for split in (False, True):
                 q, s, qt, st = k.quant_dual(xd, recipe, split=split)
                 assert torch.equal(_nan_free(qt), _nan_free(qtr)), f"quant_dual qt split={split} {recipe.scale_fmt}"
                 _assert_scales(st, str_, "quant_dual specials")
-            ref_q, ref_s = Q.quantize_1x128(_pad_t(Q.dequantize_1x128(qr, sr)), recipe)
+            ref_q, ref_s = Q.quantize_1x128(pad_t(Q.dequantize_1x128(qr, sr)), recipe)
             qt, st = k.regroup_for_wgrad(qr, sr, recipe)
             assert torch.equal(_nan_free(qt), _nan_free(ref_q)), f"regroup {dtype} {recipe.scale_fmt}"
             _assert_scales(st, ref_s, "regroup specials")
