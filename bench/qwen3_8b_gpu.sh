@@ -4,7 +4,7 @@
 # Usage: bash bench/qwen3_8b_gpu.sh stage0|stage1|stage2|suite|vtests|check|grpo|arms|optcost|decode|probe|graphprobe|rollcost|exact150m|waves|fuse|quantk|hostgap|hostops|threads|threadloop|variants|te|long|round OUT_DIR
 #   stage0  copy the bundle parts carried in this call (.vc/p*) to /tmp/vc, install .whl (megatron-core, omegaconf,
 #           ... for Python 3.12), run the GPU tests that need no vLLM (kernels, backends without DeepGEMM, Triton
-#           numerics, the INT stress kernels, phase memory)
+#           numerics, the INT stress kernels, phase memory; STAGE0_TESTS="file ..." others instead; TESTS=0 none)
 #   stage1, stage2  copy the carried parts only (one 44 MiB part per call: a call takes at most 64 MiB with the tree)
 #   a call takes at most 64 MiB: the tree (15 MiB on 2026-12-07) + one 44 MiB part leaves ~5 MiB, so .whl (4 MiB)
 #   rides with the smaller last part: call 1 carries .vc/p1 and .whl (stage0), later calls .vc/p0; every mode
@@ -27,7 +27,7 @@
 #           since (plan 70.2 GiB); with them the 4K run woke after every update on an H100, 2026-12-06)
 #           PREWARM=1 first runs `jetrl prewarm` with the same overrides (DeepGEMM's kernels for every GEMM the run meets,
 #           compiled in parallel processes; PREWARM_LIMIT seconds, default 240), its log prewarm_1.log in the run directory;
-#           PREWARM=only: prewarm twice (cold, then warm) and no run. The DeepGEMM cache's file count is logged before
+#           PREWARM=only: prewarm twice (cold, then warm) and no run; PREWARM=once: once, no run. The DeepGEMM cache's file count is logged before
 #           and after the run (a run that compiled nothing leaves it unchanged)
 #           CALL_LIMIT=seconds: the run's limit is what is left of them since the script began, less CALL_RESERVE
 #           (default 25 s, for packing): a call whose install and prewarm take what they take still ends in time
@@ -125,9 +125,11 @@ case $mode in
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; free -g; df -h /tmp "$PWD";
       python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } | tee "$out/machine.txt"
     [ "${TESTS:-1}" = 0 ] && exit 0
-    timeout -s INT -k 30 "${RUN_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_fp8_kernels_gpu.py \
-      tests/test_fp8_backends_gpu.py tests/test_megatron_triton_numerics.py tests/test_fp8_stress_kernels.py \
-      tests/test_rl_phase_memory.py > "$out/tests_novllm.log" 2>&1
+    # STAGE0_TESTS: other test files instead (a call that also has to carry the bundle runs only what it must)
+    tests=(${STAGE0_TESTS:-tests/test_fp8_kernels_gpu.py tests/test_fp8_backends_gpu.py \
+      tests/test_megatron_triton_numerics.py tests/test_fp8_stress_kernels.py tests/test_rl_phase_memory.py})
+    timeout -s INT -k 30 "${RUN_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs "${tests[@]}" \
+      > "$out/tests_novllm.log" 2>&1
     echo "tests rc $?"; grep -E "passed|failed|FAILED|SKIPPED|Error" "$out/tests_novllm.log" | tail -15 ;;
   stage1|stage2) stage_parts ;;
   suite)
@@ -195,14 +197,15 @@ case $mode in
       ${PROFILE:+policy.jet_rl.profile_step=$PROFILE} "${card[@]}" ${EXTRA:-})
     dg_files() { find /tmp/dg_cache -type f 2>/dev/null | wc -l; }
     if [ "${PREWARM:-0}" != 0 ]; then  # the run's FP8 GEMM kernels compiled first, one process per GEMM (jetrl prewarm)
-      # PREWARM=only: prewarm twice (the second pass times a warm cache) and no run
+      # PREWARM=only: prewarm twice (the second pass times a warm cache) and no run; PREWARM=once: once and no run
+      # (the run then gets a call of its own, the cache kept in /tmp on the warm machine)
       for pass in $([ "$PREWARM" = only ] && echo 1 2 || echo 1); do
         t0=$SECONDS; before=$(dg_files)
         timeout "${PREWARM_LIMIT:-240}" python3 -m jetrl_megatron.cli prewarm "${run_args[@]}" > "$dir/prewarm_$pass.log" 2>&1
         echo "== prewarm pass $pass rc $? in $((SECONDS - t0)) s; DeepGEMM cache files $before -> $(dg_files)"
         grep -E "^# prewarm|FAILED|^  .* s, " "$dir/prewarm_$pass.log" | tail -12
       done
-      [ "$PREWARM" = only ] && exit 0
+      case $PREWARM in only|once) exit 0 ;; esac
     fi
     echo "== DeepGEMM cache files before the run: $(dg_files)"
     limit=${RUN_LIMIT:-520}  # CALL_LIMIT: the run gets what is left of that many seconds since this script began
