@@ -348,9 +348,11 @@ PY
     # before, after
     wheels > "$out/wheels.log" 2>&1 || { tail -20 "$out/wheels.log"; exit 1; }
     before=${BEFORE:-.dgc/before}
-    timeout -s INT -k 30 "${TEST_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
-      tests/test_fp8_kernels_gpu.py tests/test_megatron_triton_numerics.py tests/test_megatron_swiglu_fp8.py \
-      tests/test_megatron_swiglu_fwd_forms.py > "$out/tests_quant.log" 2>&1
+    # QUANT_TESTS="file ...": only those test files (e.g. the ones an earlier call did not reach)
+    tests=(${QUANT_TESTS:-tests/test_fp8_kernels_gpu.py tests/test_megatron_triton_numerics.py \
+      tests/test_megatron_swiglu_fp8.py tests/test_megatron_swiglu_fwd_forms.py})
+    timeout -s INT -k 30 "${TEST_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rs "${tests[@]}" \
+      > "$out/tests_quant.log" 2>&1
     echo "quant kernel GPU tests rc $?"; grep -E "passed|failed|FAILED|Error" "$out/tests_quant.log" | tail -8
     mkdir -p "$out/kb"
     BENCH_SECTIONS=env,ceil,quant BENCH_BASELINE_KERNELS="$before/kernels.py" OUT="$out/kb" \
