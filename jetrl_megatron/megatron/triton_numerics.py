@@ -238,7 +238,7 @@ if triton is not None:
         c = tl.load(COS + pos.to(tl.int64) * stride_cs + d, mask=dmask, other=0.0)[None, :]
         s = tl.load(SIN + pos.to(tl.int64) * stride_cs + d, mask=dmask, other=0.0)[None, :]
         if NEG_SIN:
-            s = s * -1.0  # a true sign flip (-(+0) = -0): Triton 3.6 lowers unary minus as 0 - s
+            s = fp8_kernels._negate(s)  # a true sign flip (-(+0) = -0): Triton 3.6 lowers unary minus as 0 - s
         xo = b.to(tl.int64) * sxb + pos.to(tl.int64) * sxs + heads.to(tl.int64)[:, None] * sxh + d[None, :]
         yo = b.to(tl.int64) * syb + pos.to(tl.int64) * sys_ + heads.to(tl.int64)[:, None] * syh + d[None, :]
         x1 = tl.load(X + xo, mask=mask, other=0.0).to(tl.float32)
